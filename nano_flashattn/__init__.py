@@ -1,0 +1,100 @@
+"""nano_flashattn: FlashAttention-2 (arXiv 2307.08691) forward and backward, Flash-Decoding and paged-KV
+attention in Triton, behind flash-attn's API. Depends on torch and Triton only.
+
+    flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False)
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
+                            num_splits=0, causal=False, return_lse=False)
+
+Each exists three times: `*_torch` (reference.py, the specification and the CPU path), `*_triton`
+(interface.py, the kernels; on CPU tensors they run under TRITON_INTERPRET=1) and the plain name,
+which dispatches: CUDA tensors go to Triton, everything else to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import flash_attn_func_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # no Triton for this platform: references only
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+if HAS_TRITON:  # outside the try: a bug in a kernel module must be an error, not a silent fallback
+    from .interface import flash_attn_func_triton, flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton
+else:
+
+    def _no_triton(*args, **kwargs):
+        raise RuntimeError("Triton is not installed; use the *_torch references")
+
+    flash_attn_func_triton = flash_attn_varlen_func_triton = flash_attn_with_kvcache_triton = _no_triton
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_func_torch",
+    "flash_attn_func_triton",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_func_torch",
+    "flash_attn_varlen_func_triton",
+    "flash_attn_with_kvcache",
+    "flash_attn_with_kvcache_torch",
+    "flash_attn_with_kvcache_triton",
+    "use_triton",
+]
+
+
+def use_triton(q) -> bool:
+    """The dispatch rule: Triton for CUDA tensors (when Triton is importable), the torch reference else."""
+    return HAS_TRITON and isinstance(q, torch.Tensor) and q.is_cuda
+
+
+def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
+    """Attention softmax(softmax_scale * q k^T + mask) v, FlashAttention-2 style, with autograd.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with heads_q a
+    multiple of heads_k (GQA/MQA); head_dim in {32, 64, 128, 256}; fp16, bf16 or fp32.
+    causal and window_size=(left, right) mask query i from key j unless
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (bottom-right aligned,
+    -1 = unbounded; causal sets right = 0). softmax_scale defaults to 1/sqrt(head_dim).
+    Returns out (like q), and with return_lse the natural-log log-sum-exp (batch, heads_q, seqlen_q),
+    fp32, -inf for a query that sees no key (whose output is 0).
+    """
+    impl = flash_attn_func_triton if use_triton(q) else flash_attn_func_torch
+    return impl(q, k, v, causal, softmax_scale, window_size, return_lse)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+    """flash_attn_func over a packed batch of variable-length sequences.
+
+    q: (total_q, heads_q, head_dim), sequence b its rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; k, v likewise
+    with cu_seqlens_k (int32, (batch + 1,)); max_seqlen_* bound the lengths (they size the grid, so no
+    device sync is needed). With block_table (int32, (batch, max_pages)) k and v are a paged cache
+    (num_pages, page_size, heads_k, head_dim) and sequence b's key j lives in page
+    block_table[b, j // page_size] (inference only). Autograd without block_table.
+    Returns out (total_q, heads_q, head_dim) and with return_lse the LSE (heads_q, total_q).
+    Rows past cu_seqlens_q[-1] belong to no sequence: the kernels leave them unwritten.
+    """
+    impl = flash_attn_varlen_func_triton if use_triton(q) else flash_attn_varlen_func_torch
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                block_table, window_size, return_lse)  # fmt: skip
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None, num_splits=0,
+                            causal=False, return_lse=False):  # fmt: skip
+    """Decode attention (Flash-Decoding) of a few new query tokens against a KV cache.
+
+    q: (batch, seqlen_q, heads_q, head_dim); cache_seqlens: int32 (batch,) or an int, the number of
+    valid cache rows of each sequence; k_cache, v_cache: contiguous (batch, max_seqlen, heads_k,
+    head_dim), or paged (num_pages, page_size, heads_k, head_dim) with block_table (batch, max_pages)
+    and page_size a power of two >= 16. num_splits: how many slices the keys are split into (0: chosen
+    from the SM count and the cache size). causal aligns the new tokens to the end of the cache.
+    Returns out like q, and with return_lse the LSE (batch, heads_q, seqlen_q).
+    """
+    impl = flash_attn_with_kvcache_triton if use_triton(q) else flash_attn_with_kvcache_torch
+    return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, causal, return_lse)

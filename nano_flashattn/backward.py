@@ -1,0 +1,227 @@
+"""FlashAttention-2 backward pass (Dao 2023, arXiv 2307.08691, Algorithm 2, section 3.1.2), in Triton.
+
+Nothing of size seqlen^2 was saved by the forward: only O and the log-sum-exp L. The backward
+recomputes P = exp(S - L) tile by tile (Algorithm 2, lines 10-11) and uses, per query row,
+
+    dV = P^T dO,   dP = dO V^T,   dS = P o (dP - D),   dQ = scale * dS K,   dK = scale * dS^T Q,
+
+where D_i = rowsum(dO_i o O_i) (line 4, "preprocess"; it equals rowsum(P o dP) by eq. in sec. 3.1.2).
+
+Algorithm 2 parallelises over key tiles and adds each tile's share of dQ into HBM with atomics, which
+makes dQ depend on the order programs finish. We trade a little recomputation for determinism, as
+Triton's reference kernel does: one kernel owns a key tile and loops over the queries to produce
+dK, dV; a second owns a query tile and loops over the keys to produce dQ. Every gradient element is
+written by exactly one program, in a fixed order: bit-identical results run to run, no atomics.
+GQA: the program for a key/value head loops over the `group` query heads that read it, so dK and dV
+are summed inside one program, again without atomics.
+
+Masking follows the forward (forward.py): fully visible tiles run without mask arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import LOG2E, LOG2E_C, dot_precision, seq_bounds, tile_range, visible
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, Delta, LSE2, total_q, stride_qt, stride_qh, stride_lse_h,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Algorithm 2, line 4: D = rowsum(dO o O); also L in base 2 for the exp2 in the other kernels.
+
+    A row that saw no key (L = -inf) gets L2 = +inf, so that its recomputed P = exp2(S - L2) is 0."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < total_q
+    ptrs = offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    o = tl.load(O + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(Delta + h * stride_lse_h + offs_m, tl.sum(o * do, axis=1), mask=row_ok)
+    lse = tl.load(LSE + h * stride_lse_h + offs_m, mask=row_ok, other=0.0)
+    tl.store(LSE2 + h * stride_lse_h + offs_m, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, q_len, shift, lo_w, hi_w,
+                qk_scale, stride_qt, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Algorithm 2, lines 8-16 for one key tile, over query tiles [lo, hi), in transposed form
+    (rows = keys) so that dK and dV accumulate in registers."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if MASKED:
+            ok = offs_m < q_len
+            q_t = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=ok[None, :], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=ok[:, None], other=0.0)
+            lse2 = tl.load(lse_base + offs_m, mask=ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=ok, other=0.0)
+        else:
+            q_t = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None])
+            do = tl.load(do_base + offs_m[:, None] * stride_qt + offs_d[None, :])
+            lse2 = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # S^T, (keys, queries)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])  # line 11: P = exp(S - L), recomputed
+        if MASKED:
+            p_t = tl.where(visible(offs_n, offs_m, shift, lo_w, hi_w, q_len), p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # line 12: dV += P^T dO
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # line 13: dP = dO V^T
+        ds_t = p_t * (dp_t - delta[None, :])  # line 14: dS = P o (dP - D)
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)  # line 16
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k,
+                     seqlen_q, seqlen_k, group, qk_scale, scale, window_left, window_right,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """dK, dV for one (key tile, kv head, sequence): grid (cdiv(max_seqlen_k, BLOCK_N), heads_k, batch)."""
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    start_n = tl.program_id(0) * BLOCK_N
+    if start_n >= k_len:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_ptrs = k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    n_ok = offs_n[:, None] < k_len
+    k = tl.load(K + kv_ptrs, mask=n_ok, other=0.0)  # line 6: K_j, V_j stay on chip
+    v = tl.load(V + kv_ptrs, mask=n_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # Transposed view of the forward's mask: key j is seen by query i iff
+    # j - diag - right <= i <= j - diag + left.  Garbage key rows (j >= k_len) only feed their own,
+    # unstored, dK/dV rows, so the query-side tile range ignores them.
+    diag = k_len - q_len
+    r1 = tl.minimum(start_n + BLOCK_N, k_len)
+    lo, full_lo, full_hi, hi = tile_range(start_n, r1, -diag, window_right, window_left, q_len, BLOCK_M)
+    for g in range(group):  # every query head that reads this kv head adds into the same dK, dV
+        h = hk * group + g
+        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_base = DO + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        lse_base = LSE2 + h * stride_lse_h + q_start
+        delta_base = Delta + h * stride_lse_h + q_start
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, full_lo, q_len,
+                             -diag, window_right, window_left, qk_scale, stride_qt,
+                             HEAD_DIM, BLOCK_M, True, DOT_PRECISION)  # fmt: skip
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, full_lo, full_hi, q_len,
+                             -diag, window_right, window_left, qk_scale, stride_qt,
+                             HEAD_DIM, BLOCK_M, False, DOT_PRECISION)  # fmt: skip
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, full_hi, hi, q_len,
+                             -diag, window_right, window_left, qk_scale, stride_qt,
+                             HEAD_DIM, BLOCK_M, True, DOT_PRECISION)  # fmt: skip
+    dk = dk * scale  # S = scale * Q K^T, so dK picks up the scale once, at the end
+    tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=n_ok)
+    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, k_len, shift, lo_w, hi_w, qk_scale,
+              stride_kt, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """dQ_i += dS_ij K_j (Algorithm 2, line 15) over key tiles [lo, hi), with P and dS recomputed."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ptrs = offs_n[None, :] * stride_kt + offs_d[:, None]
+        if MASKED:
+            k_t = tl.load(k_base + ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+            v_t = tl.load(v_base + ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+        else:
+            k_t = tl.load(k_base + ptrs)
+            v_t = tl.load(v_base + ptrs)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, k_len), p, 0.0)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
+                   seqlen_q, seqlen_k, group, qk_scale, scale, window_left, window_right,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """dQ for one (query tile, head, sequence): grid (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    start_m = tl.program_id(0) * BLOCK_M
+    if start_m >= q_len:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < q_len
+    q_ptrs = q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(Q + q_ptrs, mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + q_ptrs, mask=m_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
+    k_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    diag = k_len - q_len
+    r1 = tl.minimum(start_m + BLOCK_M, q_len)
+    lo, full_lo, full_hi, hi = tile_range(start_m, r1, diag, window_left, window_right, k_len, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K + k_off, V + k_off, offs_m, lo, full_lo, k_len, diag, window_left,
+                   window_right, qk_scale, stride_kt, HEAD_DIM, BLOCK_N, True, DOT_PRECISION)  # fmt: skip
+    dq = _dq_tiles(dq, q, do, lse2, delta, K + k_off, V + k_off, offs_m, full_lo, full_hi, k_len, diag,
+                   window_left, window_right, qk_scale, stride_kt, HEAD_DIM, BLOCK_N, False, DOT_PRECISION)  # fmt: skip
+    dq = _dq_tiles(dq, q, do, lse2, delta, K + k_off, V + k_off, offs_m, full_hi, hi, k_len, diag, window_left,
+                   window_right, qk_scale, stride_kt, HEAD_DIM, BLOCK_N, True, DOT_PRECISION)  # fmt: skip
+    tl.store(DQ + q_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages): tiles of the dK/dV kernel (keys
+    resident: BLOCK_N1) and of the dQ kernel (queries resident: BLOCK_M2), tuned on an H200."""
+    if device.type != "cuda":
+        return 16, 16, 16, 16, 4, 1
+    if dtype == torch.float32 or head_dim > 128:
+        return 32, 64, 64, 32, 4, 1
+    if head_dim <= 64:
+        return 32, 128, 128, 32, 4, 3
+    return 64, 128, 128, 64, 8, 2
+
+
+def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale,
+                       window_left, window_right, config=None):  # fmt: skip
+    """Launch Algorithm 2 on packed (tokens, heads, dim) tensors. Returns dq, dk, dv."""
+    total_q, heads_q, head_dim = q.shape
+    heads_k = k.shape[1]
+    varlen = cu_seqlens_q is not None
+    # varlen: rows past the last sequence belong to no program; zero them rather than leave garbage
+    alloc = torch.zeros_like if varlen else torch.empty_like
+    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    if total_q == 0 or batch == 0:
+        return dq, dk.zero_(), dv.zero_()
+    do = do.contiguous()
+    m1, n1, m2, n2, num_warps, num_stages = config or bwd_config(head_dim, q.dtype, q.device)
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    pre_m = 128 if q.is_cuda else 16
+    _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](
+        out, do, lse, delta, lse2, total_q, q.stride(0), q.stride(1), lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=pre_m
+    )
+    common = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // heads_k, scale * LOG2E, scale,
+              window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))  # fmt: skip
+    meta = dict(HEAD_DIM=head_dim, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+                num_stages=num_stages)  # fmt: skip
+    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), heads_k, batch)](
+        q, k, v, do, lse2, delta, dk, dv, *common, BLOCK_M=m1, BLOCK_N=n1, **meta
+    )
+    _bwd_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
+        q, k, v, do, lse2, delta, dq, *common, BLOCK_M=m2, BLOCK_N=n2, **meta
+    )
+    return dq, dk, dv

@@ -1,0 +1,199 @@
+"""Argument checks shared by the Triton kernels and the torch references.
+
+Every bad input raises `ValueError` naming the argument, before any kernel runs: a wrong stride or an
+index past the cache would otherwise read garbage memory silently (or fault the GPU).
+
+Checks that need tensor *values* (a block table pointing past the cache, cache lengths past its
+capacity) cost a device->host sync, so they are skipped while a CUDA graph is being captured (where a
+sync is illegal); everything else is shape/dtype metadata and free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REF_DTYPES = DTYPES + (torch.float64,)  # the references also run in fp64: the tests' oracle
+HEAD_DIMS = (32, 64, 128, 256)
+# "No window" on one side is stored as this many positions: larger than any sequence, small enough
+# that `i + diag + NO_WINDOW` stays inside int32 in the kernels.
+NO_WINDOW = 1 << 30
+
+
+def _values_checkable(t: torch.Tensor) -> bool:
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tuple[int, int, int]:
+    """Common checks for q, k, v laid out (..., seq, heads, head_dim).
+
+    Returns (heads_q, heads_k, head_dim)."""
+    for name, t, ndim in zip(names, (q, k, v), (q_ndim, kv_ndim, kv_ndim)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims (..., seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in REF_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: fp16, bf16, fp32")
+    for name, t in zip(names[1:], (k, v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k, v must share a dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: q, k, v must share a device")
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} (q.shape[-1]) is unsupported; supported: {HEAD_DIMS}")
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(
+            f"head_dim mismatch: q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]} (k and v must match q)"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{names[2]} shape {tuple(v.shape)} must equal {names[1]} shape {tuple(k.shape)}")
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hq % hk != 0:
+        raise ValueError(f"q heads ({hq}) must be divisible by {names[1]} heads ({hk}) for GQA/MQA")
+    return hq, hk, head_dim
+
+
+def check_kernel_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q has dtype {q.dtype}; the kernels support fp16, bf16, fp32 (fp64: use *_torch)")
+
+
+def check_scale(softmax_scale: float | None, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_window(window_size, causal: bool) -> tuple[int, int]:
+    """flash-attn's (left, right) window, -1 meaning unbounded; causal forces right = 0.
+
+    Returns the window with unbounded sides replaced by NO_WINDOW."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    return (NO_WINDOW if left < 0 else left), (NO_WINDOW if right < 0 else right)
+
+
+def check_cu_seqlens(cu: torch.Tensor, name: str, q: torch.Tensor, batch: int | None) -> int:
+    """cu_seqlens: int32 (batch + 1,) prefix sums on q's device. Returns batch."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{name} has shape {tuple(cu.shape)}, expected ({batch + 1},) like cu_seqlens_q")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {cu.dtype}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    return cu.numel() - 1
+
+
+def check_block_table(block_table: torch.Tensor, batch: int, num_blocks: int, page_size: int, q: torch.Tensor):
+    if not isinstance(block_table, torch.Tensor):
+        raise ValueError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (batch={batch}, max_pages), got {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"page size (k_cache.shape[1]) must be a power of two >= 16, got {page_size}")
+    if block_table.numel() and _values_checkable(block_table):
+        lo, hi = block_table.min().item(), block_table.max().item()
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(
+                f"block_table points outside the cache: entries in [{lo}, {hi}], cache has {num_blocks} pages"
+            )
+
+
+def check_lengths_fit(cu_or_lens: torch.Tensor, name: str, capacity: int, is_cumulative: bool):
+    """Each sequence's key length must fit the cache rows it can address (value check, syncs)."""
+    if not _values_checkable(cu_or_lens) or cu_or_lens.numel() == 0:
+        return
+    lens = cu_or_lens.diff() if is_cumulative else cu_or_lens
+    if lens.numel() and (lens.min().item() < 0 or lens.max().item() > capacity):
+        raise ValueError(f"{name} has lengths in [{lens.min().item()}, {lens.max().item()}], the cache holds {capacity}")
+
+
+def _check_int(x, name: str, lo: int = 0) -> int:
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = int(x.item())
+    if not isinstance(x, int) or x < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
+    return x
+
+
+def check_dense(q, k, v, causal, softmax_scale, window_size) -> tuple[float, int, int]:
+    """flash_attn_func's arguments. Returns (scale, window_left, window_right)."""
+    _, _, head_dim = check_qkv(q, k, v, 4, 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k batch ({k.shape[0]}) must equal q batch ({q.shape[0]})")
+    return (check_scale(softmax_scale, head_dim), *check_window(window_size, causal))
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                 block_table, window_size) -> tuple[float, int, int, int, int]:  # fmt: skip
+    """flash_attn_varlen_func's arguments. Returns (scale, left, right, max_seqlen_q, max_seqlen_k)."""
+    paged = block_table is not None
+    _, _, head_dim = check_qkv(q, k, v, 3, 4 if paged else 3)
+    batch = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, None)
+    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, batch)
+    max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k")
+    if paged:
+        check_block_table(block_table, batch, k.shape[0], k.shape[1], q)
+        k_rows = block_table.shape[1] * k.shape[1]  # what one sequence can address through its table
+    if _values_checkable(q):
+        lq, lk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+        vals = torch.stack([lq.min(), lq.max(), cu_seqlens_q[-1], lk.min(), lk.max(), cu_seqlens_k[-1]]).tolist()
+        if vals[0] < 0 or vals[1] > max_seqlen_q or vals[2] > q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q ({max_seqlen_q}) and "
+                f"a total <= q.shape[0] ({q.shape[0]}); got lengths in [{vals[0]}, {vals[1]}], total {vals[2]}"
+            )
+        total_k = None if paged else k.shape[0]
+        if vals[3] < 0 or vals[4] > max_seqlen_k or (total_k is not None and vals[5] > total_k):
+            raise ValueError(
+                f"cu_seqlens_k must be non-decreasing, with lengths <= max_seqlen_k ({max_seqlen_k}) and a "
+                f"total <= k.shape[0] ({total_k}); got lengths in [{vals[3]}, {vals[4]}], total {vals[5]}"
+            )
+        if paged and vals[4] > k_rows:
+            raise ValueError(f"cu_seqlens_k has a length {vals[4]} > the {k_rows} rows block_table addresses")
+    return (check_scale(softmax_scale, head_dim), *check_window(window_size, causal), max_seqlen_q, max_seqlen_k)
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits):
+    """flash_attn_with_kvcache's arguments. Returns (scale, cache_seqlens as an int32 tensor)."""
+    _, _, head_dim = check_qkv(q, k_cache, v_cache, 4, 4, names=("q", "k_cache", "v_cache"))
+    batch = q.shape[0]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,):
+        shape = tuple(cache_seqlens.shape) if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens
+        raise ValueError(f"cache_seqlens must be an int or a ({batch},) int32 tensor, got {shape!r}")
+    if cache_seqlens.dtype != torch.int32:
+        raise ValueError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    _check_int(num_splits, "num_splits")
+    if block_table is not None:
+        check_block_table(block_table, batch, k_cache.shape[0], k_cache.shape[1], q)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must be >= q batch ({batch})")
+        capacity = k_cache.shape[1]
+    check_lengths_fit(cache_seqlens, "cache_seqlens", capacity, is_cumulative=False)
+    return check_scale(softmax_scale, head_dim), cache_seqlens

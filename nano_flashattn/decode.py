@@ -1,0 +1,173 @@
+"""Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"), in Triton.
+
+At decode time there are only a few query rows per sequence, so FlashAttention's parallelism over
+(query tiles x heads x batch) leaves most of the GPU idle when the batch is small and the context
+long. Flash-Decoding adds a third axis: the keys are cut into `num_splits` slices and
+
+  1. split (`_decode_split_kernel`): each program runs Algorithm 1's loop (`fwd_tiles`) over one slice
+     and writes a partial output O_s, normalised within its slice, and that slice's log-sum-exp L_s;
+  2. combine (`_combine_kernel`): O = sum_s exp(L_s - L) O_s with L = log sum_s exp(L_s),
+     the same rescaling as the online softmax, applied once across slices.
+
+Decoding reads the whole KV cache once and does little arithmetic per byte, so it is memory-bound:
+the measure is bytes of K/V read per second. Two choices serve that:
+  * GQA packing: one program handles *all* the query heads (and query tokens) that share a kv head,
+    stacked as the rows of one tile, so each K/V byte is read once, not once per query head;
+  * the split count (`num_splits=0`) is chosen so that batch x kv_heads x splits programs fill the SMs.
+
+Paged caches (vLLM's PagedAttention) are read through `kv_offsets`: row j of sequence b lives in page
+block_table[b, j // page_size]. With one page holding fewer rows than a tile (page 16, tile 64), a tile
+gathers several pages, one 2*head_dim-byte row at a time; each row is still a contiguous read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import NO_WINDOW
+from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles
+
+NO_WINDOW_C = tl.constexpr(NO_WINDOW)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "group", "split_len"])
+def _decode_split_kernel(Q, K, V, O, LSE, cache_seqlens, block_table,
+                         seqlen_q, group, qk_scale, split_len, window_right,
+                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+                         stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
+
+    Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
+    split = tl.program_id(0)
+    row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
+    hk = tl.program_id(1) // row_blocks
+    b = tl.program_id(2)
+    rows = (tl.program_id(1) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    h = hk * group + rows // seqlen_q
+    t = rows % seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    k_len = tl.load(cache_seqlens + b)
+    if PAGED:
+        k_off = hk * stride_kh
+        bt_row = block_table + b.to(tl.int64) * stride_bt
+    else:
+        k_off = b.to(tl.int64) * stride_kb + hk * stride_kh
+        bt_row = block_table  # unused
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, k_len)
+    # token t sits at key position t + k_len - seqlen_q (bottom-right aligned, as in the forward);
+    # keys past the slice end `hi` are masked like keys past the sequence end
+    diag = k_len - seqlen_q
+    full_hi = tl.minimum(hi, diag + window_right + 1)  # the last key that token 0 (the first) may see
+    full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo, full_hi, hi, diag, NO_WINDOW_C,
+                              window_right, qk_scale, stride_kt, stride_kb, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE,
+                              False, DOT_PRECISION)  # fmt: skip
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, full_hi, hi, hi, diag, NO_WINDOW_C,
+                              window_right, qk_scale, stride_kt, stride_kb, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE,
+                              True, DOT_PRECISION)  # fmt: skip
+    empty = l_i == 0.0  # an empty slice (past the sequence end) has weight exp(-inf) = 0 in the combine
+    l_i = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
+    b64 = b.to(tl.int64)
+    o_ptrs = O + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the slices of one (sequence, token, head) row: O = sum_s exp(L_s - L) O_s, L = logsumexp_s L_s."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = s < num_splits
+    lse_s = tl.load(LSE_part + r * num_splits + s, mask=ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every slice empty (cache_seqlens 0): output 0
+    w = tl.exp(lse_s - m)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    total = tl.where(empty, 1.0, total)
+    o_s = tl.load(O_part + (r * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o_s, 0) / total
+    tl.store(Out + r * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(LSE + r, tl.where(empty, float("-inf"), m + tl.log(total)))
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: pretend to be a small GPU so that num_splits=0 still splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
+    """Flash-Decoding's split count: enough programs for ~`WAVES` per SM, slices of >= 4 tiles."""
+    waves = 2
+    if programs >= waves * sms:
+        return 1
+    return max(1, min(triton.cdiv(waves * sms, programs), triton.cdiv(max_len, 4 * block_n), 128))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel, tuned on an H200."""
+    if device.type != "cuda":
+        return 16, 4, 1
+    if dtype == torch.float32:
+        return 32, 4, 2
+    return (64, 4, 4) if head_dim <= 128 else (32, 4, 3)
+
+
+def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits, config=None):
+    """q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with block_table.
+
+    Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    heads_k = k_cache.shape[2]
+    group = heads_q // heads_k
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # no sync: bound, not max
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device)
+    block_m = max(16, min(64, triton.next_power_of_2(group * seqlen_q)))  # tl.dot wants >= 16 rows
+    row_blocks = triton.cdiv(group * seqlen_q, block_m)
+    if num_splits == 0:
+        num_splits = pick_num_splits(batch * heads_k * row_blocks, capacity, block_n, num_sms(q.device))
+    split_len = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(capacity, 1), split_len)  # drop slices that would start past the capacity
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, seqlen_q, heads_q, dtype=torch.float32, device=q.device)
+    if num_splits == 1:  # write the final output directly; no combine
+        o_part, lse_part, s_stride = out, lse, (0, 0)
+    else:
+        o_part = torch.empty(batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32, device=q.device)
+        s_stride = (o_part.stride(3), lse_part.stride(3))
+    if batch == 0:
+        return out, lse.transpose(1, 2)
+    _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
+        q, k_cache, v_cache, o_part, lse_part, cache_seqlens, block_table,
+        seqlen_q, group, scale * LOG2E, split_len, 0 if causal else NO_WINDOW,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), s_stride[0],
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), s_stride[1],
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_kernel[(batch * seqlen_q * heads_q,)](
+            o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits)
+        )
+    return out, lse.transpose(1, 2)

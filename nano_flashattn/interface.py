@@ -1,0 +1,96 @@
+"""flash-attn's three entry points on the Triton kernels (`*_triton`), with autograd.
+
+The kernels work on packed (tokens, heads, head_dim) tensors; a dense (batch, seqlen, heads, head_dim)
+batch is the special case of equal lengths, viewed without a copy. These functions run anywhere Triton
+runs: on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backward import attention_backward
+from .checks import check_dense, check_kernel_dtype, check_kvcache, check_varlen
+from .decode import decode_forward
+from .forward import attention_forward
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """Algorithm 1 forward, Algorithm 2 backward; saves q, k, v, O and the LSE (never P)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, left, right):
+        out, lse = attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, None, scale,
+                                     left, right)  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (batch, seqlen_q, seqlen_k, scale, left, right)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        batch, seqlen_q, seqlen_k, scale, left, right = ctx.args
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_q, cu_k, scale, left,
+                                        right)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B*S, H, D) packed rows; a copy only if t is not contiguous."""
+    return t.contiguous().view(-1, *t.shape[-2:])
+
+
+def flash_attn_func_triton(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
+    """FlashAttention-2 on (batch, seqlen, heads, head_dim) tensors; see `nano_flashattn.flash_attn_func`."""
+    scale, left, right = check_dense(q, k, v, causal, softmax_scale, window_size)
+    check_kernel_dtype(q)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    out, lse = FlashAttnFunction.apply(_rows(q), _rows(k), _rows(v), batch, seqlen_q, seqlen_k, None, None, scale,
+                                       left, right)  # fmt: skip
+    out = out.view(batch, seqlen_q, heads_q, head_dim)
+    if not return_lse:
+        return out
+    return out, lse.view(heads_q, batch, seqlen_q).transpose(0, 1)
+
+
+def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                                  softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+    """Packed variable-length FlashAttention-2; see `nano_flashattn.flash_attn_varlen_func`."""
+    scale, left, right, max_q, max_k = check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
+        window_size,
+    )  # fmt: skip
+    check_kernel_dtype(q)
+    batch = cu_seqlens_q.numel() - 1
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if block_table is None:
+        out, lse = FlashAttnFunction.apply(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k, scale, left,
+                                           right)  # fmt: skip
+    else:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise ValueError("block_table: no backward through a paged KV cache; call under torch.no_grad()")
+        out, lse = attention_forward(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k,
+                                     block_table.contiguous(), scale, left, right)  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
+                                   num_splits=0, causal=False, return_lse=False):  # fmt: skip
+    """Flash-Decoding over a contiguous or paged KV cache; see `nano_flashattn.flash_attn_with_kvcache`."""
+    scale, cache_seqlens = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits)
+    check_kernel_dtype(q)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(
+            f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: the caches must share strides, "
+            "with a contiguous head_dim"
+        )
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_table is not None:
+        block_table = block_table.contiguous()
+    with torch.no_grad():  # inference only
+        out, lse = decode_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, scale, causal,
+                                  num_splits)  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -1,0 +1,107 @@
+"""Plain-torch attention: the specification the Triton kernels are tested against, and the CPU path.
+
+It materialises the full score matrix S = softmax_scale * Q K^T (FlashAttention-2 section 2.2, the
+"standard attention implementation"), so it is O(seqlen^2) in memory: fine for tests and CPUs.
+
+Conventions shared with the kernels (and with flash-attn):
+  * layout (batch, seqlen, heads, head_dim); packed varlen tensors are (total_tokens, heads, head_dim);
+  * GQA/MQA: query head h reads key/value head h // (heads_q // heads_k);
+  * masks are aligned to the bottom-right: query i may see key j iff
+        i + diag - left <= j <= i + diag + right,   diag = seqlen_k - seqlen_q,
+    causal is right = 0, and -1 means unbounded on that side;
+  * LSE is the natural-log log-sum-exp of the scaled scores, (batch, heads, seqlen_q) or
+    (heads, total_q) for varlen. A query that sees no key gets output 0 and LSE -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_dense, check_kvcache, check_varlen
+
+
+def attention_torch(q, k, v, scale: float, left: int, right: int, upcast: bool = True):
+    """softmax(scale * q k^T + mask) v for dense (B, M, Hq, D) q and (B, N, Hk, D) k, v.
+
+    `upcast` computes in fp32 (fp64 stays fp64); `upcast=False` computes in the input dtype, which is
+    the "reference in the same low precision" of FlashAttention's error rule. Returns (out, lse)."""
+    dtype = q.dtype
+    if upcast and dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    m, n = q.shape[1], k.shape[1]
+    s = torch.einsum("bmhd,bnhd->bhmn", q, k) * scale
+    i = torch.arange(m, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    diag = n - m
+    visible = (j >= i + diag - left) & (j <= i + diag + right)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
+    # softmax by hand so fully-masked rows give p = 0 instead of NaN
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).to(s.dtype)[..., None])
+    out = torch.einsum("bhmn,bnhd->bmhd", p, v)
+    return out.to(dtype), lse
+
+
+def flash_attn_func_torch(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
+    """Reference of `flash_attn_func` (same signature); differentiable through torch autograd."""
+    scale, left, right = check_dense(q, k, v, causal, softmax_scale, window_size)
+    out, lse = attention_torch(q, k, v, scale, left, right)
+    return (out, lse) if return_lse else out
+
+
+def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` token rows of one sequence whose pages are listed in `table_row`."""
+    page = cache.shape[1]
+    pages = table_row[: (length + page - 1) // page].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                                 softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+    """Reference of `flash_attn_varlen_func`: one dense attention per packed sequence."""
+    scale, left, right, _, _ = check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
+        window_size,
+    )  # fmt: skip
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb = q[cq[b] : cq[b + 1]]
+        if block_table is None:
+            kb, vb = k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
+        else:
+            n = ck[b + 1] - ck[b]
+            kb, vb = _paged_rows(k, block_table[b], n), _paged_rows(v, block_table[b], n)
+        o, lse = attention_torch(qb[None], kb[None], vb[None], scale, left, right)
+        outs.append(o[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty(q.shape[1], 0, dtype=torch.float32)
+    if out.shape[0] < q.shape[0]:  # tokens past cu_seqlens_q[-1] belong to no sequence: zero them
+        out = torch.cat([out, q.new_zeros(q.shape[0] - out.shape[0], *q.shape[1:])])
+        pad = lse.new_full((lse.shape[0], q.shape[0] - lse.shape[1]), float("-inf"))
+        lse = torch.cat([lse, pad], dim=1)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
+                                  num_splits=0, causal=False, return_lse=False):  # fmt: skip
+    """Reference of `flash_attn_with_kvcache`: q (B, Sq, Hq, D) attends to the first cache_seqlens[b]
+    rows of sequence b's cache (row b of a contiguous cache, or the pages block_table[b] lists).
+    `num_splits` only changes how the kernel splits the work, so the reference ignores it."""
+    scale, cache_seqlens = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits)
+    left, right = (1 << 30), (0 if causal else 1 << 30)
+    outs, lses = [], []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if block_table is None:
+            kb, vb = k_cache[b, :n], v_cache[b, :n]
+        else:
+            kb, vb = _paged_rows(k_cache, block_table[b], n), _paged_rows(v_cache, block_table[b], n)
+        o, lse = attention_torch(q[b : b + 1], kb[None], vb[None], scale, left, right)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if return_lse else out
