@@ -1,0 +1,315 @@
+"""The project's one timing helper, and `python -m shared.bench`: the shared kernels against eager torch.
+
+Every bench in the repo times with `benchmark`, states its physical limits with
+`measure_copy_bandwidth` / `measure_matmul_flops` (reported through `mbu` / `mfu`), prints with
+`print_table` and records with `write_json`, so numbers from different packages are comparable.
+
+    python -m shared.bench                  # GPU: 32768 tokens x 4096 hidden, bf16; CPU: a small smoke run
+    python -m shared.bench --quick --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _device_of(device: str | torch.device | None, args: tuple, kwargs: dict) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    warmup: int = 5,
+    repeats: int = 20,
+    device: str | torch.device | None = None,
+    flush_l2: bool = True,
+    **kwargs: Any,
+) -> float:
+    """Median seconds of `fn(*args, **kwargs)` over `repeats` calls, after `warmup` untimed calls.
+
+    The device is `device`, else that of the first tensor argument, else the CPU. On CUDA each call
+    is bracketed by CUDA events (GPU time, no host overhead counted), and with `flush_l2` a buffer of
+    twice the L2 size is overwritten before each call so inputs come from HBM, as in a real model
+    whose other layers evict them. Elsewhere each call is timed with `time.perf_counter`.
+    """
+    if repeats < 1:
+        raise ValueError(f"benchmark: repeats must be >= 1, got {repeats}")
+    dev = _device_of(device, args, kwargs)
+    if dev.type != "cuda":
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.cuda.device(dev):
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        flush = None
+        if flush_l2:
+            l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 64 << 20) or 64 << 20
+            flush = torch.empty(2 * l2, dtype=torch.int8, device=dev)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        torch.cuda.synchronize(dev)
+        for start, end in zip(starts, ends):
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+        torch.cuda.synchronize(dev)
+    return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
+
+
+def mfu(flops_per_second: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s as a fraction of a peak (e.g. measured matmul FLOP/s)."""
+    if peak_flops <= 0:
+        raise ValueError(f"mfu: peak_flops must be > 0, got {peak_flops}")
+    return flops_per_second / peak_flops
+
+
+def mbu(bytes_per_second: float, peak_bandwidth: float) -> float:
+    """Memory bandwidth utilisation: achieved bytes/s as a fraction of a peak (e.g. measured copy)."""
+    if peak_bandwidth <= 0:
+        raise ValueError(f"mbu: peak_bandwidth must be > 0, got {peak_bandwidth}")
+    return bytes_per_second / peak_bandwidth
+
+
+def measure_copy_bandwidth(device: str | torch.device, nbytes: int | None = None) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written: the practical
+    ceiling of any memory-bound kernel. Default size: 1 GiB on CUDA (far above L2), 64 MiB elsewhere."""
+    dev = torch.device(device)
+    nbytes = nbytes or (1 << 30 if dev.type == "cuda" else 64 << 20)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    seconds = benchmark(dst.copy_, src, device=dev, flush_l2=False, warmup=3, repeats=10)
+    return 2 * nbytes / seconds
+
+
+def measure_matmul_flops(device: str | torch.device, n: int | None = None, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs): the practical compute ceiling.
+    Defaults: n=8192 in bf16 on CUDA, n=512 in fp32 elsewhere."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    n = n or (8192 if cuda else 512)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    seconds = benchmark(torch.mm, a, b, out=c, device=dev, flush_l2=False, warmup=3, repeats=10)
+    return 2 * n**3 / seconds
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def format_table(rows: list[dict], title: str | None = None) -> str:
+    """Rows of dicts as an aligned text table: columns in first-seen key order, numbers right-aligned."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
+
+    def line(items: list[str]) -> str:
+        return "  ".join(s.rjust(w) if num else s.ljust(w) for s, w, num in zip(items, widths, numeric)).rstrip()
+
+    out = [title] if title else []
+    out += [line(cols), "  ".join("-" * w for w in widths)] + [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def print_table(rows: list[dict], title: str | None = None) -> None:
+    """Print `format_table(rows, title)`."""
+    print(format_table(rows, title), flush=True)
+
+
+def write_json(path: str | os.PathLike, record: dict) -> dict:
+    """Write `record` as JSON, adding when and where it was measured (date, host, GPU, python,
+    torch and triton versions, the command line); returns what was written."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    full = {**meta, **record}
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(full, f, indent=2, default=str)
+        f.write("\n")
+    return full
+
+
+# ------------------------------------------------------------------ python -m shared.bench: the kernels
+# Eager baselines: what the model would run without shared.kernels (Hugging Face Llama's code).
+
+
+def _eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _eager_rope(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos_full + torch.cat((-x2, x1), dim=-1) * sin_full
+
+
+def _rows_for(op: str, impls: dict[str, Callable[[], Any]], nbytes: int, copy_bw: float, **timing) -> list[dict]:
+    rows, eager = [], None
+    for impl, fn in impls.items():
+        seconds = benchmark(fn, **timing)
+        eager = eager or seconds  # the first entry is the eager baseline
+        rows.append({
+            "op": op, "impl": impl, "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9,
+            "% copy bw": 100 * mbu(nbytes / seconds, copy_bw), "vs eager": eager / seconds,
+        })  # fmt: skip
+    return rows
+
+
+def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+    from shared.kernels import rms_norm
+
+    e, eps = torch.finfo(dtype).bits // 8, 1e-6
+    x, r, dy = (torch.randn(t, h, device=dev, dtype=dtype) for _ in range(3))
+    w = 1 + 0.1 * torch.randn(h, device=dev, dtype=dtype)
+    peer = hasattr(F, "rms_norm")  # torch >= 2.4; fused on CUDA in recent releases
+
+    impls = {"torch eager": lambda: _eager_rms_norm(x, w, eps), ours: lambda: rms_norm(x, w, eps)}
+    if peer:
+        impls["F.rms_norm"] = lambda: F.rms_norm(x, (h,), w, eps)
+    rows = _rows_for("rms_norm fwd", impls, 2 * t * h * e + h * e, copy_bw, **timing)
+
+    impls = {"torch eager": lambda: _eager_rms_norm(x + r, w, eps), ours: lambda: rms_norm(x, w, eps, residual=r)}
+    if peer:
+        impls["F.rms_norm"] = lambda: F.rms_norm(x + r, (h,), w, eps)
+    rows += _rows_for("add+rms_norm fwd", impls, 4 * t * h * e + h * e, copy_bw, **timing)
+
+    xg, wg = x.requires_grad_(), w.requires_grad_()
+    y_eager, y_ours = _eager_rms_norm(xg, wg, eps), rms_norm(xg, wg, eps)
+    impls = {
+        "torch eager": lambda: torch.autograd.grad(y_eager, (xg, wg), dy, retain_graph=True),
+        ours: lambda: torch.autograd.grad(y_ours, (xg, wg), dy, retain_graph=True),
+    }
+    return rows + _rows_for("rms_norm bwd", impls, 3 * t * h * e + 2 * h * e, copy_bw, **timing)
+
+
+def _bench_rope(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+    from shared.kernels import apply_rope
+
+    d = 128 if h % 128 == 0 else 2 * (h // 2)  # Llama's head_dim; the heads fill the hidden size
+    q = torch.randn(t, h // d, d, device=dev, dtype=dtype)
+    theta = torch.randn(t, d // 2, device=dev)
+    cos, sin = theta.cos(), theta.sin()
+    cos_full, sin_full = (torch.cat([c, c], -1).to(dtype)[:, None] for c in (cos, sin))  # HF's layout
+    impls = {"torch eager": lambda: _eager_rope(q, cos_full, sin_full), ours: lambda: apply_rope(q, cos, sin)}
+    nbytes = 2 * q.numel() * q.element_size() + 2 * cos.numel() * 4
+    return _rows_for(f"rope (head_dim {d})", impls, nbytes, copy_bw, **timing)
+
+
+def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+    from shared.kernels import silu_and_mul
+
+    inter = 256 * math.ceil(int(8 * h / 3) / 256)  # Llama's FFN width rule: 4096 -> 11008
+    g, u = (torch.randn(t, inter, device=dev, dtype=dtype) for _ in range(2))
+    impls = {"torch eager": lambda: F.silu(g) * u, ours: lambda: silu_and_mul(g, u)}
+    return _rows_for(f"silu_and_mul ({inter} wide)", impls, 3 * g.numel() * g.element_size(), copy_bw, **timing)
+
+
+def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, quick: bool = False) -> dict:
+    """Time each shared kernel (through the dispatcher) against eager torch on the same inputs.
+
+    GB/s counts each op's minimal traffic (every input read once, every output written once), the
+    same for every implementation, so the column compares speed, not bytes moved."""
+    from shared.kernels import use_triton
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    timing = {"device": dev, "warmup": 1 if quick else 5, "repeats": 3 if quick else 20}
+    copy_bw = measure_copy_bandwidth(dev, nbytes=None if cuda and not quick else 64 << 20)
+    mm_n = (8192 if cuda else 512) // (4 if quick else 1)
+    mm_dtype = torch.bfloat16 if cuda else torch.float32
+    matmul = measure_matmul_flops(dev, n=mm_n, dtype=mm_dtype)
+    ours = "triton" if use_triton(torch.empty(0, device=dev)) else "torch ref (dispatch)"
+    rows = []
+    for bench in (_bench_rms_norm, _bench_rope, _bench_silu_and_mul):
+        rows += bench(tokens, hidden, dtype, dev, ours, copy_bw, timing)
+    return {
+        "bench": "shared.kernels", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens, "hidden": hidden, "ours": ours, "copy_GBps": copy_bw / 1e9,
+        "matmul_TFLOPs": matmul / 1e12, "matmul": f"{mm_n}^3 {str(mm_dtype).removeprefix('torch.')}",
+        "rows": rows,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=None, help="rows (default: 32768 on CUDA, 256 on CPU)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 CUDA, fp32 CPU")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="few tokens and repeats: a smoke test")
+    a = p.parse_args(argv)
+    cuda = torch.device(a.device).type == "cuda"
+    tokens = a.tokens or ((4096 if cuda else 32) if a.quick else (32768 if cuda else 256))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
+    if not cuda:
+        print(
+            "note: Triton kernels need CUDA; on this device the dispatcher runs the torch references, so\n"
+            "      'torch ref (dispatch)' below is the plain-torch reference against eager torch, not a kernel.",
+            flush=True,
+        )
+    rec = run_kernel_bench(a.device, tokens, a.hidden, dtype, quick=a.quick)
+    print(
+        f"physical limits on {a.device}: copy {rec['copy_GBps']:.0f} GB/s (read + write), "
+        f"matmul {rec['matmul_TFLOPs']:.1f} TFLOP/s ({rec['matmul']})"
+    )
+    if a.json:
+        write_json(a.json, rec)
+        print(f"wrote {a.json}")
+    print_table(rec["rows"], title=f"shared.kernels: {tokens} tokens x {a.hidden} hidden, {rec['dtype']}, {a.device}")
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer eq. 34) in Triton, HF's "rotate_half" layout.
+
+    out[..., :D/2] = x1 * cos - x2 * sin          x1 = x[..., :D/2], x2 = x[..., D/2:]
+    out[..., D/2:] = x2 * cos + x1 * sin
+
+The rotation is orthogonal, so its backward is the rotation by -theta: the same kernel with sin
+negated. One program handles one token and a block of its heads, so cos/sin (shared by all heads of a
+token) are read once per program instead of once per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_rope_args
+
+
+@triton.jit
+def _rope_kernel(
+    X, COS, SIN, OUT,
+    stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh,
+    n_heads, half,
+    NEG_SIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < half
+    mask = (heads[:, None] < n_heads) & d_ok[None, :]
+    c = tl.load(COS + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(SIN + t * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    if NEG_SIN:
+        s = -s
+    x1_ptr = X + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    o1_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o1_ptr, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o1_ptr + half, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _tokens(t: torch.Tensor, lead: tuple[int, ...], last: tuple[int, ...]) -> torch.Tensor:
+    """Flatten the (B, S) or (T,) token dims into one, keeping the last dim unit-stride."""
+    t = t.expand(*lead, *last).reshape(-1, *last)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _rope(x3d: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, neg_sin: bool) -> torch.Tensor:
+    n_tok, n_heads, dim = x3d.shape
+    half = dim // 2
+    out = torch.empty((n_tok, n_heads, dim), dtype=x3d.dtype, device=x3d.device)
+    block_d = triton.next_power_of_2(half)
+    # ~2K rotated pairs per program: 32 heads of 128 for a Llama-8B query in one program.
+    block_h = min(triton.next_power_of_2(n_heads), max(1, 2048 // block_d))
+    if n_tok:
+        _rope_kernel[(n_tok, triton.cdiv(n_heads, block_h))](
+            x3d, cos2d, sin2d, out,
+            x3d.stride(0), x3d.stride(1), cos2d.stride(0), sin2d.stride(0), out.stride(0), out.stride(1),
+            n_heads, half,
+            NEG_SIN=neg_sin, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+class _RoPEFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        lead, (n_heads, dim) = tuple(x.shape[:-2]), x.shape[-2:]
+        cos2d, sin2d = _tokens(cos, lead, (dim // 2,)), _tokens(sin, lead, (dim // 2,))
+        ctx.save_for_backward(cos2d, sin2d)
+        ctx.shape = x.shape
+        return _rope(_tokens(x, lead, (n_heads, dim)), cos2d, sin2d, neg_sin=False).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cos2d, sin2d = ctx.saved_tensors
+        n_heads, dim = ctx.shape[-2:]
+        dx = _rope(_tokens(dout, tuple(ctx.shape[:-2]), (n_heads, dim)), cos2d, sin2d, neg_sin=True)
+        return dx.view(ctx.shape), None, None
+
+
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (RoFormer eq. 34) in Triton, with autograd (d/dcos, d/dsin are not computed).
+
+    x: (B, S, H, D) or (T, H, D), any strides with a unit-stride last dim (e.g. a slice of a fused
+    qkv tensor); cos, sin: (B, S, D/2) or (T, D/2), broadcastable over the token dims. Returns a new
+    contiguous tensor of x's shape and dtype; the rotation is computed in fp32.
+    """
+    check_rope_args(x, cos, sin)
+    return _RoPEFn.apply(x, cos, sin)
