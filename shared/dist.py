@@ -122,7 +122,7 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """Average a floating-point tensor over the ranks of `group`, in place, and return it.
 
     Data parallelism's gradient average and every logged loss. Written as SUM then divide because
-    ReduceOp.AVG is NCCL-only in older torch versions (gloo rejects it).
+    gloo rejects ReduceOp.AVG in torch versions we still support (2.7 does; 2.11 and 2.13 accept it).
     """
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

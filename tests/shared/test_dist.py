@@ -129,9 +129,9 @@ def test_init_without_torchrun_is_one_rank(monkeypatch):
         assert (env.rank, env.world_size, env.local_rank) == (0, 1, 0)
         assert is_main() and get_world_size() == 1
         assert init_distributed() == env  # idempotent
-        t = torch.tensor([3.0, 5.0])
+        t = torch.tensor([3.0, 5.0], device=env.device)  # a CUDA tensor when the default is nccl
         dist.all_reduce(t)  # collectives work as identities
-        torch.testing.assert_close(t, torch.tensor([3.0, 5.0]))
+        torch.testing.assert_close(t.cpu(), torch.tensor([3.0, 5.0]))
     finally:
         destroy_distributed()
     assert not dist.is_initialized()
