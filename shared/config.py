@@ -140,6 +140,9 @@ class ModelConfig:
         kwargs = {k: d[k] for k in names if k in d and d[k] is not None}
         if model_type == "qwen2":
             kwargs["attention_bias"] = True  # Qwen2 always has q/k/v bias; its config does not say so
+        elif kwargs.get("attention_bias"):
+            # Llama/Qwen3's flag also puts a bias on o_proj, which the one model does not have.
+            raise ValueError(f"attention_bias=True is not supported for model_type {model_type!r}")
         return cls(**kwargs, rope_theta=float(rope_theta), rope_scaling=rope_scaling,
                    qk_norm=(model_type == "qwen3"))
 
@@ -166,11 +169,12 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
         }
-        if self.model_type == "llama":
-            d["attention_bias"] = self.attention_bias
-            d["mlp_bias"] = False
         if self.model_type == "qwen3" and self.attention_bias:
-            d["attention_bias"] = True
+            raise ValueError("qk_norm together with attention_bias has no HF architecture to save as")
+        if self.model_type != "qwen2":
+            d["attention_bias"] = False
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
         if self.model_type == "qwen2":
             d["use_sliding_window"] = False
         return d
