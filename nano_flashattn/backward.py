@@ -201,11 +201,10 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
     total_q, heads_q, head_dim = q.shape
     heads_k = k.shape[1]
     varlen = cu_seqlens_q is not None
-    # varlen: rows past the last sequence belong to no program; zero them rather than leave garbage
-    alloc = torch.zeros_like if varlen else torch.empty_like
-    dq, dk, dv = alloc(q), alloc(k), alloc(v)
+    # varlen: rows past cu_seqlens[-1] belong to no sequence and are left unwritten, as in the forward
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
-        return dq, dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
     m1, n1, m2, n2, num_warps, num_stages = config or bwd_config(head_dim, q.dtype, q.device)
     delta = torch.empty_like(lse)
