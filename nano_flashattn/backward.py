@@ -183,16 +183,23 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k,
     tl.store(DQ + q_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None])
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages): tiles of the dK/dV kernel (keys
-    resident: BLOCK_N1) and of the dQ kernel (queries resident: BLOCK_M2), tuned on an H200."""
+# Per head_dim, for 16-bit inputs: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (its
+# key tile BLOCK_N stays resident) and of the dQ kernel (its query tile BLOCK_M stays resident), tuned
+# on an H200 (BENCHMARKS.md); `python -m nano_flashattn.bench --sweep` re-tunes them in-process.
+BWD_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    32: ((32, 128, 4, 3), (128, 32, 4, 3)),
+    64: ((32, 128, 4, 3), (128, 32, 4, 3)),
+    128: ((64, 128, 8, 2), (128, 64, 8, 2)),
+    256: ((32, 64, 4, 1), (64, 32, 4, 1)),
+}
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device):
     if device.type != "cuda":
-        return 16, 16, 16, 16, 4, 1
-    if dtype == torch.float32 or head_dim > 128:
-        return 32, 64, 64, 32, 4, 1
-    if head_dim <= 64:
-        return 32, 128, 128, 32, 4, 3
-    return 64, 128, 128, 64, 8, 2
+        return (16, 16, 4, 1), (16, 16, 4, 1)
+    if dtype == torch.float32:
+        return (32, 64, 4, 1), (64, 32, 4, 1)
+    return BWD_CONFIGS[head_dim]
 
 
 def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale,
@@ -206,7 +213,7 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
-    m1, n1, m2, n2, num_warps, num_stages = config or bwd_config(head_dim, q.dtype, q.device)
+    (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = config or bwd_config(head_dim, q.dtype, q.device)
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     pre_m = 128 if q.is_cuda else 16
@@ -215,12 +222,12 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
     )
     common = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // heads_k, scale * LOG2E, scale,
               window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))  # fmt: skip
-    meta = dict(HEAD_DIM=head_dim, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-                num_stages=num_stages)  # fmt: skip
+    meta = dict(HEAD_DIM=head_dim, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype))
     _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), heads_k, batch)](
-        q, k, v, do, lse2, delta, dk, dv, *common, BLOCK_M=m1, BLOCK_N=n1, **meta
-    )
+        q, k, v, do, lse2, delta, dk, dv, *common, BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1,
+        **meta,
+    )  # fmt: skip
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
-        q, k, v, do, lse2, delta, dq, *common, BLOCK_M=m2, BLOCK_N=n2, **meta
+        q, k, v, do, lse2, delta, dq, *common, BLOCK_M=m2, BLOCK_N=n2, num_warps=warps2, num_stages=stages2, **meta
     )
     return dq, dk, dv

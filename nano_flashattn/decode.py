@@ -112,21 +112,27 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Split-count heuristic and (BLOCK_N, num_warps, num_stages) of the split kernel for 16-bit caches, by
+# paged or not; tuned on an H200; `python -m nano_flashattn.bench --sweep` re-tunes them in-process.
+DECODE_TUNING = {"waves": 2, "min_split_tiles": 4}
+DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (64, 4, 4)}
+
+
 def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
-    """Flash-Decoding's split count: enough programs for ~`WAVES` per SM, slices of >= 4 tiles."""
-    waves = 2
-    if programs >= waves * sms:
+    """Flash-Decoding's split count: enough programs for `waves` per SM, no slice under a few tiles."""
+    target = DECODE_TUNING["waves"] * sms
+    if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(waves * sms, programs), triton.cdiv(max_len, 4 * block_n), 128))
+    longest = triton.cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
+    return max(1, min(triton.cdiv(target, programs), longest, 128))
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel, tuned on an H200."""
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool) -> tuple[int, int, int]:
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
-    return (64, 4, 4) if head_dim <= 128 else (32, 4, 3)
+    return DECODE_CONFIGS[paged] if head_dim <= 128 else (32, 4, 3)
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits, config=None):
@@ -139,7 +145,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # no sync: bound, not max
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, paged)
     block_m = max(16, min(64, triton.next_power_of_2(group * seqlen_q)))  # tl.dot wants >= 16 rows
     row_blocks = triton.cdiv(group * seqlen_q, block_m)
     if num_splits == 0:

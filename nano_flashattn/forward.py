@@ -180,17 +180,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs by head_dim, tuned on an H200 (see
+# BENCHMARKS.md); `python -m nano_flashattn.bench --sweep` re-tunes this table in its own process.
+FWD_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
+    128: (128, 64, 8, 3),
+    256: (64, 64, 4, 2),
+}
+
+
 def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on an H200 (see BENCHMARKS.md)."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # Triton interpreter: small tiles keep CPU tests fast and exercise many tiles
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # no fp32 tensor-core path (ieee): smaller tiles fit registers
         return (64, 32, 4, 2) if head_dim <= 128 else (32, 32, 4, 1)
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    if head_dim <= 128:
-        return 128, 64, 8, 3
-    return 64, 64, 4, 2
+    return FWD_CONFIGS[head_dim]
 
 
 def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,

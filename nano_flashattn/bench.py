@@ -1,0 +1,267 @@
+"""python -m nano_flashattn.bench: our kernels against torch SDPA (flash and cuDNN backends), one process.
+
+    attention: flash-attn's benchmark grid (batch x seqlen = 16k tokens, heads x head_dim = 2048), bf16,
+               forward and backward TFLOP/s, causal and not (FLOPs: 4 B S^2 H D, halved when causal,
+               x2.5 for the backward: flash-attn's convention)
+    decode:    Flash-Decoding, one new token per sequence, 32 query / 8 kv heads, head_dim 128: TB/s of
+               K and V read, contiguous caches and paged caches (page 16, 256); SDPA reads a contiguous
+               cache with the GQA group folded into its query axis (so it, too, reads K/V once)
+    ceilings:  measured bf16 matmul TFLOP/s and device-copy TB/s, the physical limits of both
+    --sweep:   re-tunes the kernels' config tables first (nano_flashattn/tune.py)
+    --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
+
+Prints a table with ratios; writes <out>/bench.json and <out>/bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+import nano_flashattn as fa
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m nano_flashattn.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes; on CPU runs the reference path in seconds")
+    p.add_argument("--out", default="bench_out/nano_flashattn", help="directory for bench.json and bench.md")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen of the attention grid")
+    p.add_argument("--hidden", type=int, default=2048, help="heads x head_dim of the attention grid")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--pages", type=int, nargs="+", default=[16, 256], help="paged-cache page sizes")
+    p.add_argument("--max-decode-tokens", type=int, default=1 << 20, help="skip batch x context above this")
+    p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="re-tune the config tables before measuring")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.head_dims, args.tokens, args.hidden = [64, 128], [64], 256, 128
+        args.decode_batches, args.decode_contexts, args.pages = [2], [256], [16]
+    return args
+
+
+def time_ms(fn, device: torch.device, graph: bool = False) -> float:
+    """Median milliseconds per call: CUDA events via triton.testing on a GPU, perf_counter on a CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        if graph:  # many small launches (decode): replay a CUDA graph so launch gaps do not count
+            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[1]
+
+
+def ceilings(device: torch.device) -> dict:
+    """The two physical limits, measured: bf16 matmul TFLOP/s and device-copy TB/s (read + write)."""
+    n = 8192 if device.type == "cuda" else 256
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    mm = time_ms(lambda: a @ b, device)
+    x = torch.randn(2**28 if device.type == "cuda" else 2**20, device=device)  # 1 GiB on a GPU
+    y = torch.empty_like(x)
+    cp = time_ms(lambda: y.copy_(x), device)
+    return {"matmul_tflops": 2 * n**3 / mm / 1e9, "copy_tbps": 2 * x.numel() * x.element_size() / cp / 1e9}
+
+
+def sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name])
+
+
+def _peers(device):
+    """(name, context) of the SDPA peers: flash and cuDNN on a GPU, the default (math) on a CPU."""
+    return [("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn")] if device.type == "cuda" else [("sdpa", None)]
+
+
+def _try(fn):
+    try:
+        return fn()
+    except RuntimeError as e:  # a backend that refuses the shape: recorded, not fatal
+        return f"unsupported: {str(e).splitlines()[0][:80]}"
+
+
+def bench_attention(args, device, dtype) -> list[dict]:
+    rows = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            for seqlen in args.seqlens:
+                batch, heads = max(1, args.tokens // seqlen), args.hidden // head_dim
+                shape = (batch, seqlen, heads, head_dim)
+                q, k, v, do = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+                flops = 4 * batch * seqlen**2 * heads * head_dim / (2 if causal else 1)
+                row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
+                impls = [("ours", None, lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal), (q, k, v))]
+                qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA's own layout
+                for name, backend in _peers(device):
+                    impls.append((name, backend, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                  (qt, kt, vt)))  # fmt: skip
+                for name, backend, f, inputs in impls:
+                    with sdpa_backend(backend) if backend else nullcontext():
+                        row[f"{name}_fwd"] = _try(lambda: flops / time_ms(lambda: f(*inputs), device) / 1e9)
+                        row[f"{name}_bwd"] = _try(lambda: _bwd_tflops(f, inputs, do, flops, device, name != "ours"))
+                rows.append(row)
+                print(_fmt_attn(row), flush=True)
+                del q, k, v, do, qt, kt, vt
+    return rows
+
+
+def _bwd_tflops(f, inputs, do, flops, device, transposed):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = f(*inputs)
+    grad = do.transpose(1, 2).contiguous() if transposed else do
+    ms = time_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), device)
+    return 2.5 * flops / ms / 1e9
+
+
+def _paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor):
+    """The contiguous (B, L, Hk, D) cache as pages scattered by `perm`: same values, same bytes."""
+    b, length = cache.shape[:2]
+    pages = torch.empty(b * (length // page), page, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
+    pages[perm] = cache.reshape(-1, page, *cache.shape[2:])
+    return pages
+
+
+def bench_decode(args, device, dtype, heads_q=32, heads_k=8, head_dim=128) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for batch in args.decode_batches:
+        for ctx in args.decode_contexts:
+            if batch * ctx > args.max_decode_tokens:
+                continue
+            q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype)
+            kc = torch.randn(batch, ctx, heads_k, head_dim, device=device, dtype=dtype)
+            vc = torch.randn_like(kc)
+            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            kv_bytes = 2 * kc.numel() * kc.element_size()
+            row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes}
+            tbps = lambda ms: kv_bytes / ms / 1e9  # noqa: E731
+            g = device.type == "cuda"
+            row["ours_contiguous"] = tbps(time_ms(lambda: fa.flash_attn_with_kvcache(q, kc, vc, seqlens), device, g))
+            for page in args.pages:
+                perm = torch.randperm(batch * ctx // page, generator=gen).to(device)
+                kp, vp = _paged_copy(kc, page, perm), _paged_copy(vc, page, perm)
+                table = perm.view(batch, -1).to(torch.int32)
+                fn = lambda: fa.flash_attn_with_kvcache(q, kp, vp, seqlens, block_table=table)  # noqa: E731
+                torch.testing.assert_close(fn(), fa.flash_attn_with_kvcache(q, kc, vc, seqlens), atol=2e-2, rtol=0)
+                row[f"ours_paged{page}"] = tbps(time_ms(fn, device, g))
+                del kp, vp
+            # SDPA: fold the GQA group into the query axis: (B, Hk, group, D) against (B, Hk, L, D)
+            qs = q.view(batch, heads_k, heads_q // heads_k, head_dim)
+            ks, vs = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+            for name, backend in _peers(device):
+                with sdpa_backend(backend) if backend else nullcontext():
+                    row[name] = _try(lambda: tbps(time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs), device, g)))
+            rows.append(row)
+            print(_fmt_decode(row), flush=True)
+            del q, kc, vc, ks, vs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _num(x, nd=1):
+    return f"{x:.{nd}f}" if isinstance(x, float) else "n/a"
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b > 0 else "n/a"
+
+
+def _fmt_attn(r):
+    peers = [k[:-4] for k in r if k.endswith("_fwd") and k != "ours_fwd"]
+    parts = [f"hd{r['head_dim']:<4}{'causal' if r['causal'] else 'full':<7}{r['seqlen']:>6}"]
+    for d in ("fwd", "bwd"):
+        parts.append(f"{d} ours {_num(r[f'ours_{d}'])}")
+        parts += [f"{p} {_num(r[f'{p}_{d}'])} ({_ratio(r[f'ours_{d}'], r[f'{p}_{d}'])})" for p in peers]
+    return " | ".join(parts)
+
+
+def _fmt_decode(r):
+    ours = [f"{k[5:]} {_num(v, 2)}" for k, v in r.items() if k.startswith("ours_")]
+    peers = [f"{k} {_num(v, 2)}" for k, v in r.items() if k.startswith("sdpa")]
+    return f"decode b{r['batch']:<3} ctx{r['context']:>6} TB/s: " + ", ".join(ours + peers)
+
+
+def markdown(result: dict) -> str:
+    env, ceil = result["env"], result["ceilings"]
+    lines = [
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: "
+        f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s",
+        "",
+    ]
+    if result["attention"]:
+        peers = [k[:-4] for k in result["attention"][0] if k.endswith("_fwd") and k != "ours_fwd"]
+        head = "| hd | causal | seqlen | " + " | ".join(f"{d} {n}" for d in ("fwd", "bwd") for n in ["ours", *peers]) + " |"
+        lines += [head, "|" + "---|" * (3 + 2 * (1 + len(peers)))]
+        for r in result["attention"]:
+            cells = [_num(r[f"{n}_{d}"], 0) for d in ("fwd", "bwd") for n in ["ours", *peers]]
+            lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if result["decode"]:
+        keys = [k for k in result["decode"][0] if k.startswith(("ours_", "sdpa"))]
+        lines += ["| batch | context | " + " | ".join(f"{k} TB/s" for k in keys) + " |", "|" + "---|" * (2 + len(keys))]
+        for r in result["decode"]:
+            lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(_num(r[k], 2) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    import triton
+
+    env = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python -m nano_flashattn.bench " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "ours": "triton" if device.type == "cuda" else "torch reference (no GPU)",
+    }
+    result = {"env": env, "ceilings": ceilings(device), "sweep": None, "attention": [], "decode": []}
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']}")
+    print(f"ceilings: matmul {result['ceilings']['matmul_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s")
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after every section, so that a run cut short still leaves its numbers
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(os.path.join(args.out, "bench.md"), "w") as f:
+            f.write(markdown(result))
+
+    if args.sweep and device.type == "cuda":
+        from .tune import sweep
+
+        result["sweep"] = sweep(args.head_dims)
+        save()
+    if not args.no_attention:
+        result["attention"] = bench_attention(args, device, dtype)
+        save()
+    if not args.no_decode:
+        result["decode"] = bench_decode(args, device, dtype)
+        save()
+    md = markdown(result)
+    print("\n" + md)
+    return result
+
+
+if __name__ == "__main__":
+    main()
