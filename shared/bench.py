@@ -48,20 +48,27 @@ def benchmark(
     """Median seconds of `fn(*args, **kwargs)` over `repeats` calls, after `warmup` untimed calls.
 
     The device is `device`, else that of the first tensor argument, else the CPU. On CUDA each call
-    is bracketed by CUDA events (GPU time, no host overhead counted), and with `flush_l2` a buffer of
+    is bracketed by CUDA events after a short GPU spin that hides the host's launch work (GPU time;
+    host overhead is not counted: time it end to end if it matters), and with `flush_l2` a buffer of
     twice the L2 size is overwritten before each call so inputs come from HBM, as in a real model
-    whose other layers evict them. Elsewhere each call is timed with `time.perf_counter`.
+    whose other layers evict them. Elsewhere each call is timed with `time.perf_counter` (after a
+    CUDA synchronize when CUDA is in use, so pass `device=` for GPU work to get event timing).
     """
     if repeats < 1:
         raise ValueError(f"benchmark: repeats must be >= 1, got {repeats}")
     dev = _device_of(device, args, kwargs)
     if dev.type != "cuda":
+        # A CUDA callable timed without naming its device (a lambda has no tensor argument) is still
+        # timed to completion, not to the end of its asynchronous launches.
+        sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
         for _ in range(warmup):
             fn(*args, **kwargs)
         times = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             fn(*args, **kwargs)
+            sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
@@ -78,6 +85,9 @@ def benchmark(
         for start, end in zip(starts, ends):
             if flush is not None:
                 flush.zero_()
+            # Keep the GPU busy (~0.5 ms spin) while the host enqueues fn, so the events time the
+            # kernels, not Python/launch overhead the GPU would otherwise sit idle through.
+            torch.cuda._sleep(1_000_000)
             start.record()
             fn(*args, **kwargs)
             end.record()
@@ -110,7 +120,9 @@ def measure_copy_bandwidth(device: str | torch.device, nbytes: int | None = None
     return 2 * nbytes / seconds
 
 
-def measure_matmul_flops(device: str | torch.device, n: int | None = None, dtype: torch.dtype | None = None) -> float:
+def measure_matmul_flops(
+    device: str | torch.device, n: int | None = None, dtype: torch.dtype | None = None
+) -> float:
     """FLOP/s of an n x n x n matmul (2 n^3 FLOPs): the practical compute ceiling.
     Defaults: n=8192 in bf16 on CUDA, n=512 in fp32 elsewhere."""
     dev = torch.device(device)
@@ -139,7 +151,9 @@ def format_table(rows: list[dict], title: str | None = None) -> str:
     numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
 
     def line(items: list[str]) -> str:
-        return "  ".join(s.rjust(w) if num else s.ljust(w) for s, w, num in zip(items, widths, numeric)).rstrip()
+        return "  ".join(
+            s.rjust(w) if num else s.ljust(w) for s, w, num in zip(items, widths, numeric)
+        ).rstrip()
 
     out = [title] if title else []
     out += [line(cols), "  ".join("-" * w for w in widths)] + [line(row) for row in cells]
@@ -194,7 +208,9 @@ def _eager_rope(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor)
     return x * cos_full + torch.cat((-x2, x1), dim=-1) * sin_full
 
 
-def _rows_for(op: str, impls: dict[str, Callable[[], Any]], nbytes: int, copy_bw: float, **timing) -> list[dict]:
+def _rows_for(
+    op: str, impls: dict[str, Callable[[], Any]], nbytes: int, copy_bw: float, **timing
+) -> list[dict]:
     rows, eager = [], None
     for impl, fn in impls.items():
         seconds = benchmark(fn, **timing)
@@ -219,7 +235,10 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
         impls["F.rms_norm"] = lambda: F.rms_norm(x, (h,), w, eps)
     rows = _rows_for("rms_norm fwd", impls, 2 * t * h * e + h * e, copy_bw, **timing)
 
-    impls = {"torch eager": lambda: _eager_rms_norm(x + r, w, eps), ours: lambda: rms_norm(x, w, eps, residual=r)}
+    impls = {
+        "torch eager": lambda: _eager_rms_norm(x + r, w, eps),
+        ours: lambda: rms_norm(x, w, eps, residual=r),
+    }
     if peer:
         impls["F.rms_norm"] = lambda: F.rms_norm(x + r, (h,), w, eps)
     rows += _rows_for("add+rms_norm fwd", impls, 4 * t * h * e + h * e, copy_bw, **timing)
@@ -252,7 +271,9 @@ def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
     inter = 256 * math.ceil(int(8 * h / 3) / 256)  # Llama's FFN width rule: 4096 -> 11008
     g, u = (torch.randn(t, inter, device=dev, dtype=dtype) for _ in range(2))
     impls = {"torch eager": lambda: F.silu(g) * u, ours: lambda: silu_and_mul(g, u)}
-    return _rows_for(f"silu_and_mul ({inter} wide)", impls, 3 * g.numel() * g.element_size(), copy_bw, **timing)
+    return _rows_for(
+        f"silu_and_mul ({inter} wide)", impls, 3 * g.numel() * g.element_size(), copy_bw, **timing
+    )
 
 
 def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, quick: bool = False) -> dict:
@@ -286,17 +307,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=None, help="rows (default: 32768 on CUDA, 256 on CPU)")
     p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 CUDA, fp32 CPU")
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 CUDA, fp32 CPU"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="few tokens and repeats: a smoke test")
     a = p.parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
     tokens = a.tokens or ((4096 if cuda else 32) if a.quick else (32768 if cuda else 256))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        a.dtype or ("bf16" if cuda else "fp32")
+    ]
     if not cuda:
         print(
-            "note: Triton kernels need CUDA; on this device the dispatcher runs the torch references, so\n"
-            "      'torch ref (dispatch)' below is the plain-torch reference against eager torch, not a kernel.",
+            "note: Triton kernels need CUDA; on this device the dispatcher runs the torch references,\n"
+            "      so 'torch ref (dispatch)' below is the plain-torch reference against eager torch,\n"
+            "      not a kernel.",
             flush=True,
         )
     rec = run_kernel_bench(a.device, tokens, a.hidden, dtype, quick=a.quick)
@@ -307,7 +333,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.json:
         write_json(a.json, rec)
         print(f"wrote {a.json}")
-    print_table(rec["rows"], title=f"shared.kernels: {tokens} tokens x {a.hidden} hidden, {rec['dtype']}, {a.device}")
+    print_table(
+        rec["rows"], title=f"shared.kernels: {tokens} tokens x {a.hidden} hidden, {rec['dtype']}, {a.device}"
+    )
     return rec
 
 

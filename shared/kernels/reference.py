@@ -24,9 +24,8 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must be (hidden,) for x {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
-        )
+        got, want = (tuple(residual.shape), residual.dtype), (tuple(x.shape), x.dtype)
+        raise ValueError(f"rms_norm: residual {got} must match x {want}")
 
 
 def check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -4,8 +4,7 @@
     out[..., D/2:] = x2 * cos + x1 * sin
 
 The rotation is orthogonal, so its backward is the rotation by -theta: the same kernel with sin
-negated. One program handles one token and a block of its heads, so cos/sin (shared by all heads of a
-token) are read once per program instead of once per head.
+negated. cos/sin are (tokens, D/2), shared by all heads of a token, so HBM traffic is x in, out out.
 """
 
 from __future__ import annotations
@@ -21,22 +20,26 @@ from .reference import check_rope_args
 def _rope_kernel(
     X, COS, SIN, OUT,
     stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh,
-    n_heads, half,
-    NEG_SIN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    n_rows, n_heads, half,
+    NEG_SIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # A row is one (token, head) pair. Blocks of rows rather than one token per program keep
+    # programs large when a token has few heads (8 GQA key heads); cos/sin are re-read per head, but
+    # from L1/L2, since the rows of one token are adjacent.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    rows = rows.to(tl.int64)
+    t, h = rows // n_heads, rows % n_heads
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < half
-    mask = (heads[:, None] < n_heads) & d_ok[None, :]
-    c = tl.load(COS + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(SIN + t * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & (d < half)[None, :]
+    c = tl.load(COS + t[:, None] * stride_ct + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + t[:, None] * stride_st + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if NEG_SIN:
         s = -s
-    x1_ptr = X + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
+    x1_ptr = X + t[:, None] * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptr + half, mask=mask, other=0.0).to(tl.float32)
-    o1_ptr = OUT + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    o1_ptr = OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(o1_ptr, (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=mask)
     tl.store(o1_ptr + half, (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=mask)
 
@@ -47,19 +50,23 @@ def _tokens(t: torch.Tensor, lead: tuple[int, ...], last: tuple[int, ...]) -> to
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _launch_config(half: int) -> tuple[int, int, int]:
+    """(BLOCK_R rows, BLOCK_D, num_warps): ~2K rotated pairs per program (32 heads of 128)."""
+    block_d = triton.next_power_of_2(half)
+    return max(1, 2048 // block_d), block_d, 4
+
+
 def _rope(x3d: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, neg_sin: bool) -> torch.Tensor:
     n_tok, n_heads, dim = x3d.shape
-    half = dim // 2
     out = torch.empty((n_tok, n_heads, dim), dtype=x3d.dtype, device=x3d.device)
-    block_d = triton.next_power_of_2(half)
-    # ~2K rotated pairs per program: 32 heads of 128 for a Llama-8B query in one program.
-    block_h = min(triton.next_power_of_2(n_heads), max(1, 2048 // block_d))
-    if n_tok:
-        _rope_kernel[(n_tok, triton.cdiv(n_heads, block_h))](
+    block_r, block_d, num_warps = _launch_config(dim // 2)
+    n_rows = n_tok * n_heads
+    if n_rows:
+        _rope_kernel[(triton.cdiv(n_rows, block_r),)](
             x3d, cos2d, sin2d, out,
             x3d.stride(0), x3d.stride(1), cos2d.stride(0), sin2d.stride(0), out.stride(0), out.stride(1),
-            n_heads, half,
-            NEG_SIN=neg_sin, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+            n_rows, n_heads, dim // 2,
+            NEG_SIN=neg_sin, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
     return out
 

@@ -80,7 +80,9 @@ def test_write_json_adds_provenance(tmp_path):
 
 
 def test_main_in_process(tmp_path, capsys):
-    rec = main(["--device", "cpu", "--quick", "--tokens", "8", "--hidden", "256", "--json", str(tmp_path / "k.json")])
+    rec = main(
+        ["--device", "cpu", "--quick", "--tokens", "8", "--hidden", "256", "--json", str(tmp_path / "k.json")]
+    )
     out = capsys.readouterr().out
     assert "torch references" in out  # on CPU it says what it compares
     ops = {r["op"].split(" (")[0] for r in rec["rows"]}
