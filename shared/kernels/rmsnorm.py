@@ -165,6 +165,7 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, residual, eps):
         shape, n_cols = x.shape, x.shape[-1]
         r2d = _as_rows(residual, n_cols) if residual is not None else None
+        weight = weight.contiguous()  # the kernels index it with unit stride
         y, s, rstd = _rms_norm_fwd(_as_rows(x, n_cols), weight, r2d, eps)
         ctx.save_for_backward(s, weight, rstd)
         ctx.shape, ctx.has_residual = shape, residual is not None
