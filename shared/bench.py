@@ -302,6 +302,55 @@ def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, 
     }  # fmt: skip
 
 
+# ------------------------------------------------------------------ python -m shared.bench: the model
+def run_model_bench(preset: str, device: str, batch: int, seq_len: int, dtype: torch.dtype,
+                    peak_flops: float, quick: bool = False) -> dict:
+    """One training step (forward + backward) of shared.model against `transformers`' implementation of
+    the same architecture (SDPA attention, the peer users already run), same shapes, same dtype.
+
+    tokens/s and MFU = flops_per_token (6N + 12·L·d·S, shared.accounting) × tokens/s over the measured
+    matmul peak."""
+    from shared.accounting import flops_per_token
+    from shared.config import resolve_model_config
+    from shared.model import build_model
+
+    cfg = resolve_model_config(preset)
+    dev = torch.device(device)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=dev)
+    timing = {"device": dev, "warmup": 1 if quick else 3, "repeats": 2 if quick else 10, "flush_l2": False}
+
+    def step(model: torch.nn.Module, logits_of: Callable) -> Callable[[], None]:
+        def run() -> None:
+            logits = logits_of(model(ids))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    impls: dict[str, Callable[[], None]] = {}
+    ours = build_model(cfg, device=dev, dtype=dtype)
+    impls["shared.model"] = step(ours, lambda out: out)
+    try:
+        import transformers
+
+        hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+        impls[f"transformers {transformers.__version__}"] = step(hf.to(dev, dtype), lambda out: out.logits)
+    except ImportError:
+        pass
+    flops = flops_per_token(cfg, seq_len) * batch * seq_len
+    rows, ref = [], None
+    for name, fn in impls.items():
+        seconds = benchmark(fn, **timing)
+        ref = ref or seconds
+        rows.append({"model": preset, "impl": name, "ms/step": seconds * 1e3,
+                     "tokens/s": batch * seq_len / seconds, "MFU %": 100 * mfu(flops / seconds, peak_flops),
+                     "ours x faster": seconds / ref})
+    del ours, impls
+    return {"bench": "shared.model train step", "model": preset, "batch": batch, "seq_len": seq_len,
+            "dtype": str(dtype).removeprefix("torch."), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -312,6 +361,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="few tokens and repeats: a smoke test")
+    p.add_argument("--model", default=None,
+                   help="preset for the model train-step bench (default: qwen3-0.6b on CUDA, tiny on CPU; "
+                        "'none' skips it)")
+    p.add_argument("--batch", type=int, default=None, help="model bench batch (default: 4 CUDA, 2 CPU)")
+    p.add_argument("--seq-len", type=int, default=None, help="model bench seq_len (default: 2048 CUDA, 128 CPU)")
     a = p.parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
     tokens = a.tokens or ((4096 if cuda else 32) if a.quick else (32768 if cuda else 256))
@@ -330,12 +384,21 @@ def main(argv: list[str] | None = None) -> dict:
         f"physical limits on {a.device}: copy {rec['copy_GBps']:.0f} GB/s (read + write), "
         f"matmul {rec['matmul_TFLOPs']:.1f} TFLOP/s ({rec['matmul']})"
     )
+    model = a.model or ("qwen3-0.6b" if cuda else "tiny")
+    if model != "none":
+        batch, seq_len = a.batch or (4 if cuda else 2), a.seq_len or ((512 if a.quick else 2048) if cuda else 128)
+        rec["model"] = run_model_bench(model, a.device, batch, seq_len, dtype,
+                                       rec["matmul_TFLOPs"] * 1e12, quick=a.quick)
     if a.json:
         write_json(a.json, rec)
         print(f"wrote {a.json}")
     print_table(
         rec["rows"], title=f"shared.kernels: {tokens} tokens x {a.hidden} hidden, {rec['dtype']}, {a.device}"
     )
+    if "model" in rec:
+        m = rec["model"]
+        print_table(m["rows"], title=f"shared.model train step (fwd+bwd): batch {m['batch']} x "
+                                     f"{m['seq_len']} tokens, {m['dtype']}, {a.device}; MFU vs measured matmul peak")
     return rec
 
 

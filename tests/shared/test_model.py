@@ -186,3 +186,20 @@ def test_bad_input_ids_shape():
     model = build_model(ModelConfig.from_name("tiny").replace(num_hidden_layers=1))
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.zeros(5, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------- GPU (lent machine)
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_cuda_bf16_model_error_within_twice_transformers_bf16_error(tmp_path, case):
+    """On CUDA the model runs the Triton kernels and FlashAttention; in bf16 its error against HF's fp32
+    logits must stay within 2x the error of HF's own bf16 run, plus a small epsilon."""
+    hf, path = _make_hf(tmp_path, case)
+    ids = torch.randint(0, BASE["vocab_size"], (4, 200), generator=torch.Generator().manual_seed(7)).cuda()
+    ref = _hf_logits(hf.cuda().float(), ids).double()
+    hf_bf16 = _hf_logits(hf.to(torch.bfloat16), ids).double()
+    ours = load_model(path, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = ours(ids).double()
+    ref_err = (hf_bf16 - ref).abs().max().item()
+    assert (out - ref).abs().max().item() <= 2 * ref_err + 1e-2
