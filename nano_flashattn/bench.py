@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nano_flashattn.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes; on CPU runs the reference path in seconds")
     p.add_argument("--out", default="bench_out/nano_flashattn", help="directory for bench.json and bench.md")
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen of the attention grid")
     p.add_argument("--hidden", type=int, default=2048, help="heads x head_dim of the attention grid")
@@ -54,6 +54,8 @@ def time_ms(fn, device: torch.device, graph: bool = False) -> float:
     """Median milliseconds per call: CUDA events via triton.testing on a GPU, perf_counter on a CPU."""
     if device.type == "cuda":
         import triton.testing
+
+        torch.cuda.synchronize()  # inputs made on the default stream; do_bench_cudagraph uses a side stream
 
         if graph:  # many small launches (decode): replay a CUDA graph so launch gaps do not count
             return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
@@ -252,6 +254,10 @@ def main(argv=None) -> dict:
 
         result["sweep"] = sweep(args.head_dims)
         save()
+    if device.type == "cuda":
+        from .tune import precompile_tables
+
+        precompile_tables(args.head_dims, args.pages)
     if not args.no_attention:
         result["attention"] = bench_attention(args, device, dtype)
         save()

@@ -57,15 +57,17 @@ def _run_bwd(head_dim, causal, cfg, seqlen=None, batch=None):
     return lambda: backward.attention_backward(do, q, k, v, out, lse, *args, config=cfg)
 
 
-def _run_decode(batch, ctx, cfg, splits, paged, heads_q=32, heads_k=8, head_dim=128):
+def _run_decode(batch, ctx, cfg, splits, paged, heads_q=32, heads_k=8, head_dim=128, page=16):
     q = torch.randn(batch, 1, heads_q, head_dim, device=DEVICE, dtype=torch.bfloat16)
     if paged:
-        kc = torch.randn(batch * ctx // 16, 16, heads_k, head_dim, device=DEVICE, dtype=torch.bfloat16)
-        table = torch.randperm(batch * ctx // 16, device=DEVICE, dtype=torch.int32).view(batch, -1)
+        kc = torch.randn(batch * ctx // page, page, heads_k, head_dim, device=DEVICE, dtype=torch.bfloat16)
+        table = torch.randperm(batch * ctx // page, device=DEVICE, dtype=torch.int32).view(batch, -1)
     else:
         kc, table = torch.randn(batch, ctx, heads_k, head_dim, device=DEVICE, dtype=torch.bfloat16), None
     vc = torch.randn_like(kc)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream that does not wait for these
     return lambda: decode.decode_forward(q, kc, vc, lens, table, head_dim**-0.5, False, splits, config=cfg)
 
 
@@ -78,8 +80,8 @@ def _compile(job):
         elif kind == "bwd":
             _run_bwd(*a, seqlen=256, batch=1)()
         else:
-            cfg, splits, paged = a
-            _run_decode(2, 1024, cfg, splits, paged)()
+            cfg, splits, page = a
+            _run_decode(2, 1024, cfg, splits, page > 0, page=max(page, 16))()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         return None
@@ -104,6 +106,15 @@ def _ms(fn, graph=False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def precompile_tables(head_dims, pages=(16, 256)) -> None:
+    """Compile, in parallel, what the bench will run with the current tables (cache hits are cheap)."""
+    jobs = [(k, d, c, cfg) for d in head_dims for c in (False, True)
+            for k, cfg in (("fwd", forward.FWD_CONFIGS[d]), ("bwd", backward.BWD_CONFIGS[d]))]  # fmt: skip
+    for page in (0, *pages):
+        jobs += [("dec", decode.DECODE_CONFIGS[page > 0], s, page) for s in (1, 2)]
+    _precompile(jobs)
+
+
 def sweep(head_dims=(64, 128)) -> dict:
     head_dims = [d for d in head_dims if d in FWD_CANDIDATES]
     base = {d: backward.BWD_CONFIGS[d] for d in head_dims}
@@ -111,7 +122,7 @@ def sweep(head_dims=(64, 128)) -> dict:
     for d in head_dims:  # one kernel's tiles varied, the other's held at the table's value
         jobs += [("bwd", d, c, (a, base[d][1])) for c in (False, True) for a in DKDV_CANDIDATES]
         jobs += [("bwd", d, c, (base[d][0], b)) for c in (False, True) for b in DQ_CANDIDATES]
-    dec_jobs = [("dec", cfg, s, p) for p in (False, True) for cfg in DECODE_CANDIDATES[p] for s in (1, 2)]
+    dec_jobs = [("dec", cfg, s, 16 * p) for p in (False, True) for cfg in DECODE_CANDIDATES[p] for s in (1, 2)]
     failed = _precompile(jobs + dec_jobs)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     for d in head_dims:
@@ -141,7 +152,7 @@ def sweep(head_dims=(64, 128)) -> dict:
     for paged in (False, True):
         res = {}
         for cfg in DECODE_CANDIDATES[paged]:
-            if any(str(("dec", cfg, s, paged)) in failed for s in (1, 2)):
+            if any(str(("dec", cfg, s, 16 * paged)) in failed for s in (1, 2)):
                 continue
             for (b, ctx), splits in DECODE_SPLITS.items():
                 for s in splits:
