@@ -57,16 +57,18 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx:
 
 def default_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0,
                       ctx: Any = None) -> torch.Tensor:
-    """Causal self-attention: nano_flashattn's FlashAttention-2 kernel on CUDA, torch SDPA elsewhere."""
-    if q.is_cuda and _flash_attn_func is not None:
+    """Causal self-attention: nano_flashattn's FlashAttention-2 kernel on CUDA for the head sizes it
+    supports (powers of two, 32..256), torch SDPA for everything else."""
+    if q.is_cuda and _flash_attn_func is not None and q.shape[-1] in _FLASH_HEAD_DIMS:
         return _flash_attn_func(q, k, v, causal=True)
     return sdpa_attention(q, k, v, layer_idx, ctx)
 
 
 try:  # shared stands on nano_flashattn (DESIGN.md dependency rule); absent in a fork of shared alone
     from nano_flashattn import flash_attn_func as _flash_attn_func
+    from nano_flashattn.checks import HEAD_DIMS as _FLASH_HEAD_DIMS
 except ImportError:  # pragma: no cover - depends on what is installed
-    _flash_attn_func = None
+    _flash_attn_func, _FLASH_HEAD_DIMS = None, ()
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

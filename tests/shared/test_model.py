@@ -42,9 +42,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.08 * noise)
 
 
-def _make_hf(tmp_path, case: str, seed: int = 0):
+def _make_hf(tmp_path, case: str, seed: int = 0, **overrides):
     cfg_cls, model_cls, extra = HF_CASES[case]
-    kwargs = {**BASE, **extra}
+    kwargs = {**BASE, **extra, **overrides}
     if "rope_scaling" in kwargs and transformers.__version__ >= "5":
         rs = kwargs.pop("rope_scaling")
         kwargs["rope_parameters"] = {"rope_theta": kwargs["rope_theta"], **rs}
@@ -190,11 +190,12 @@ def test_bad_input_ids_shape():
 
 # ---------------------------------------------------------------------------------- GPU (lent machine)
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 64])  # 16: SDPA fallback; 64: FlashAttention-2 kernel
 @pytest.mark.parametrize("case", sorted(HF_CASES))
-def test_cuda_bf16_model_error_within_twice_transformers_bf16_error(tmp_path, case):
+def test_cuda_bf16_model_error_within_twice_transformers_bf16_error(tmp_path, case, head_dim):
     """On CUDA the model runs the Triton kernels and FlashAttention; in bf16 its error against HF's fp32
     logits must stay within 2x the error of HF's own bf16 run, plus a small epsilon."""
-    hf, path = _make_hf(tmp_path, case)
+    hf, path = _make_hf(tmp_path, case, head_dim=head_dim)
     ids = torch.randint(0, BASE["vocab_size"], (4, 200), generator=torch.Generator().manual_seed(7)).cuda()
     ref = _hf_logits(hf.cuda().float(), ids).double()
     hf_bf16 = _hf_logits(hf.to(torch.bfloat16), ids).double()
