@@ -95,12 +95,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ HF import / export
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> ModelConfig:
         """Build from a HF `config.json` (a checkpoint directory, the file, or its parsed dict).
 
         Accepts Llama, Qwen2 and Qwen3 configs, in both the transformers-4 spelling (`rope_theta`,
@@ -180,7 +180,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_name(cls, name: str) -> "ModelConfig":
+    def from_name(cls, name: str) -> ModelConfig:
         """A named preset (see PRESETS)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")

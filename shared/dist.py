@@ -162,7 +162,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, job: tuple, con
         # Plain pickle copies tensor data into the bytes; conn.send() would share tensors through file
         # descriptors that vanish when this process exits, before the parent may have read them.
         conn.send_bytes(pickle.dumps(message))
-    except BaseException:  # noqa: BLE001 -- SystemExit/KeyboardInterrupt in fn are failures to report too
+    except BaseException:
         # Sent before destroying the group, so the parent can kill the peers while they still wait on us.
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:

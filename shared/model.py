@@ -212,7 +212,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> "CausalLM":
+    def init_weights(self, seed: int | None = None) -> CausalLM:
         """HF-style init: N(0, initializer_range) for matrices, zeros for biases, ones for norms.
         Works after `to_empty(device=...)` of a model built on the meta device."""
         gen = None
@@ -270,5 +270,17 @@ def greedy_generate(model: CausalLM, input_ids: list[int] | torch.Tensor, max_ne
     return out
 
 
-__all__ = ["AttentionFn", "CausalLM", "TransformerModel", "DecoderLayer", "Attention", "MLP", "RMSNorm",
-           "build_model", "default_attention", "sdpa_attention", "greedy_generate", "rope_inv_freq"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "AttentionFn",
+    "CausalLM",
+    "DecoderLayer",
+    "RMSNorm",
+    "TransformerModel",
+    "build_model",
+    "default_attention",
+    "greedy_generate",
+    "rope_inv_freq",
+    "sdpa_attention",
+]

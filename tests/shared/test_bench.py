@@ -88,8 +88,14 @@ def test_main_in_process(tmp_path, capsys):
     ops = {r["op"].split(" (")[0] for r in rec["rows"]}
     assert ops == {"rms_norm fwd", "add+rms_norm fwd", "rms_norm bwd", "rope", "silu_and_mul"}
     assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rec["rows"])
-    assert out.rstrip().splitlines()[-1].startswith("silu_and_mul")  # the table comes last
-    assert json.loads((tmp_path / "k.json").read_text())["rows"] == json.loads(json.dumps(rec["rows"]))
+    # the tables come last: kernels, then the model train step against transformers
+    assert out.rstrip().splitlines()[-6].startswith("silu_and_mul")
+    assert [r["impl"].split()[0] for r in rec["model"]["rows"]] == ["shared.model", "transformers"]
+    assert all(r["tokens/s"] > 0 and r["MFU %"] > 0 for r in rec["model"]["rows"])
+    assert out.rstrip().splitlines()[-1].startswith("tiny   transformers")
+    saved = json.loads((tmp_path / "k.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rec["rows"]))
+    assert saved["model"]["rows"] == json.loads(json.dumps(rec["model"]["rows"]))
 
 
 def test_cli_quick_runs(tmp_path):
