@@ -26,7 +26,11 @@ else:
     HAS_TRITON = True
 
 if HAS_TRITON:  # outside the try: a bug in a kernel module must be an error, not a silent fallback
-    from .interface import flash_attn_func_triton, flash_attn_varlen_func_triton, flash_attn_with_kvcache_triton
+    from .interface import (
+        flash_attn_func_triton,
+        flash_attn_varlen_func_triton,
+        flash_attn_with_kvcache_triton,
+    )
 else:
 
     def _no_triton(*args, **kwargs):
@@ -97,4 +101,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None
     Returns out like q, and with return_lse the LSE (batch, heads_q, seqlen_q).
     """
     impl = flash_attn_with_kvcache_triton if use_triton(q) else flash_attn_with_kvcache_torch
-    return impl(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, causal, return_lse)
+    return impl(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, causal, return_lse
+    )

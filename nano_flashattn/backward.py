@@ -28,7 +28,7 @@ from .forward import LOG2E, LOG2E_C, dot_precision, seq_bounds, tile_range, visi
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, LSE, Delta, LSE2, total_q, stride_qt, stride_qh, stride_lse_h,
+def _bwd_preprocess(Out, DO, LSE, Delta, LSE2, total_q, stride_qt, stride_qh, stride_lse_h,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     """Algorithm 2, line 4: D = rowsum(dO o O); also L in base 2 for the exp2 in the other kernels.
 
@@ -38,11 +38,15 @@ def _bwd_preprocess(O, DO, LSE, Delta, LSE2, total_q, stride_qt, stride_qh, stri
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < total_q
     ptrs = offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-    o = tl.load(O + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(Out + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     tl.store(Delta + h * stride_lse_h + offs_m, tl.sum(o * do, axis=1), mask=row_ok)
     lse = tl.load(LSE + h * stride_lse_h + offs_m, mask=row_ok, other=0.0)
-    tl.store(LSE2 + h * stride_lse_h + offs_m, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C), mask=row_ok)
+    tl.store(
+        LSE2 + h * stride_lse_h + offs_m,
+        tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C),
+        mask=row_ok,
+    )
 
 
 @triton.jit
@@ -91,7 +95,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    kv_ptrs = (
+        k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    )
     n_ok = offs_n[:, None] < k_len
     k = tl.load(K + kv_ptrs, mask=n_ok, other=0.0)  # line 6: K_j, V_j stay on chip
     v = tl.load(V + kv_ptrs, mask=n_ok, other=0.0)
@@ -218,7 +224,17 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
     lse2 = torch.empty_like(lse)
     pre_m = 128 if q.is_cuda else 16
     _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](
-        out, do, lse, delta, lse2, total_q, q.stride(0), q.stride(1), lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=pre_m
+        out,
+        do,
+        lse,
+        delta,
+        lse2,
+        total_q,
+        q.stride(0),
+        q.stride(1),
+        lse.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_M=pre_m,
     )
     common = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // heads_k, scale * LOG2E, scale,
               window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))  # fmt: skip
@@ -228,6 +244,18 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
         **meta,
     )  # fmt: skip
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
-        q, k, v, do, lse2, delta, dq, *common, BLOCK_M=m2, BLOCK_N=n2, num_warps=warps2, num_stages=stages2, **meta
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        dq,
+        *common,
+        BLOCK_M=m2,
+        BLOCK_N=n2,
+        num_warps=warps2,
+        num_stages=stages2,
+        **meta,
     )
     return dq, dk, dv

@@ -30,7 +30,9 @@ import nano_flashattn as fa
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nano_flashattn.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes; on CPU runs the reference path in seconds")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny shapes; on CPU runs the reference path in seconds"
+    )
     p.add_argument("--out", default="bench_out/nano_flashattn", help="directory for bench.json and bench.md")
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -50,21 +52,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def time_ms(fn, device: torch.device, graph: bool = False) -> float:
-    """Median milliseconds per call: CUDA events via triton.testing on a GPU, perf_counter on a CPU."""
+def time_ms(device: torch.device, fn, *args, graph: bool = False, **kwargs) -> float:
+    """Median milliseconds of fn(*args, **kwargs): CUDA events (triton.testing) on a GPU, else perf_counter."""
     if device.type == "cuda":
         import triton.testing
 
         torch.cuda.synchronize()  # inputs made on the default stream; do_bench_cudagraph uses a side stream
-
         if graph:  # many small launches (decode): replay a CUDA graph so launch gaps do not count
-            return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
+            return triton.testing.do_bench_cudagraph(
+                lambda: fn(*args, **kwargs), rep=100, return_mode="median"
+            )
+        return triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=25, rep=100, return_mode="median")
+    fn(*args, **kwargs)
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        fn()
+        fn(*args, **kwargs)
         times.append(time.perf_counter() - t)
     return 1e3 * sorted(times)[1]
 
@@ -74,10 +77,10 @@ def ceilings(device: torch.device) -> dict:
     n = 8192 if device.type == "cuda" else 256
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    mm = time_ms(lambda: a @ b, device)
+    mm = time_ms(device, torch.matmul, a, b)
     x = torch.randn(2**28 if device.type == "cuda" else 2**20, device=device)  # 1 GiB on a GPU
     y = torch.empty_like(x)
-    cp = time_ms(lambda: y.copy_(x), device)
+    cp = time_ms(device, y.copy_, x)
     return {"matmul_tflops": 2 * n**3 / mm / 1e9, "copy_tbps": 2 * x.numel() * x.element_size() / cp / 1e9}
 
 
@@ -92,11 +95,30 @@ def _peers(device):
     return [("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn")] if device.type == "cuda" else [("sdpa", None)]
 
 
-def _try(fn):
+def _try(fn, *args, **kwargs):
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except RuntimeError as e:  # a backend that refuses the shape: recorded, not fatal
         return f"unsupported: {str(e).splitlines()[0][:80]}"
+
+
+def _ours_dense(q, k, v, causal):
+    return fa.flash_attn_func(q, k, v, causal=causal)
+
+
+def _sdpa_dense(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _fwd_tflops(f, inputs, causal, flops, device):
+    return flops / time_ms(device, f, *inputs, causal) / 1e9
+
+
+def _bwd_tflops(f, inputs, causal, grad, flops, device):
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out = f(*inputs, causal)
+    ms = time_ms(device, torch.autograd.grad, out, inputs, grad, retain_graph=True)
+    return 2.5 * flops / ms / 1e9
 
 
 def bench_attention(args, device, dtype) -> list[dict]:
@@ -108,28 +130,25 @@ def bench_attention(args, device, dtype) -> list[dict]:
                 shape = (batch, seqlen, heads, head_dim)
                 q, k, v, do = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
                 flops = 4 * batch * seqlen**2 * heads * head_dim / (2 if causal else 1)
-                row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
-                impls = [("ours", None, lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal), (q, k, v))]
-                qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # SDPA's own layout
-                for name, backend in _peers(device):
-                    impls.append((name, backend, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                  (qt, kt, vt)))  # fmt: skip
-                for name, backend, f, inputs in impls:
+                row = {
+                    "head_dim": head_dim,
+                    "causal": causal,
+                    "seqlen": seqlen,
+                    "batch": batch,
+                    "heads": heads,
+                }
+                sdpa_layout = [
+                    t.transpose(1, 2).contiguous() for t in (q, k, v, do)
+                ]  # SDPA's own (B, H, S, D)
+                impls = [("ours", None, _ours_dense, (q, k, v), do)]
+                impls += [(n, b, _sdpa_dense, sdpa_layout[:3], sdpa_layout[3]) for n, b in _peers(device)]
+                for name, backend, f, inputs, grad in impls:
                     with sdpa_backend(backend) if backend else nullcontext():
-                        row[f"{name}_fwd"] = _try(lambda: flops / time_ms(lambda: f(*inputs), device) / 1e9)
-                        row[f"{name}_bwd"] = _try(lambda: _bwd_tflops(f, inputs, do, flops, device, name != "ours"))
+                        row[f"{name}_fwd"] = _try(_fwd_tflops, f, inputs, causal, flops, device)
+                        row[f"{name}_bwd"] = _try(_bwd_tflops, f, inputs, causal, grad, flops, device)
                 rows.append(row)
                 print(_fmt_attn(row), flush=True)
-                del q, k, v, do, qt, kt, vt
     return rows
-
-
-def _bwd_tflops(f, inputs, do, flops, device, transposed):
-    inputs = [t.detach().requires_grad_() for t in inputs]
-    out = f(*inputs)
-    grad = do.transpose(1, 2).contiguous() if transposed else do
-    ms = time_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True), device)
-    return 2.5 * flops / ms / 1e9
 
 
 def _paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor):
@@ -153,26 +172,32 @@ def bench_decode(args, device, dtype, heads_q=32, heads_k=8, head_dim=128) -> li
             seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             kv_bytes = 2 * kc.numel() * kc.element_size()
             row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes}
-            tbps = lambda ms: kv_bytes / ms / 1e9  # noqa: E731
             g = device.type == "cuda"
-            row["ours_contiguous"] = tbps(time_ms(lambda: fa.flash_attn_with_kvcache(q, kc, vc, seqlens), device, g))
+            ms = time_ms(device, fa.flash_attn_with_kvcache, q, kc, vc, seqlens, graph=g)
+            row["ours_contiguous"] = kv_bytes / ms / 1e9
             for page in args.pages:
                 perm = torch.randperm(batch * ctx // page, generator=gen).to(device)
                 kp, vp = _paged_copy(kc, page, perm), _paged_copy(vc, page, perm)
                 table = perm.view(batch, -1).to(torch.int32)
-                fn = lambda: fa.flash_attn_with_kvcache(q, kp, vp, seqlens, block_table=table)  # noqa: E731
-                torch.testing.assert_close(fn(), fa.flash_attn_with_kvcache(q, kc, vc, seqlens), atol=2e-2, rtol=0)
-                row[f"ours_paged{page}"] = tbps(time_ms(fn, device, g))
+                out = fa.flash_attn_with_kvcache(q, kp, vp, seqlens, block_table=table)
+                torch.testing.assert_close(
+                    out, fa.flash_attn_with_kvcache(q, kc, vc, seqlens), atol=2e-2, rtol=0
+                )
+                ms = time_ms(
+                    device, fa.flash_attn_with_kvcache, q, kp, vp, seqlens, block_table=table, graph=g
+                )
+                row[f"ours_paged{page}"] = kv_bytes / ms / 1e9
                 del kp, vp
             # SDPA: fold the GQA group into the query axis: (B, Hk, group, D) against (B, Hk, L, D)
             qs = q.view(batch, heads_k, heads_q // heads_k, head_dim)
             ks, vs = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
             for name, backend in _peers(device):
                 with sdpa_backend(backend) if backend else nullcontext():
-                    row[name] = _try(lambda: tbps(time_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs), device, g)))
+                    ms = _try(time_ms, device, F.scaled_dot_product_attention, qs, ks, vs, graph=g)
+                    row[name] = kv_bytes / ms / 1e9 if isinstance(ms, float) else ms
             rows.append(row)
             print(_fmt_decode(row), flush=True)
-            del q, kc, vc, ks, vs
+            del kc, vc, ks, vs
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -210,7 +235,11 @@ def markdown(result: dict) -> str:
     ]
     if result["attention"]:
         peers = [k[:-4] for k in result["attention"][0] if k.endswith("_fwd") and k != "ours_fwd"]
-        head = "| hd | causal | seqlen | " + " | ".join(f"{d} {n}" for d in ("fwd", "bwd") for n in ["ours", *peers]) + " |"
+        head = (
+            "| hd | causal | seqlen | "
+            + " | ".join(f"{d} {n}" for d in ("fwd", "bwd") for n in ["ours", *peers])
+            + " |"
+        )
         lines += [head, "|" + "---|" * (3 + 2 * (1 + len(peers)))]
         for r in result["attention"]:
             cells = [_num(r[f"{n}_{d}"], 0) for d in ("fwd", "bwd") for n in ["ours", *peers]]
@@ -218,9 +247,14 @@ def markdown(result: dict) -> str:
         lines.append("")
     if result["decode"]:
         keys = [k for k in result["decode"][0] if k.startswith(("ours_", "sdpa"))]
-        lines += ["| batch | context | " + " | ".join(f"{k} TB/s" for k in keys) + " |", "|" + "---|" * (2 + len(keys))]
+        lines += [
+            "| batch | context | " + " | ".join(f"{k} TB/s" for k in keys) + " |",
+            "|" + "---|" * (2 + len(keys)),
+        ]
         for r in result["decode"]:
-            lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(_num(r[k], 2) for k in keys) + " |")
+            lines.append(
+                f"| {r['batch']} | {r['context']} | " + " | ".join(_num(r[k], 2) for k in keys) + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -235,12 +269,15 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python -m nano_flashattn.bench " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": "python -m nano_flashattn.bench "
+        + " ".join(argv if argv is not None else os.sys.argv[1:]),
         "ours": "triton" if device.type == "cuda" else "torch reference (no GPU)",
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": None, "attention": [], "decode": []}
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']}")
-    print(f"ceilings: matmul {result['ceilings']['matmul_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s")
+    print(
+        f"ceilings: matmul {result['ceilings']['matmul_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s"
+    )
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so that a run cut short still leaves its numbers

@@ -15,7 +15,7 @@ import math
 import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-REF_DTYPES = DTYPES + (torch.float64,)  # the references also run in fp64: the tests' oracle
+REF_DTYPES = (*DTYPES, torch.float64)  # the references also run in fp64: the tests' oracle
 HEAD_DIMS = (32, 64, 128, 256)
 # "No window" on one side is stored as this many positions: larger than any sequence, small enough
 # that `i + diag + NO_WINDOW` stays inside int32 in the kernels.
@@ -34,7 +34,9 @@ def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tupl
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != ndim:
-            raise ValueError(f"{name} must have {ndim} dims (..., seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have {ndim} dims (..., seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in REF_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}; supported: fp16, bf16, fp32")
     for name, t in zip(names[1:], (k, v)):
@@ -99,11 +101,15 @@ def check_cu_seqlens(cu: torch.Tensor, name: str, q: torch.Tensor, batch: int | 
     return cu.numel() - 1
 
 
-def check_block_table(block_table: torch.Tensor, batch: int, num_blocks: int, page_size: int, q: torch.Tensor):
+def check_block_table(
+    block_table: torch.Tensor, batch: int, num_blocks: int, page_size: int, q: torch.Tensor
+):
     if not isinstance(block_table, torch.Tensor):
         raise ValueError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must have shape (batch={batch}, max_pages), got {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must have shape (batch={batch}, max_pages), got {tuple(block_table.shape)}"
+        )
     if block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be int32, got {block_table.dtype}")
     if block_table.device != q.device:
@@ -124,7 +130,9 @@ def check_lengths_fit(cu_or_lens: torch.Tensor, name: str, capacity: int, is_cum
         return
     lens = cu_or_lens.diff() if is_cumulative else cu_or_lens
     if lens.numel() and (lens.min().item() < 0 or lens.max().item() > capacity):
-        raise ValueError(f"{name} has lengths in [{lens.min().item()}, {lens.max().item()}], the cache holds {capacity}")
+        raise ValueError(
+            f"{name} has lengths in [{lens.min().item()}, {lens.max().item()}], the cache holds {capacity}"
+        )
 
 
 def _check_int(x, name: str, lo: int = 0) -> int:
@@ -157,7 +165,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         k_rows = block_table.shape[1] * k.shape[1]  # what one sequence can address through its table
     if _values_checkable(q):
         lq, lk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-        vals = torch.stack([lq.min(), lq.max(), cu_seqlens_q[-1], lk.min(), lk.max(), cu_seqlens_k[-1]]).tolist()
+        vals = torch.stack(
+            [lq.min(), lq.max(), cu_seqlens_q[-1], lk.min(), lk.max(), cu_seqlens_k[-1]]
+        ).tolist()
         if vals[0] < 0 or vals[1] > max_seqlen_q or vals[2] > q.shape[0]:
             raise ValueError(
                 f"cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q ({max_seqlen_q}) and "
@@ -171,7 +181,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             )
         if paged and vals[4] > k_rows:
             raise ValueError(f"cu_seqlens_k has a length {vals[4]} > the {k_rows} rows block_table addresses")
-    return (check_scale(softmax_scale, head_dim), *check_window(window_size, causal), max_seqlen_q, max_seqlen_k)
+    return (
+        check_scale(softmax_scale, head_dim),
+        *check_window(window_size, causal),
+        max_seqlen_q,
+        max_seqlen_k,
+    )
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits):

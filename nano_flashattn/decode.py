@@ -33,7 +33,7 @@ NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "split_len"])
-def _decode_split_kernel(Q, K, V, O, LSE, cache_seqlens, block_table,
+def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
                          seqlen_q, group, qk_scale, split_len, window_right,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                          stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
@@ -51,7 +51,9 @@ def _decode_split_kernel(Q, K, V, O, LSE, cache_seqlens, block_table,
     h = hk * group + rows // seqlen_q
     t = rows % seqlen_q
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = (
+        Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     k_len = tl.load(cache_seqlens + b)
@@ -81,8 +83,8 @@ def _decode_split_kernel(Q, K, V, O, LSE, cache_seqlens, block_table,
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
     b64 = b.to(tl.int64)
-    o_ptrs = O + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os
-    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    o_ptrs = Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os
+    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls, lse, mask=row_ok)
 
 
@@ -100,7 +102,9 @@ def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constex
     total = tl.sum(w, 0)
     empty = total == 0.0
     total = tl.where(empty, 1.0, total)
-    o_s = tl.load(O_part + (r * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+    o_s = tl.load(
+        O_part + (r * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
+    )
     out = tl.sum(w[:, None] * o_s, 0) / total
     tl.store(Out + r * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
     tl.store(LSE + r, tl.where(empty, float("-inf"), m + tl.log(total)))
@@ -131,7 +135,9 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
     return max(1, min(target // programs, longest, 128))
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool) -> tuple[int, int, int]:
+def decode_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool
+) -> tuple[int, int, int]:
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
@@ -161,7 +167,9 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     if num_splits == 1:  # write the final output directly; no combine
         o_part, lse_part, s_stride = out, lse, (0, 0)
     else:
-        o_part = torch.empty(batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(
+            batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
         lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32, device=q.device)
         s_stride = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
@@ -178,6 +186,12 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(batch * seqlen_q * heads_q,)](
-            o_part, lse_part, out, lse, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits)
+            o_part,
+            lse_part,
+            out,
+            lse,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
         )
     return out, lse.transpose(1, 2)

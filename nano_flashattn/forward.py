@@ -110,13 +110,18 @@ def seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.con
     if VARLEN:
         q_start = tl.load(cu_seqlens_q + b)
         k_start = tl.load(cu_seqlens_k + b)
-        return q_start, tl.load(cu_seqlens_q + b + 1) - q_start, k_start, tl.load(cu_seqlens_k + b + 1) - k_start
+        return (
+            q_start,
+            tl.load(cu_seqlens_q + b + 1) - q_start,
+            k_start,
+            tl.load(cu_seqlens_k + b + 1) - k_start,
+        )
     else:
         return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right"])
-def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
+def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
                 seqlen_q, seqlen_k, group, qk_scale, window_left, window_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_bt, stride_lse_h,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
@@ -136,7 +141,9 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0
+    )
     if PAGED:
         k_off = hk * stride_kh
         bt_row = block_table + b.to(tl.int64) * stride_bt
@@ -170,8 +177,12 @@ def _fwd_kernel(Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
     out = acc / l_i[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
     row_ok = offs_m < q_len
-    o_base = O + q_start.to(tl.int64) * stride_qt + h * stride_qh
-    tl.store(o_base + offs_m[:, None] * stride_qt + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    o_base = Out + q_start.to(tl.int64) * stride_qt + h * stride_qh
+    tl.store(
+        o_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
 
 

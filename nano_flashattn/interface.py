@@ -79,7 +79,9 @@ def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
                                    num_splits=0, causal=False, return_lse=False):  # fmt: skip
     """Flash-Decoding over a contiguous or paged KV cache; see `nano_flashattn.flash_attn_with_kvcache`."""
-    scale, cache_seqlens = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits)
+    scale, cache_seqlens = check_kvcache(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits
+    )
     check_kernel_dtype(q)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(

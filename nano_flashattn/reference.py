@@ -92,7 +92,9 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
     """Reference of `flash_attn_with_kvcache`: q (B, Sq, Hq, D) attends to the first cache_seqlens[b]
     rows of sequence b's cache (row b of a contiguous cache, or the pages block_table[b] lists).
     `num_splits` only changes how the kernel splits the work, so the reference ignores it."""
-    scale, cache_seqlens = check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits)
+    scale, cache_seqlens = check_kvcache(
+        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits
+    )
     left, right = (1 << 30), (0 if causal else 1 << 30)
     outs, lses = [], []
     for b, n in enumerate(cache_seqlens.tolist()):

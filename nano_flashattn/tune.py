@@ -122,7 +122,9 @@ def sweep(head_dims=(64, 128)) -> dict:
     for d in head_dims:  # one kernel's tiles varied, the other's held at the table's value
         jobs += [("bwd", d, c, (a, base[d][1])) for c in (False, True) for a in DKDV_CANDIDATES]
         jobs += [("bwd", d, c, (base[d][0], b)) for c in (False, True) for b in DQ_CANDIDATES]
-    dec_jobs = [("dec", cfg, s, 16 * p) for p in (False, True) for cfg in DECODE_CANDIDATES[p] for s in (1, 2)]
+    dec_jobs = [
+        ("dec", cfg, s, 16 * p) for p in (False, True) for cfg in DECODE_CANDIDATES[p] for s in (1, 2)
+    ]
     failed = _precompile(jobs + dec_jobs)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     for d in head_dims:
@@ -133,7 +135,10 @@ def sweep(head_dims=(64, 128)) -> dict:
             scores[cfg] = sum(1 / _ms(_run_fwd(d, c, cfg)) for c in (False, True))
         forward.FWD_CONFIGS[d] = best = max(scores, key=scores.get)
         report["fwd"][d] = {"best": best, "score": {str(k): v for k, v in scores.items()}}
-        print(f"sweep fwd hd{d}: best {best}  " + "  ".join(f"{k}:{v:.3f}" for k, v in scores.items()), flush=True)
+        print(
+            f"sweep fwd hd{d}: best {best}  " + "  ".join(f"{k}:{v:.3f}" for k, v in scores.items()),
+            flush=True,
+        )
         # the whole backward's time, first over dK/dV tiles, then over dQ tiles with the best dK/dV
         best = base[d]
         scores = {}
@@ -147,7 +152,10 @@ def sweep(head_dims=(64, 128)) -> dict:
             best = max(scores, key=scores.get)
         backward.BWD_CONFIGS[d] = best
         report["bwd"][d] = {"best": best, "score": {str(k): v for k, v in scores.items()}}
-        print(f"sweep bwd hd{d}: best {best}  " + "  ".join(f"{k}:{v:.3f}" for k, v in scores.items()), flush=True)
+        print(
+            f"sweep bwd hd{d}: best {best}  " + "  ".join(f"{k}:{v:.3f}" for k, v in scores.items()),
+            flush=True,
+        )
         torch.cuda.empty_cache()
     for paged in (False, True):
         res = {}
@@ -157,11 +165,14 @@ def sweep(head_dims=(64, 128)) -> dict:
             for (b, ctx), splits in DECODE_SPLITS.items():
                 for s in splits:
                     res[str((cfg, b, ctx, s))] = _ms(_run_decode(b, ctx, cfg, s, paged), graph=True)
+
         # best config: fastest sum over the two shapes, each at its own best split count
-        def total(cfg):
+        def total(cfg, res=res):
             return sum(min(res[str((cfg, b, c, s))] for s in ss) for (b, c), ss in DECODE_SPLITS.items())
 
-        ok = [cfg for cfg in DECODE_CANDIDATES[paged] if any(str((cfg, *bc, 1)) in res for bc in DECODE_SPLITS)]
+        ok = [
+            cfg for cfg in DECODE_CANDIDATES[paged] if any(str((cfg, *bc, 1)) in res for bc in DECODE_SPLITS)
+        ]
         decode.DECODE_CONFIGS[paged] = best = min(ok, key=total)
         report["decode"][str(paged)] = {"best": best, "ms": res}
         print(f"sweep decode paged={paged}: best {best}; ms " + "  ".join(f"{k}:{v:.3f}" for k, v in res.items()),

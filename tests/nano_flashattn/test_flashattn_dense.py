@@ -25,7 +25,10 @@ def _run_and_compare(fa_check, b, m, n, hq, hk, d, dtype, causal, window, backwa
     q, k, v = (t.requires_grad_(backward) for t in (q, k, v))
     out, lse = fa.flash_attn_func_triton(q, k, v, causal=causal, window_size=window, return_lse=True)
     scale = d**-0.5
-    left, right = (1 << 30 if window[0] < 0 else window[0]), (0 if causal else 1 << 30 if window[1] < 0 else window[1])
+    left, right = (
+        (1 << 30 if window[0] < 0 else window[0]),
+        (0 if causal else 1 << 30 if window[1] < 0 else window[1]),
+    )
     results = {}
     for name, (qq, kk, vv), upcast in (
         ("ref", [t.detach().double().requires_grad_(backward) for t in (q, k, v)], True),
@@ -97,7 +100,9 @@ def test_reference_matches_torch_sdpa(causal, window):
     if right >= 0:
         allowed &= j <= i + n - m + right
     kr, vr = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), attn_mask=allowed)
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2), attn_mask=allowed
+    )
     torch.testing.assert_close(out, sdpa.transpose(1, 2))
 
 

@@ -14,7 +14,11 @@ KVCACHE = [fa.flash_attn_with_kvcache_triton, fa.flash_attn_with_kvcache_torch]
 
 
 def _qkv(hq=4, hk=2, d=32, n=8, dtype=torch.float16):
-    return torch.randn(1, 5, hq, d, dtype=dtype), torch.randn(1, n, hk, d, dtype=dtype), torch.randn(1, n, hk, d, dtype=dtype)
+    return (
+        torch.randn(1, 5, hq, d, dtype=dtype),
+        torch.randn(1, n, hk, d, dtype=dtype),
+        torch.randn(1, n, hk, d, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("fn", DENSE)
@@ -72,14 +76,18 @@ def test_varlen_bad_inputs(fn):
         fn(q, k, v, cu_q, torch.tensor([0, 3, 6, 9], dtype=torch.int32), mq, mk)
     with pytest.raises(ValueError, match=r"^cu_seqlens_k must be int32"):
         fn(q, k, v, cu_q, cu_k.long(), mq, mk)
-    with pytest.raises(ValueError, match=r"^cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q"):
+    with pytest.raises(
+        ValueError, match=r"^cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q"
+    ):
         fn(q, k, v, cu_q, cu_k, 3, mk)
     with pytest.raises(ValueError, match=r"^cu_seqlens_k must be non-decreasing"):
         fn(q, k, v, cu_q, torch.tensor([0, 3, 10], dtype=torch.int32), mq, 7)
     with pytest.raises(ValueError, match=r"^max_seqlen_q must be an int"):
         fn(q, k, v, cu_q, cu_k, -1, mk)
     q, k, v, cu_q, cu_k, mq, mk, table = _varlen(paged=True)
-    with pytest.raises(ValueError, match=r"^block_table points outside the cache: entries in \[0, 4\], cache has 4"):
+    with pytest.raises(
+        ValueError, match=r"^block_table points outside the cache: entries in \[0, 4\], cache has 4"
+    ):
         fn(q, k, v, cu_q, cu_k, mq, mk, block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^block_table must have shape \(batch=2, max_pages\)"):
         fn(q, k, v, cu_q, cu_k, mq, mk, block_table=table[:1])
@@ -99,7 +107,12 @@ def test_kvcache_bad_inputs(fn):
     kc = torch.randn(2, 20, 2, 32, dtype=torch.float16)
     lens = torch.tensor([5, 20], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q heads \(8\) must be divisible by k_cache heads \(3\)"):
-        fn(q, torch.randn(2, 20, 3, 32, dtype=torch.float16), torch.randn(2, 20, 3, 32, dtype=torch.float16), lens)
+        fn(
+            q,
+            torch.randn(2, 20, 3, 32, dtype=torch.float16),
+            torch.randn(2, 20, 3, 32, dtype=torch.float16),
+            lens,
+        )
     with pytest.raises(ValueError, match=r"^v_cache has dtype torch.bfloat16"):
         fn(q, kc, kc.bfloat16(), lens)
     with pytest.raises(ValueError, match=r"^cache_seqlens must be an int or a \(2,\) int32 tensor"):

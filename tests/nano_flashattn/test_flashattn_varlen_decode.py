@@ -29,7 +29,9 @@ def _paged_cache(lens, page, hk, d, dtype, device, gen):
     return k, v, table.to(device=device, dtype=torch.int32)
 
 
-def _compare_varlen(fa_check, lens_q, lens_k, hq, hk, d, dtype, causal, page=None, backward=True, device=DEVICE):
+def _compare_varlen(
+    fa_check, lens_q, lens_k, hq, hk, d, dtype, causal, page=None, backward=True, device=DEVICE
+):
     gen = torch.Generator().manual_seed(1)
     cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
     q = _rand(sum(lens_q), hq, d, dtype=dtype, device=device, gen=gen)
@@ -70,7 +72,9 @@ def test_varlen_paged_kv(fa_check, page):
     _compare_varlen(fa_check, [1, 7, 0, 12], [5, 40, 16, 33], 8, 2, 32, torch.float16, True, page=page)
 
 
-def _compare_decode(fa_check, batch, seqlen_q, hq, hk, d, lens, dtype, page, num_splits, causal, device=DEVICE):
+def _compare_decode(
+    fa_check, batch, seqlen_q, hq, hk, d, lens, dtype, page, num_splits, causal, device=DEVICE
+):
     gen = torch.Generator().manual_seed(2)
     q = _rand(batch, seqlen_q, hq, d, dtype=dtype, device=device, gen=gen)
     if page is None:
@@ -123,5 +127,9 @@ def test_gpu_bf16_decode(fa_check, page):
 
 @pytest.mark.gpu
 def test_gpu_bf16_varlen(fa_check):
-    _compare_varlen(fa_check, [0, 1, 300, 129], [5, 1, 300, 700], 8, 2, 128, torch.bfloat16, True, device="cuda")
-    _compare_varlen(fa_check, [3, 100, 0], [40, 500, 64], 8, 2, 128, torch.bfloat16, True, page=16, device="cuda")
+    _compare_varlen(
+        fa_check, [0, 1, 300, 129], [5, 1, 300, 700], 8, 2, 128, torch.bfloat16, True, device="cuda"
+    )
+    _compare_varlen(
+        fa_check, [3, 100, 0], [40, 500, 64], 8, 2, 128, torch.bfloat16, True, page=16, device="cuda"
+    )
