@@ -1,0 +1,89 @@
+"""Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", arXiv 2205.05198, §4.2.2 and Figure 5).
+
+Tensor parallelism leaves the norms (and dropout) replicated: every tp rank stores the same b·s·h
+activations for them. Sequence parallelism splits those regions along the sequence instead, and
+replaces Megatron's f / g pair around each block by
+
+    g  (block entry):  all-gather along the sequence forward,  reduce-scatter backward
+    ḡ  (block exit):   reduce-scatter along the sequence forward,  all-gather backward
+
+An all-reduce *is* a reduce-scatter followed by an all-gather, so the communication volume is the same
+as plain tensor parallelism while the norm activations shrink by tp. The norm weights then see only
+s/tp tokens per rank, so their gradients are partial: the trainer all-reduces them over tp after the
+backward pass (`TPShard.partial_grad`, summed in `engine.MegatronEngine`).
+
+Activations are (batch, seq, hidden) here (shared.model's layout); the collectives work on dim 0, so
+the sequence is moved to the front around them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shared.dist import all_gather_single, reduce_scatter_single
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    front = x.movedim(1, 0).contiguous()
+    out = front.new_empty((front.shape[0] * world, *front.shape[1:]))
+    all_gather_single(out, front, group=group)
+    return out.movedim(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    front = x.movedim(1, 0).contiguous()
+    if front.shape[0] % world:
+        raise ValueError(f"sequence length {front.shape[0]} is not divisible by tp={world}")
+    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
+    reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, 1)
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """g of Figure 5: all-gather the sequence shards before the column-parallel GEMMs; the gradient
+    arriving from them is a partial sum over tp ranks, hence reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """ḡ of Figure 5: sum the row-parallel partial outputs and keep this rank's sequence shard."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s/tp, h) → (b, s, h): all-gather forward, reduce-scatter backward."""
+    return _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s, h) partial sums → (b, s/tp, h) sums: reduce-scatter forward, all-gather backward."""
+    return _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def split_sequence(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous slice of dim 1 (what `reduce_scatter_to_sequence_parallel` keeps)."""
+    return x.chunk(world, dim=1)[rank]
