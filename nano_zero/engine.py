@@ -1,0 +1,96 @@
+"""ZeroEngine: shared.model under ZeroDataParallel, as a `shared.train.TrainEngine` the one loop drives.
+
+The model is built on the meta device and materialised unit by unit inside ZeroDataParallel (§5.3), with
+the same initial weights `shared.model.build_model(cfg, seed=seed)` gives one process, so a ZeRO run and
+the single-process LocalEngine start, and stay, equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nano_zero.ledger import MemoryReport
+from nano_zero.zero import ZeroDataParallel
+from shared.config import ModelConfig
+from shared.model import CausalLM, RMSNorm
+from shared.train import StepResult, TrainConfig, next_token_loss
+
+
+def init_like_build_model(std: float) -> Callable[[nn.Module, torch.Generator], None]:
+    """Per-module form of `CausalLM.init_weights` (N(0, std) matrices, zero biases, unit norms).
+
+    Applied in `modules()` order with one generator, it draws exactly the numbers `build_model` draws,
+    which the tests check; keep it in step with `CausalLM.init_weights`.
+    """
+
+    def init(module: nn.Module, gen: torch.Generator) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std, generator=gen)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.zero_()
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+
+    return init
+
+
+class ZeroEngine:
+    """TrainEngine for ZeRO stage 0–3 data parallelism over `group` (default: all ranks)."""
+
+    def __init__(self, model_config: ModelConfig, cfg: TrainConfig, stage: int, *,
+                 device: torch.device | str | None = None, group: dist.ProcessGroup | None = None,
+                 prefetch: bool = True) -> None:
+        self.model_config, self.cfg, self.stage = model_config, cfg, stage
+        with torch.device("meta"):
+            module = CausalLM(model_config)
+        self.model = ZeroDataParallel(
+            module, stage, dtype=cfg.torch_dtype, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+            weight_decay=cfg.weight_decay, group=group, init_fn=init_like_build_model(model_config.initializer_range),
+            seed=cfg.seed, prefetch=prefetch, device=device)
+        self.device = self.model.device
+        self.dp_rank, self.dp_world_size = self.model.rank, self.model.world
+        self.last_step_comm: tuple[int, int] = (0, 0)  # (elements, bytes) of the last train_step
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+        """Forward/backward each micro-batch (communication only on the last, except stage 3), then step."""
+        start = self.model.counter.snapshot()
+        num_tokens = sum(y.numel() for _, y in micro_batches) * self.dp_world_size
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            with nullcontext() if i == last else self.model.no_sync():
+                loss = next_token_loss(self.model(x.to(self.device)), y.to(self.device), num_tokens)
+                loss.backward()
+            total += loss.detach()
+        grad_norm = self.model.step(lr, self.cfg.grad_clip)
+        self.model.comm.all_reduce_scalar(total)
+        end = self.model.counter.snapshot()
+        self.last_step_comm = (end[0] - start[0], end[1] - start[1])
+        return StepResult(loss=float(total), grad_norm=grad_norm)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.model.full_state_dict()
+
+    def _shard_file(self, directory: Path) -> Path:
+        return Path(directory) / f"zero-rank{self.dp_rank:05d}.pt"
+
+    def save_resume_state(self, directory: Path) -> None:
+        torch.save(self.model.shard_state_dict(), self._shard_file(directory))
+
+    def load_resume_state(self, directory: Path) -> None:
+        path = self._shard_file(directory)
+        if not path.is_file():
+            raise FileNotFoundError(f"no ZeRO shard {path.name} in {str(directory)!r} (saved with another world size?)")
+        self.model.load_shard_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+    def memory_report(self) -> MemoryReport:
+        return self.model.memory_report()
+
+
+__all__ = ["ZeroEngine", "init_like_build_model"]

@@ -1,0 +1,65 @@
+"""Train shared.model with ZeRO: `torchrun --nproc-per-node N -m nano_zero.train zero.stage=3 model=tiny`.
+
+A Hydra app (configs in nano_zero/configs): `zero.*` picks the stage, `model=` a model file (any ModelConfig
+field is overridable, `model.num_hidden_layers=2`), `train.*` the loop (shared.train.TrainConfig). Without
+torchrun it runs as one process. The run directory gets Hydra's config, `metrics.jsonl` and `checkpoint/`
+(HF format, plus `resume/` with one ZeRO shard per rank: `train.resume_from=<run>/checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from nano_zero.engine import ZeroEngine
+from shared.dist import destroy_distributed, init_distributed, print0
+from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.train import TrainConfig, train
+
+
+def _same_on_all_ranks(value: str) -> str:
+    """Rank 0's value everywhere (each rank's Hydra may stamp a different `${now:}` run directory)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Everything `main` does, callable without Hydra's decorator (tests, notebooks)."""
+    env = init_distributed(cfg.get("backend"))
+    try:
+        out_dir = _same_on_all_ranks(hydra_run_dir())
+        tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
+        mcfg = model_config_from(cfg.model)
+        engine = ZeroEngine(mcfg, tcfg, int(cfg.zero.stage), device=env.device, prefetch=bool(cfg.zero.prefetch))
+        print0(f"nano_zero: stage {engine.stage}, {env.world_size} rank(s), {env.backend}, out_dir {out_dir}")
+        print0(engine.memory_report().format(env.rank))
+        peak = cfg.get("peak_tflops")
+        peak_flops = peak * 1e12 if peak else None
+        if peak_flops is None and env.device.type == "cuda":
+            from shared.bench import measure_matmul_flops
+
+            peak_flops = measure_matmul_flops(env.device)
+        records = train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
+        elements, nbytes = engine.last_step_comm
+        psi = sum(u.numel for u in engine.model.units)
+        print0(f"communication in the last step: {elements:,} elements = {elements / psi:.3f} Ψ "
+               f"({nbytes / 2**20:,.1f} MiB per rank; §7: 2Ψ stages 0-2, 3Ψ per micro-step stage 3)")
+        print0(engine.memory_report().format(env.rank))
+        return records
+    finally:
+        destroy_distributed()
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(int(cfg.train.seed))
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
