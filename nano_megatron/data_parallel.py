@@ -58,6 +58,7 @@ class BucketedGradReducer:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._armed = False
         self._next_launch = 0
+        self.launched_by_hooks = 0  # buckets whose reduction started inside the last backward pass
         if self.world > 1:
             for b in self.buckets:
                 for p in b.params:
@@ -83,7 +84,7 @@ class BucketedGradReducer:
             b.pending, b.work = len(b.params), None
             for p, view in zip(b.params, b.views):
                 p.grad = view
-        self._armed, self._next_launch = False, 0
+        self._armed, self._next_launch, self.launched_by_hooks = False, 0, 0
 
     def arm(self) -> None:
         """Reduce during the next backward pass (call it before the last micro-batch's backward)."""
@@ -98,6 +99,7 @@ class BucketedGradReducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+            self.launched_by_hooks += 1
 
     def _launch(self, b: _Bucket) -> None:
         b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)

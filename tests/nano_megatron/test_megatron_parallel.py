@@ -204,8 +204,19 @@ def _bad_inputs() -> dict[str, str]:
     return messages
 
 
+def _bucket_overlap() -> dict[str, int]:
+    """How many dp buckets started their all-reduce from a gradient hook, i.e. during backward."""
+    engine = make_engine(dict(parallel=dict(dp=2, bucket_mb=0.01), train=dict(micro_batch_size=1)))
+    x, y = global_batches(engine.cfg, 1)[0]
+    x, y = (local_rows(t, engine.dp_rank, 2) for t in (x, y))
+    engine.forward_backward(micro_batches_of(x, y, 1))
+    out = {"buckets": engine.reducer.num_buckets, "launched_by_hooks": engine.reducer.launched_by_hooks}
+    engine.close()
+    return out
+
+
 def _two_rank_job() -> dict:
-    results: dict = {"bad": _bad_inputs(), "ops": _operator_checks()}
+    results: dict = {"bad": _bad_inputs(), "ops": _operator_checks(), "overlap": _bucket_overlap()}
     results["train"] = {name: parallel_run(case) for name, case in TWO_RANK_CASES.items()}
     results["micro"] = {mb: parallel_grads(dict(parallel=dict(pp=2), train=dict(micro_batch_size=mb)))
                         for mb in MICRO_SIZES}
@@ -307,6 +318,15 @@ def test_tensor_parallel_matches_torch_parallelize_module(two_rank):
     assert max_abs_diff(ours, theirs) < 1e-6
     initial = build_model(model_config(tie_word_embeddings=False, qk_norm=False), seed=0).state_dict()
     assert max_abs_diff(ours, dict(initial)) > 1e-4  # the 3 steps did move the weights
+
+
+def test_data_parallel_buckets_reduce_during_backward(two_rank):
+    for rank_result in two_rank:
+        overlap = rank_result["overlap"]
+        assert overlap["buckets"] > 3
+        # every bucket but those holding the first layers' parameters starts before backward ends;
+        # the embedding's bucket is the last gradient produced, also from its hook
+        assert overlap["launched_by_hooks"] == overlap["buckets"]
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
