@@ -134,7 +134,7 @@ class MemoryReport:
                                         ("AdamW moments", self.optimizer_states, f.optimizer_states),
                                         ("total", self.total, f.total)):
             out.append({"state": name, "measured MB": measured / 2**20, "formula MB": formula / 2**20,
-                        "ratio": measured / formula if formula else float("nan")})
+                        "ratio": measured / formula if formula else None})
         return out
 
     def format(self, rank: int = 0) -> str:

@@ -1,0 +1,194 @@
+"""`torchrun --nproc-per-node N -m nano_zero.bench`: every ZeRO stage against torch's own, same model, same run.
+
+Systems (all train shared.model with AdamW, global-norm clipping and the same data):
+  ddp             torch DistributedDataParallel; bf16 model + fp32 master copies (the stage-0 recipe)
+  zero_optimizer  DDP + torch ZeroRedundancyOptimizer over the fp32 masters (ZeRO-1 à la torch)
+  fsdp2           torch `fully_shard` per block + root, MixedPrecisionPolicy(bf16, bf16) (ZeRO-3 à la torch)
+  zero0..zero3    nano_zero.ZeroEngine
+
+Reported per system: tokens/s (global) and per GPU, peak memory per GPU (CUDA), model-state memory by
+§3.1's formula, and for ours the measured ledger. `baseline_json=<a 1-GPU run's bench.json>` adds the
+scaling efficiency tok/s(N) / (N · tok/s(1)). Writes `bench.json` in the Hydra run directory.
+On CPU, `quick=true` is a smoke run (tiny model, fp32, a few steps): numbers from gloo mean nothing
+(DESIGN.md: gloo emulates reduce-scatter with an all-reduce).
+
+    torchrun --nproc-per-node 2 -m nano_zero.bench model=1b
+    python -m nano_zero.bench quick=true
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from nano_zero.engine import ZeroEngine
+from nano_zero.ledger import formula_for
+from shared.accounting import param_count
+from shared.bench import print_table, write_json
+from shared.data import TokenBatches
+from shared.dist import destroy_distributed, init_distributed
+from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.model import build_model
+from shared.train import StepResult, TrainConfig, decays, micro_batches_of, next_token_loss
+
+SYSTEMS = ("ddp", "zero_optimizer", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+
+
+class TorchPeer:
+    """torch's DDP / ZeroRedundancyOptimizer / FSDP2 behind `train_step`, with the recipe ours uses."""
+
+    def __init__(self, kind: str, model_config, cfg: TrainConfig, device: torch.device) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.cfg, self.kind, self.device = cfg, kind, device
+        self.world = dist.get_world_size()
+        dtype = cfg.torch_dtype
+        model = build_model(model_config, device, seed=cfg.seed)  # fp32
+        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        if kind == "fsdp2":
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            self.params = self.master = list(model.parameters())
+        else:  # bf16 model for compute, fp32 master copies for the optimizer (as LocalEngine)
+            self.master = [p.detach().clone() for p in model.parameters()]
+            model.to(dtype)
+            self.params = list(model.parameters())
+            model = DDP(model)
+        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
+                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
+        self.opt = (ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
+                    if kind == "zero_optimizer" else torch.optim.AdamW(groups, **kw))
+        self.model = model
+
+    def train_step(self, micro_batches, lr: float) -> StepResult:
+        num_tokens = sum(y.numel() for _, y in micro_batches)  # DDP / FSDP average over ranks
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            ctx = self.model.no_sync() if (not sync and self.kind != "fsdp2") else nullcontext()
+            if self.kind == "fsdp2":
+                self.model.set_requires_gradient_sync(sync)
+            with ctx:
+                loss = next_token_loss(self.model(x.to(self.device)), y.to(self.device), num_tokens)
+                loss.backward()
+            total += loss.detach()
+        if self.master is not self.params:
+            for m, p in zip(self.master, self.params):
+                m.grad, p.grad = p.grad.float(), None
+        norm = torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip or float("inf"))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        dist.all_reduce(total)
+        return StepResult(loss=float(total) / self.world, grad_norm=float(norm))
+
+
+def _formula_bytes(name: str, psi: int, world: int, dtype: torch.dtype) -> float:
+    if name.startswith("zero") and name != "zero_optimizer":
+        return formula_for(psi, int(name[-1]), world, dtype).total
+    size = torch.empty(0, dtype=dtype).element_size()
+    master = 0 if dtype == torch.float32 else 4
+    if name == "ddp":
+        return (2 * size + master + 8) * psi
+    if name == "zero_optimizer":  # torch shards only the moments; masters stay replicated
+        return (2 * size + master) * psi + 8 * psi / world
+    return (4 + 4 + 8) * psi / world  # fsdp2: fp32 sharded params, grads and moments
+
+
+def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = (ZeroEngine(model_config, cfg, int(name[-1]), device=device) if name.startswith("zero")
+              and name != "zero_optimizer" else TorchPeer(name, model_config, cfg, device))
+    data = TokenBatches.from_corpus("train", batch_size=cfg.global_batch_size // world, seq_len=cfg.seq_len,
+                                    seed=cfg.seed, rank=rank, world_size=world)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+        x, y = data.next_batch()
+        result = engine.train_step(micro_batches_of(x, y, cfg.micro_batch_size), cfg.lr)
+    sync()
+    seconds = (time.perf_counter() - t0) / steps
+    tokens = cfg.global_batch_size * cfg.seq_len
+    peak = None
+    if device.type == "cuda":
+        t = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak = t.item() / 2**30
+    psi = param_count(model_config)
+    row = {"system": name, "tokens/s": tokens / seconds, "tokens/s/GPU": tokens / seconds / world,
+           "ms/step": seconds * 1e3, "peak GiB/GPU": peak,
+           "model states GiB (formula)": _formula_bytes(name, psi, world, cfg.torch_dtype) / 2**30,
+           "loss": result.loss}
+    if isinstance(engine, ZeroEngine):
+        row["model states GiB (ours, measured)"] = engine.memory_report().total / 2**30
+        row["comm Ψ/step"] = engine.last_step_comm[0] / psi
+    del engine
+    gc.collect()
+    return row
+
+
+def run(cfg: DictConfig) -> dict:
+    env = init_distributed(cfg.get("backend"))
+    try:
+        quick = bool(cfg.quick)
+        mcfg = model_config_from("tiny" if quick and env.device.type != "cuda" else cfg.model)
+        if quick and env.device.type != "cuda":
+            mcfg = mcfg.replace(num_hidden_layers=1)
+        tcfg = to_dataclass(TrainConfig, cfg.train, **({"dtype": "fp32", "seq_len": 32, "global_batch_size":
+                                                          2 * env.world_size, "micro_batch_size": 1}
+                                                         if quick and env.device.type != "cuda" else {}))
+        warmup, steps = (1, 2) if quick else (int(cfg.warmup), int(cfg.steps))
+        rows = [bench_one(name, mcfg, tcfg, env.device, warmup, steps) for name in cfg.systems]
+        if cfg.get("baseline_json"):
+            base = {r["system"]: r["tokens/s"] for r in json.loads(Path(cfg.baseline_json).read_text())["rows"]}
+            for r in rows:
+                if r["system"] in base:
+                    r["scaling efficiency"] = r["tokens/s"] / (env.world_size * base[r["system"]])
+        fsdp = next((r["tokens/s"] for r in rows if r["system"] == "fsdp2"), None)
+        for r in rows:
+            r["vs fsdp2"] = r["tokens/s"] / fsdp if fsdp else None
+        record = {"bench": "nano_zero", "world_size": env.world_size, "model": param_count(mcfg),
+                  "dtype": tcfg.dtype, "global_batch": tcfg.global_batch_size, "seq_len": tcfg.seq_len,
+                  "micro_batch": tcfg.micro_batch_size, "quick": quick, "rows": rows}
+        if env.rank == 0:
+            path = Path(hydra_run_dir()) / "bench.json"
+            write_json(path, record)
+            print_table(rows, title=f"nano_zero bench: {param_count(mcfg) / 1e6:,.1f}M params, {env.world_size} "
+                                    f"rank(s) ({env.backend}), {tcfg.dtype}, {tcfg.global_batch_size} x "
+                                    f"{tcfg.seq_len} tokens/step")
+            print(f"wrote {path}")
+        return record
+    finally:
+        destroy_distributed()
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
