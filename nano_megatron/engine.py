@@ -117,6 +117,7 @@ class MegatronEngine:
             self.vocab_start = grid.tp_rank * model.lm_head.weight.shape[0] if grid.tp > 1 else 0
         self._num_tokens = 1
         self._seq_len = cfg.seq_len
+        self.pipeline_timeline: list | None = None  # set to [] to record the next step's actions
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,8 @@ class MegatronEngine:
         schedule = PipelineSchedule(g, self.parallel.schedule, self._forward, self._loss,
                                     (2, mb, local_seq, self.model_config.hidden_size), dtype, self.device)
         self.reducer.zero_grad()
-        loss = schedule.run(micro_batches, before_last_backward=self.reducer.arm)
+        loss = schedule.run(micro_batches, before_last_backward=self.reducer.arm,
+                            timeline=self.pipeline_timeline)
         self.reducer.finish()
         if self.tied_copy:  # the embedding (first stage) and LM head (last stage) are one matrix
             name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"

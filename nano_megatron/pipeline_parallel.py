@@ -13,12 +13,13 @@ actions a stage posts one `dist.batch_isend_irecv` holding the sends of the acti
 and the receive the next action needs (Megatron's send_forward_recv_backward & co.): posting both
 before waiting on either is what keeps neighbouring stages from each waiting on the other.
 With tied embeddings the first and last stage each hold a copy of the embedding matrix; their
-gradients are summed over `grid.embedding_group` after the backward pass (Megatron §3 of 2104.04473
-keeps the same "embedding group").
+gradients are summed over `grid.embedding_group` after the backward pass (Megatron-LM's "embedding
+group"), so the copies stay identical.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,18 @@ def stage_layers(num_layers: int, grid: ParallelGrid) -> range:
     """Global indices of the decoder layers of this stage (contiguous, L/pp each)."""
     per = num_layers // grid.pp
     return range(grid.pp_rank * per, (grid.pp_rank + 1) * per)
+
+
+def busy_seconds(timeline: list[tuple[Action, object, object]]) -> float:
+    """Total compute time of a `PipelineSchedule.run` timeline (synchronises CUDA first)."""
+    total = 0.0
+    for _, start, end in timeline:
+        if isinstance(start, torch.cuda.Event):
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        else:
+            total += end - start
+    return total
 
 
 def split_into_stage(model: CausalLM, grid: ParallelGrid) -> None:
@@ -109,11 +122,21 @@ class PipelineSchedule:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
+    def _mark(self) -> torch.cuda.Event | float:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-            before_last_backward: Callable[[], None] = lambda: None) -> torch.Tensor:
+            before_last_backward: Callable[[], None] = lambda: None,
+            timeline: list[tuple[Action, object, object]] | None = None) -> torch.Tensor:
         """Forward + backward of every micro-batch; returns the summed loss on the last stage (0
         elsewhere). `before_last_backward` runs once, before this stage's final backward pass: the
-        data-parallel gradient reduction may start from then on."""
+        data-parallel gradient reduction may start from then on. With `timeline`, (action, start,
+        end) marks (CUDA events or perf_counter seconds) of each compute action are appended to it,
+        after its receive completed: the busy time the bench turns into a measured bubble."""
         g = self.grid
         actions = schedule_actions(self.schedule, g.pp, len(micro_batches), g.pp_rank)
         last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
@@ -126,6 +149,7 @@ class PipelineSchedule:
             self._exchange(sends + recv_ops)
             sends = []
             i = a.micro
+            start = self._mark() if timeline is not None else None
             if a.kind == "F":
                 if g.is_first_stage:
                     x = micro_batches[i][0].to(self.device)
@@ -145,5 +169,7 @@ class PipelineSchedule:
                 torch.autograd.backward(out, grad_tensors=None if g.is_last_stage else buf)
                 if not g.is_first_stage:
                     sends = [dist.P2POp(dist.isend, inputs.pop(i).grad, g.prev_rank)]
+            if timeline is not None:
+                timeline.append((a, start, self._mark()))
         self._exchange(sends)
         return loss_sum

@@ -1,0 +1,245 @@
+"""`torchrun --nproc-per-node N -m nano_megatron.bench`: our tensor / sequence / pipeline parallelism
+against torch's own tensor parallelism, same model, same data, same run.
+
+Systems (each a full training step: forward, backward, gradient reduction, clipping, AdamW on fp32
+master weights of a bf16 model — LocalEngine's recipe):
+  tp          MegatronEngine, tp = N
+  tp_sp       MegatronEngine, tp = N with sequence parallelism
+  dtensor_tp  torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel on q,k,v,o and the
+              MLP, vocab-sharded embedding and LM head, `loss_parallel`), tp = N
+  pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
+  pp_gpipe    the same with GPipe
+Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
+`peak_tflops` per GPU), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
+forward/backward kernels) / (step time of the slowest stage), per stage, next to (p−1)/(m+p−1).
+`baseline_json` (a 1-GPU run's bench.json) adds scaling efficiency. Writes bench.json to the run dir.
+On CPU, `quick=true` (or `--quick`) is a smoke run with a tiny model: gloo numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from nano_megatron.engine import MegatronEngine, ParallelConfig
+from nano_megatron.pipeline_parallel import busy_seconds
+from nano_megatron.schedules import bubble_fraction_formula
+from shared.accounting import flops_per_token, param_count
+from shared.bench import measure_matmul_flops, print_table, write_json
+from shared.config import ModelConfig
+from shared.dist import destroy_distributed, init_distributed
+from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.model import build_model
+from shared.train import StepResult, TrainConfig, clip_coefficient, decays, micro_batches_of
+
+SYSTEMS = ("tp", "tp_sp", "dtensor_tp", "pp_1f1b", "pp_gpipe")
+DATASHEET_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16: what published MFUs are quoted against
+
+
+class DTensorTP:
+    """torch's tensor parallelism behind `train_step`, with our recipe (bf16 model, fp32 masters)."""
+
+    def __init__(self, mcfg: ModelConfig, cfg: TrainConfig, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.cfg, self.device = cfg, device
+        model = build_model(mcfg, device, seed=cfg.seed)
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        for i in range(mcfg.num_hidden_layers):
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                         "mlp.up_proj"):
+                plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.model = parallelize_module(model, mesh, plan)
+        self.master = [p.detach().clone() for p in self.model.parameters()]
+        self.model.to(cfg.torch_dtype)
+        self.params = list(self.model.parameters())
+        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
+                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        num_tokens = sum(y.numel() for _, y in micro_batches)
+        for x, y in micro_batches:
+            with loss_parallel():
+                logits = self.model(x.to(self.device))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten(),
+                                       reduction="sum") / num_tokens
+                loss.backward()
+        for m, p in zip(self.master, self.params):
+            m.grad, p.grad = p.grad.float(), None
+        sq = sum((m.grad.full_tensor() if isinstance(m.grad, DTensor) else m.grad).pow(2).sum() for m in self.master)
+        coef = clip_coefficient(sq.sqrt(), self.cfg.grad_clip)
+        for m in self.master:
+            m.grad.mul_(coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)
+        return StepResult(loss=0.0, grad_norm=float(sq.sqrt()))
+
+    def close(self) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(mcfg: ModelConfig, cfg: TrainConfig, count: int, dp_rank: int, dp: int):
+    gen = torch.Generator().manual_seed(cfg.seed)
+    out = []
+    for _ in range(count):
+        w = torch.randint(0, mcfg.vocab_size, (cfg.global_batch_size, cfg.seq_len + 1), generator=gen)
+        n = cfg.global_batch_size // dp
+        w = w[dp_rank * n:(dp_rank + 1) * n]
+        out.append(micro_batches_of(w[:, :-1], w[:, 1:], cfg.micro_batch_size))
+    return out
+
+
+def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictConfig, device: torch.device,
+                 peak_flops: float) -> dict:
+    world = dist.get_world_size()
+    if system.startswith("pp"):
+        m = int(bench.pp_micro_batches)
+        cfg = to_dataclass(TrainConfig, {**cfg.__dict__, "global_batch_size": m * cfg.micro_batch_size})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if system == "dtensor_tp":
+        engine = DTensorTP(mcfg, cfg, device)
+    else:
+        p = {"tp": dict(tp=world), "tp_sp": dict(tp=world, sequence_parallel=True),
+             "pp_1f1b": dict(pp=world), "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
+        engine = MegatronEngine(mcfg, ParallelConfig(**p), cfg, device=device)
+    batches = _batches(mcfg, cfg, int(bench.warmup) + int(bench.steps), 0, 1)
+    times, bubbles = [], []
+    for i, mb in enumerate(batches):
+        timed = i >= int(bench.warmup)
+        if timed and system.startswith("pp"):
+            engine.pipeline_timeline = []
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.train_step(mb, cfg.lr)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if timed:
+            times.append(dt)
+            if system.startswith("pp"):
+                # busy time of this stage's compute over the slowest stage's forward+backward span
+                span = torch.tensor([dt], dtype=torch.float64, device=device)
+                dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                bubbles.append(1.0 - busy_seconds(engine.pipeline_timeline) / span.item())
+                engine.pipeline_timeline = None
+    seconds = statistics.median(times)
+    tokens = cfg.global_batch_size * cfg.seq_len
+    row = {"system": system, "GPUs": world, "ms/step": seconds * 1e3, "tokens/s": tokens / seconds,
+           "MFU %": 100 * flops_per_token(mcfg, cfg.seq_len) * tokens / seconds / (peak_flops * world)}
+    if device.type == "cuda":
+        peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row["peak GiB/GPU"] = peak.item()
+    if bubbles:
+        bubble = torch.tensor(statistics.median(bubbles), dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(bubble) for _ in range(world)]
+        dist.all_gather(gathered, bubble)
+        row["bubble % (stages)"] = " / ".join(f"{100 * b.item():.1f}" for b in gathered)
+        row["bubble % (p-1)/(m+p-1)"] = 100 * bubble_fraction_formula(world, int(bench.pp_micro_batches))
+    if hasattr(engine, "close"):
+        engine.close()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def run(cfg: DictConfig) -> dict:
+    owns_group = not dist.is_initialized()  # a caller's (test's) process group is left alone
+    env = init_distributed(cfg.get("backend"))
+    try:
+        out_dir = [hydra_run_dir()]
+        dist.broadcast_object_list(out_dir, src=0)
+        quick = bool(cfg.quick)
+        train_node = dict(cfg.train)
+        mcfg = model_config_from(cfg.model)
+        if quick:  # a tiny model in fp32 on CPU: exercises every code path in seconds
+            mcfg = model_config_from({"preset": "tiny", "num_hidden_layers": 2 * env.world_size,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "tie_word_embeddings": False, "qk_norm": False})
+            train_node.update(seq_len=32, global_batch_size=4, micro_batch_size=1,
+                              dtype="fp32" if env.device.type == "cpu" else train_node["dtype"])
+        tcfg = to_dataclass(TrainConfig, train_node, out_dir=out_dir[0])
+        bench = cfg.copy()
+        if quick:
+            bench.warmup, bench.steps, bench.pp_micro_batches = 1, 2, 4
+        systems = list(cfg.systems)
+        unknown = sorted(set(systems) - set(SYSTEMS))
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+        if env.world_size == 1:
+            systems = [s for s in systems if not s.startswith("pp")]  # one stage: nothing to measure
+        cuda = env.device.type == "cuda"
+        matmul = measure_matmul_flops(env.device)
+        peak = (cfg.peak_tflops * 1e12 if cfg.peak_tflops else (DATASHEET_BF16_TFLOPS * 1e12 if cuda else matmul))
+        rows = [bench_system(s, mcfg, tcfg, bench, env.device, peak) for s in systems]
+        if cfg.baseline_json:
+            base = json.loads(Path(cfg.baseline_json).read_text())
+            ref = {r["system"]: r["tokens/s"] for r in base["rows"]}
+            ref_tp = ref.get("tp")
+            for r in rows:
+                if ref_tp:
+                    r["scaling eff %"] = 100 * r["tokens/s"] / (env.world_size * ref_tp)
+        record = {"bench": "nano_megatron", "model": {"params": param_count(mcfg), **mcfg.to_hf()},
+                  "world_size": env.world_size, "backend": env.backend, "quick": quick,
+                  "seq_len": tcfg.seq_len, "global_batch_size": tcfg.global_batch_size,
+                  "dtype": tcfg.dtype, "matmul_TFLOPs_measured": matmul / 1e12,
+                  "peak_TFLOPs_for_MFU": peak / 1e12, "torch": torch.__version__,
+                  "device": torch.cuda.get_device_name(env.device) if cuda else "cpu", "rows": rows}
+        if env.rank == 0:
+            path = Path(out_dir[0]) / "bench.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, record)
+            print(f"measured matmul ceiling {matmul / 1e12:.3g} TFLOP/s per device; MFU against "
+                  f"{peak / 1e12:.3g} TFLOP/s", flush=True)
+            print_table(rows, title=f"nano_megatron bench: {param_count(mcfg) / 1e6:,.1f}M params, "
+                        f"{env.world_size} x {record['device']}, seq {tcfg.seq_len}, batch "
+                        f"{tcfg.global_batch_size}, {tcfg.dtype}")
+            print(f"wrote {path}", flush=True)
+        return record
+    finally:
+        if owns_group:
+            destroy_distributed()
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    if "--quick" in sys.argv:  # the flag other benches take, as a Hydra override
+        sys.argv[sys.argv.index("--quick")] = "quick=true"
+    main()

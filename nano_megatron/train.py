@@ -1,0 +1,82 @@
+"""Train shared.model with tensor, sequence, pipeline and data parallelism:
+
+    python -m nano_megatron.train model=tiny train.steps=100                   # one process
+    torchrun --nproc-per-node 4 -m nano_megatron.train parallel.tp=2 parallel.pp=2 model=tiny
+
+A Hydra app (configs in nano_megatron/configs): `parallel.*` is the grid (dp defaults to
+world / (tp·pp)), `model=` a model file (any ModelConfig field overridable: model.num_hidden_layers=2),
+`train.*` the loop (shared.train.TrainConfig, which owns data, LR schedule, logging and checkpoints).
+gloo on CPU, NCCL on GPU. The run directory gets Hydra's config, `metrics.jsonl` and `checkpoint/`
+(HF format, loadable by transformers and nano_vllm, plus `resume/` with one shard per (pp, tp):
+resume with `train.resume_from=<run>/checkpoint` and the same tp and pp).
+"""
+
+from __future__ import annotations
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from nano_megatron.engine import MegatronEngine, ParallelConfig
+from nano_megatron.schedules import bubble_fraction_formula
+from shared.accounting import param_count
+from shared.dist import destroy_distributed, init_distributed, print0
+from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.train import TrainConfig, train
+
+
+def _same_on_all_ranks(value: str) -> str:
+    """Rank 0's value everywhere (each rank's Hydra may stamp a different `${now:}` run directory)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def parallel_config_from(node: DictConfig | dict, world_size: int) -> ParallelConfig:
+    """`parallel.*` with dp = world / (tp·pp) when not given (validated later, on every rank)."""
+    values = dict(node)
+    tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
+    if values.get("dp") is None:
+        values["dp"] = max(1, world_size // (tp * pp))
+    return to_dataclass(ParallelConfig, values)
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Everything `main` does, callable without Hydra's decorator (tests, notebooks)."""
+    owns_group = not dist.is_initialized()  # a caller's (test's) process group is left alone
+    env = init_distributed(cfg.get("backend"))
+    engine = None
+    try:
+        out_dir = _same_on_all_ranks(hydra_run_dir())
+        tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
+        mcfg = model_config_from(cfg.model)
+        pcfg = parallel_config_from(cfg.parallel, env.world_size)
+        engine = MegatronEngine(mcfg, pcfg, tcfg, device=env.device)
+        m = tcfg.global_batch_size // (tcfg.micro_batch_size * pcfg.dp)
+        print0(f"nano_megatron: tp={pcfg.tp} pp={pcfg.pp} dp={pcfg.dp} ({env.world_size} rank(s), {env.backend})"
+               f", sequence_parallel={pcfg.sequence_parallel}, {pcfg.schedule} over {m} micro-batch(es)"
+               + (f" (bubble (p-1)/(m+p-1) = {bubble_fraction_formula(pcfg.pp, m):.1%})" if pcfg.pp > 1 else "")
+               + f"; {param_count(mcfg) / 1e6:.1f}M parameters; out_dir {out_dir}")
+        peak = cfg.get("peak_tflops")
+        peak_flops = peak * 1e12 if peak else None
+        if peak_flops is None and env.device.type == "cuda":
+            from shared.bench import measure_matmul_flops
+
+            peak_flops = measure_matmul_flops(env.device)
+        return train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
+    finally:
+        if engine is not None:
+            engine.close()
+        if owns_group:
+            destroy_distributed()
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(int(cfg.train.seed))
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
