@@ -4,9 +4,22 @@
 `nano_zero.ledger` holds the memory and communication ledgers (§3.1, §7, Figure 1).
 """
 
-from nano_zero.engine import ZeroEngine, init_like_build_model
-from nano_zero.ledger import CommCounter, MemoryReport, figure1
-from nano_zero.zero import ZeroDataParallel, default_units
+import importlib
+from typing import Any
 
-__all__ = ["CommCounter", "MemoryReport", "ZeroDataParallel", "ZeroEngine", "default_units", "figure1",
-           "init_like_build_model"]
+# Imported on first use, so `python -m nano_zero.ledger` (or .train, .bench) does not import the module it
+# runs twice.
+_EXPORTS = {
+    "ZeroEngine": "nano_zero.engine", "init_like_build_model": "nano_zero.engine",
+    "CommCounter": "nano_zero.ledger", "MemoryReport": "nano_zero.ledger", "figure1": "nano_zero.ledger",
+    "ZeroDataParallel": "nano_zero.zero", "default_units": "nano_zero.zero",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'nano_zero' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -5,9 +5,8 @@ the "root" (embeddings, final norm, LM head). Its parameters are laid end to end
 padded to a multiple of the data-parallel size N, so that rank r owns exactly one contiguous shard
 [r·S, (r+1)·S) with S = padded / N. Then every ZeRO collective is a single `all_gather_into_tensor` /
 `reduce_scatter_tensor` over a flat buffer, and the fp32 master weights and AdamW moments of a rank are
-three flat fp32 tensors of S elements (§5.1 Pos: "the optimizer states are partitioned into N equal
-partitions, such that the i-th data parallel process only updates the optimizer states corresponding to
-the i-th partition").
+three flat fp32 tensors of S elements (§5.1, Pos: the optimizer states are grouped into N equal partitions
+and rank i updates only partition i).
 
 Within a unit, parameters that take weight decay come first, so the decayed elements of any shard are
 one prefix of it and AdamW needs no per-element mask.
