@@ -74,7 +74,7 @@ class Collectives:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False, count: bool = True):
         if count:
             self.counter.add("all_gather", out.numel(), out.element_size())
-        if self.distributed:
+        if self.distributed and out.numel():  # a unit without parameters has nothing to move
             return all_gather_single(out, shard, group=self.group, async_op=async_op)
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
@@ -82,7 +82,7 @@ class Collectives:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         self.counter.add("reduce_scatter", full.numel(), full.element_size())
-        if self.distributed:
+        if self.distributed and full.numel():
             return reduce_scatter_single(out, full, group=self.group, async_op=async_op)
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
@@ -90,7 +90,7 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self.counter.add("all_reduce", 2 * t.numel(), t.element_size())
-        if self.distributed:
+        if self.distributed and t.numel():
             dist.all_reduce(t, group=self.group)
 
     def all_reduce_scalar(self, t: torch.Tensor) -> torch.Tensor:

@@ -155,3 +155,28 @@ def test_generic_module_stage3_reshards_after_forward_and_backward():
     with torch.no_grad():  # inference: gathered and freed, no gradient buffers
         zm(x)
     assert all(u.full.untyped_storage().nbytes() == 0 and u.grad_full is None for u in zm.units)
+
+
+def test_stage2_reduces_during_backward_and_not_under_no_sync():
+    """§5.2: a bucket is reduce-scattered from the post-accumulate-grad hooks while backward still runs
+    (blocks[1]'s bucket before blocks[0]'s backward), its full gradients freed; no_sync() moves nothing."""
+    torch.manual_seed(0)
+    zm = ZeroDataParallel(_Two(), 2)
+    seen = []
+
+    def when_blocks0_backward_starts(module, args, out):
+        out.register_hook(lambda g: seen.append(zm.counter.elements["reduce_scatter"]))
+
+    zm.module.blocks[0].register_forward_hook(when_blocks0_backward_starts)
+    x = torch.randn(5, 4)
+    with zm.no_sync():
+        zm(x).sum().backward()
+    assert zm.counter.total_elements == 0 and all(u.grad_full is not None for u in zm.blocks)
+    zm(x).sum().backward()
+    b0, b1 = zm.blocks
+    assert seen == [0, b1.padded]  # no_sync pass: nothing; sync pass: blocks[1] reduced mid-backward
+    assert zm.counter.elements["reduce_scatter"] == b0.padded + b1.padded and zm.root.numel == 0
+    assert all(u.grad_full is None and u.slots[0].param.grad is None for u in zm.blocks)
+    bias = next(s for s in b1.slots if s.name == "blocks.1.bias")
+    grad = b1.grad_shard[bias.offset:bias.offset + bias.numel]  # world 1: the shard is everything
+    torch.testing.assert_close(grad, torch.full((4,), 2 * 5.0))  # d(sum)/d(bias): 5 rows, 2 passes
