@@ -300,7 +300,7 @@ def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data:
     """Restore the engine, the data stream and the RNG; return the step to continue from."""
     directory = resume_directory(path)
     own = _loop_state_file(directory, get_rank())
-    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=False)
+    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=True)
     engine.load_resume_state(directory)
     data.load_state_dict(loop["data"])
     torch.set_rng_state(loop["rng"]["cpu"])

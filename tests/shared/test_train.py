@@ -116,7 +116,7 @@ def test_periodic_save_and_checkpoint_loads_in_transformers(tmp_path):
     ckpt = tmp_path / "checkpoint"
     assert (ckpt / "config.json").is_file() and (ckpt / "resume" / "loop-rank00000.pt").is_file()
     assert not (ckpt / "resume.tmp").exists()
-    assert torch.load(ckpt / "resume" / "loop-rank00000.pt", weights_only=False)["step"] == 4
+    assert torch.load(ckpt / "resume" / "loop-rank00000.pt", weights_only=True)["step"] == 4
     ids = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
     with torch.no_grad():
