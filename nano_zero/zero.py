@@ -135,8 +135,9 @@ class ZeroDataParallel(Stage3Mixin, nn.Module):
 
     @torch.no_grad()
     def _materialize(self, init_fn: InitFn | None, seed: int) -> None:
-        """Fill each unit's buffers, one unit at a time, keeping only what the stage keeps (§5.3: "build
-        on the meta device, then shard" — the full model never exists on one rank in stage 3)."""
+        """Fill each unit's buffers, one unit at a time, keeping only what the stage keeps: a module built
+        on the meta device is initialised unit by unit and sharded at once, so in stage 3 (§5.3) the full
+        model never exists on one rank."""
         on_meta = [s.param.is_meta for u in self.units for s in u.slots]
         if not any(on_meta):
             for u in self.units:
