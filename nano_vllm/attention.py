@@ -1,0 +1,86 @@
+"""PagedAttention (vLLM, arXiv 2309.06180, §4.1) as the attention call of shared.model.
+
+The KV cache of layer l is two tensors of shape (num_blocks, block_size, kv_heads, head_dim): a pool of
+fixed-size blocks ("pages"). Token j of sequence b has its key/value in block `block_table[b, j // block_size]`,
+row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 5). Each step the backend:
+
+1. writes the new tokens' K/V into the cache rows named by `slot_mapping` (block * block_size + offset);
+2. attends each new query to *all* keys of its sequence through the block table: nano_flashattn's
+   `flash_attn_varlen_func(..., block_table=)` for prefill chunks and mixed steps (causal, bottom-right
+   aligned, so a chunk sees the cached prefix plus itself), `flash_attn_with_kvcache` (Flash-Decoding) for
+   steps where every sequence decodes one token (§4.3). On CUDA tensors these are the Triton kernels, on a
+   CPU the torch references. A step in which no sequence has anything cached yet attends to the fresh K/V
+   directly (plain varlen FlashAttention), skipping the page indirection.
+
+Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
+the same step writes (two identical prompts admitted together share their prefix blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nano_flashattn import flash_attn_varlen_func, flash_attn_with_kvcache
+from nano_flashattn.checks import HEAD_DIMS
+
+
+@dataclass
+class AttentionContext:
+    """One step's paged-attention metadata (what the model passes to every layer as `attn_ctx`).
+
+    slot_mapping: (num_tokens,) int64, the cache row of each new token (padding and already-cached tokens
+        point at a scratch block no sequence owns).
+    Decode steps (`is_decode`): q is (batch, 1); `context_lens` (batch,) int32 counts keys incl. the new one.
+    Other steps: q is (1, num_tokens), packed; `cu_seqlens_q/k` (batch + 1,) int32 delimit each sequence's
+    new tokens / all its keys; `block_tables` is None when nothing is cached yet (attend to k, v directly).
+    """
+
+    slot_mapping: torch.Tensor
+    is_decode: bool = False
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the paged kernels (nano_flashattn supports "
+                         f"{HEAD_DIMS})")
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into the paged cache (one index_copy_ each: CUDA-graph safe, no sync)."""
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.reshape(-1, heads, dim))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.reshape(-1, heads, dim))
+
+
+class PagedAttention:
+    """The `attn_fn(q, k, v, layer_idx, ctx)` installed with `model.set_attention`; owns no state but a
+    view of the KV cache, shape (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                 ctx: AttentionContext) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.is_decode:  # q: (batch, 1, heads, dim); every key, including the new one, is in the cache
+            return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens, block_table=ctx.block_tables,
+                                           causal=True)
+        q0 = q[0]  # (num_tokens, heads, dim), sequences packed
+        if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
+            out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q,
+                                         ctx.max_seqlen_k, causal=True)
+        else:
+            out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
+                                         block_table=ctx.block_tables)
+        return out[None]

@@ -1,0 +1,91 @@
+"""`EngineConfig`: the engine arguments of `LLM(model, **engine_args)`, vLLM's names, checked once here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model weights.
+
+    model: an HF checkpoint directory (Llama / Qwen2 / Qwen3) or a shared.config preset name (random weights).
+    device: "cuda" / "cuda:1" / "cpu"; None picks CUDA when available.
+    dtype: "auto" (bf16 on CUDA, fp32 on CPU), or bfloat16 / float16 / float32.
+    max_num_seqs: most sequences in one step (the decode batch).
+    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+    max_model_len: longest sequence (prompt + output); None: the model's max_position_embeddings, at most 4096.
+    block_size: tokens per KV block (a power of two >= 16, what the paged kernels accept).
+    gpu_memory_utilization: fraction of the GPU memory the engine may use (weights + activations + KV cache).
+    num_kv_blocks / kv_cache_memory_bytes: fix the KV cache size instead (the only way on a CPU; default
+        there: room for max_num_seqs full sequences, at most 1 GiB).
+    enforce_eager: never capture CUDA graphs.
+    enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
+    enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
+    tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
+    seed: seed of the random weights of a preset and of unseeded sampling.
+    """
+
+    model: str = "tiny"
+    device: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16 (the paged kernels' page size), "
+                             f"got {self.block_size}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence must be able to decode in one step")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}

@@ -1,0 +1,217 @@
+"""`LLMEngine` (one scheduler + one model runner, stepped) and `LLM`, vLLM's offline entry point.
+
+    from nano_vllm import LLM, SamplingParams
+    llm = LLM("qwen3-0.6b", max_model_len=4096)            # or an HF checkpoint directory
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
+    outs[0].text, outs[0].token_ids                          # also outs[0].outputs[0].text, like vLLM
+
+Each `step()` is one iteration of continuous batching: schedule (§4.5), copy-on-write copies, one
+forward over the packed batch with PagedAttention (§4.1, §4.3), sample, advance and finish sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from nano_vllm.block_manager import BlockManager
+from nano_vllm.config import EngineConfig
+from nano_vllm.model_runner import ModelRunner
+from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.scheduler import Scheduler, SchedulerConfig
+from nano_vllm.sequence import Sequence
+from nano_vllm.tokenizer import Tokenizer, get_engine_tokenizer
+from shared.config import ModelConfig, resolve_model_config
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation (vLLM's name)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, vLLM-shaped; `.text` / `.token_ids` are the first output's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+def _eos_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    eos = model_config.eos_token_id
+    if eos is None:
+        return set(tokenizer.eos_token_ids)
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+class LLMEngine:
+    """Scheduler + ModelRunner + tokenizer. Not thread-safe: one thread steps it (see nano_vllm.server)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = resolve_model_config(config.model)
+        mcfg = self.model_config
+        max_len = config.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        if max_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
+                             f"({mcfg.max_position_embeddings})")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({max_len}), or a long prompt could never run")
+        self.max_model_len = max_len
+        self.tokenizer = get_engine_tokenizer(config.model)
+        if config.tensor_parallel_size > 1:
+            from nano_vllm.tp import TPModelRunner
+
+            self.model_runner = TPModelRunner(config, mcfg, max_len)
+        else:
+            self.model_runner = ModelRunner(config, mcfg, max_len)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                                config.enable_chunked_prefill)
+        self.scheduler = Scheduler(sched, self.block_manager, _eos_ids(mcfg, self.tokenizer))
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Queue a request (text or token ids). Raises ValueError for an empty or too long prompt, or ids
+        outside the vocabulary."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.model_config.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+        seq = Sequence(ids, sampling_params or SamplingParams(), request_id, arrival_time)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.model_runner.release(seq)
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Schedule, run and sample one step. Returns (sequences that got a token, finished sequences)."""
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: the KV cache cannot fit any waiting request")
+            return [], []
+        tokens = self.model_runner.execute(out)
+        finished = self.scheduler.postprocess(out, tokens)
+        for seq in finished:
+            self.model_runner.release(seq)
+        self.num_steps += 1
+        return [s for s, f in zip(out.seqs, out.samples) if f], finished
+
+    def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
+        token_ids = seq.output_token_ids
+        text = self.tokenizer.decode(token_ids)
+        metrics = {}
+        if seq.token_times:
+            metrics["ttft"] = seq.token_times[0] - seq.arrival_time
+            if len(seq.token_times) > 1:
+                metrics["tpot"] = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], seq.is_finished, metrics)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class LLM:
+    """vLLM's offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, **engine_args):
+        unknown = sorted(set(engine_args) - EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(EngineConfig.field_names())}")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
+        t0, generated = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                stepped, finished = engine.step()
+                generated += len(stepped)
+                if pbar is not None:
+                    pbar.set_postfix_str(f"{generated / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
+                    pbar.update(len(finished))
+        except BaseException:
+            for seq in seqs:  # leave the engine clean for the next call
+                engine.abort_request(seq.request_id)
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [engine.output_of(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def engine_args_from(node: dict) -> dict:
+    """The EngineConfig fields of a dict (e.g. a Hydra node), dropping nulls so defaults apply."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(node) - names)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}; valid: {sorted(names)}")
+    return {k: v for k, v in node.items() if v is not None}
+
+
+def kv_cache_summary(engine: LLMEngine) -> str:
+    r = engine.model_runner
+    return (f"KV cache: {r.num_blocks} blocks x {engine.config.block_size} tokens = "
+            f"{r.num_blocks * engine.config.block_size} tokens, {r.num_blocks * r.block_bytes / 2**30:.2f} GiB"
+            f" ({math.floor(r.num_blocks * engine.config.block_size / engine.max_model_len)} full-length sequences)")

@@ -1,0 +1,291 @@
+"""The model runner: shared.model over a paged KV cache, one scheduler step at a time.
+
+* Loads the one model (an HF checkpoint or a preset with random weights) and installs `PagedAttention`
+  with `model.set_attention` — the model itself is unchanged (§4.1: attention reads K/V through blocks).
+* Sizes the KV cache: on CUDA from the memory left after the weights and a profiling pass at the full
+  token budget (`gpu_memory_utilization`), on a CPU from `num_kv_blocks` / `kv_cache_memory_bytes`.
+* Turns a `SchedulerOutput` into flat tensors: token ids, positions, slot mapping, block tables,
+  cumulative lengths (§4.3: the step's sequences are packed into one batch, no padding).
+* Decode steps replay CUDA graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ... max_num_seqs (the
+  batch is padded up to the next captured size), which removes the per-kernel launch overhead that
+  dominates small decode batches; anything else runs eagerly.
+* Samples on the device (nano_vllm.sampler) and returns the sampled token ids.
+
+Tensor parallelism (§4.6) shards the model with nano_vllm.tp; every rank runs this class, rank 0 also
+samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
+from nano_vllm.config import EngineConfig
+from nano_vllm.sampler import Sampler, SamplingTensors
+from nano_vllm.scheduler import SchedulerOutput
+from shared.checkpoint import load_model
+from shared.config import PRESETS, ModelConfig
+from shared.model import CausalLM, build_model
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache budget on a CPU (when not given)
+
+
+def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> CausalLM:
+    """An HF checkpoint directory through shared.checkpoint, or a preset with seeded random weights."""
+    if config.model in PRESETS:
+        return build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+    return load_model(config.model, device=device, dtype=config.torch_dtype)
+
+
+def cudagraph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 (nano-vllm's ladder) up to max_num_seqs, which is always included."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+class ModelRunner:
+    """Runs one engine step on one device (one tensor-parallel rank)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 tp_rank: int = 0, tp_size: int = 1, device: torch.device | None = None):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.device = device or config.torch_device
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        check_head_dim(model_config.head_dim)
+        if tp_size > 1:
+            from nano_vllm.tp import shard_model  # only tensor-parallel runs need torch.distributed
+
+            model = load_engine_model(config, model_config, torch.device("cpu"))
+            model = shard_model(model, tp_rank, tp_size).to(self.device)
+        else:
+            model = load_engine_model(config, model_config, self.device)
+        self.model = model.eval()
+        self.num_kv_heads = model_config.num_key_value_heads // tp_size
+        self.vocab_size = model_config.vocab_size
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+        self.num_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.capture_cudagraphs()
+
+    # ------------------------------------------------------------------ KV cache
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V (shared.accounting.kv_cache_bytes' formula)."""
+        cfg = self.model_config
+        return (2 * cfg.num_hidden_layers * self.block_size * self.num_kv_heads * cfg.head_dim
+                * self.config.torch_dtype.itemsize)
+
+    def _decide_num_blocks(self) -> int:
+        cfg, needed = self.config, math.ceil(self.max_model_len / self.block_size)
+        if cfg.num_kv_blocks is not None:
+            num = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory_bytes is not None:
+            num = cfg.kv_cache_memory_bytes // self.block_bytes
+        elif self.device.type == "cuda":
+            num = self._profile_num_blocks()
+        else:
+            num = min(cfg.max_num_seqs * needed, CPU_KV_CACHE_BYTES // self.block_bytes)
+        if self.tp_size > 1:  # every rank must agree, or block ids would mean different things
+            from nano_vllm.tp import all_reduce_min
+
+            num = all_reduce_min(num, self.device)
+        if num < needed:
+            raise ValueError(f"the KV cache holds {num} blocks of {self.block_size} tokens, fewer than one "
+                             f"max_model_len ({self.max_model_len}) sequence needs ({needed}); give it more "
+                             f"memory or lower max_model_len")
+        return num
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self) -> int:
+        """§5 of the paper: profile the peak activation memory of the largest step, then give everything
+        else the engine may use to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.max_model_len, tokens)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        self._allocate_kv_cache(1)  # a dummy cache: the profiling pass attends to k, v directly
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])[None]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
+        slots = torch.full((tokens,), 0, dtype=torch.long, device=self.device)
+        ctx = AttentionContext(slot_mapping=slots, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
+                               max_seqlen_k=seq_len)
+        hidden = self.model.model(ids, positions, ctx)
+        self.model.compute_logits(hidden[0, cu[1:] - 1][: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        del self.kv_cache, hidden
+        budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+        return max(int(budget) // self.block_bytes, 0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        # One extra block at the end is scratch: writes of padded rows (CUDA graphs) and of tokens whose
+        # K/V are already cached land there, so storing is a plain index_copy_ without masks.
+        cfg = self.model_config
+        self.scratch_slot = num_blocks * self.block_size
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, self.num_kv_heads,
+                                    cfg.head_dim, dtype=self.config.torch_dtype, device=self.device)
+        self.model.set_attention(PagedAttention(self.kv_cache))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write (§4.4): duplicate whole blocks, all layers, K and V."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ------------------------------------------------------------------ inputs
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+    def _slots(self, seq, start: int, end: int) -> list[int]:
+        """Cache rows for tokens [start, end) of `seq`; tokens already cached go to the scratch row."""
+        bs, table, slots = self.block_size, seq.block_table, []
+        skip = min(max(seq.num_cached_tokens - start, 0), end - start)  # only a fully cached prompt's last token
+        slots.extend([self.scratch_slot] * skip)
+        pos = start + skip
+        while pos < end:
+            block, offset = divmod(pos, bs)
+            n = min(bs - offset, end - pos)
+            base = table[block] * bs + offset
+            slots.extend(range(base, base + n))
+            pos += n
+        return slots
+
+    def prepare(self, out: SchedulerOutput) -> dict[str, Any]:
+        """The step's inputs as host lists (what a tensor-parallel rank 0 broadcasts)."""
+        ids, positions, slots, cu_q, cu_k, tables = [], [], [], [0], [0], []
+        any_cached = False
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(seq, start, start + n))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + start + n)
+            tables.append(seq.block_table)
+            any_cached |= start > 0
+        sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
+        return {"ids": ids, "positions": positions, "slots": slots, "cu_q": cu_q, "cu_k": cu_k,
+                "tables": tables if any_cached or out.is_decode else None, "is_decode": out.is_decode,
+                "sample_rows": sample_rows, "copies": out.copies}
+
+    def _block_table_tensor(self, tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+        width = width or max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def run(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """Forward one step; returns the logits of the rows to sample (None when there are none)."""
+        if inputs["copies"]:
+            self.copy_blocks(inputs["copies"])
+        if not inputs["ids"]:
+            return None
+        batch = len(inputs["cu_q"]) - 1
+        if inputs["is_decode"] and self.graphs and batch <= max(self.graphs):
+            logits = self._replay_graph(inputs, batch)
+        else:
+            hidden = self.model.model(*self._eager_inputs(inputs))
+            rows = self._tensor(inputs["sample_rows"], torch.long)
+            flat = hidden[:, -1] if inputs["is_decode"] else hidden[0]
+            return self.model.compute_logits(flat[rows]) if inputs["sample_rows"] else None
+        return logits[torch.tensor(inputs["sample_rows"], device=self.device)] if inputs["sample_rows"] else None
+
+    def _eager_inputs(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        ids = self._tensor(inputs["ids"], torch.long)
+        positions = self._tensor(inputs["positions"], torch.long)
+        slots = self._tensor(inputs["slots"], torch.long)
+        tables = self._block_table_tensor(inputs["tables"]) if inputs["tables"] is not None else None
+        cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
+        if inputs["is_decode"]:
+            lens = self._tensor([k1 - k0 for k0, k1 in zip(cu_k, cu_k[1:])], torch.int32)
+            ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=lens, block_tables=tables)
+            return ids[:, None], positions[:, None], ctx
+        ctx = AttentionContext(
+            slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
+        return ids[None], positions[None], ctx
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        return self.model.compute_logits(self.model.model(ids[:, None], positions[:, None], ctx)[:, -1])
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Capture one graph per decode batch size, largest first, all in one memory pool."""
+        max_bs = self.config.max_num_seqs
+        width = math.ceil(self.max_model_len / self.block_size)
+        dev = self.device
+        self.g_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((max_bs,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.g_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=dev)
+        self.g_logits = torch.zeros(max_bs, self.vocab_size, dtype=self.config.torch_dtype, device=dev)
+        pool = None
+        for bs in reversed(cudagraph_batch_sizes(max_bs)):
+            ctx = AttentionContext(slot_mapping=self.g_slots[:bs], is_decode=True, context_lens=self.g_lens[:bs],
+                                   block_tables=self.g_tables[:bs])
+            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize(dev)
+
+    def _replay_graph(self, inputs: dict[str, Any], batch: int) -> torch.Tensor:
+        bs = min(s for s in self.graphs if s >= batch)
+        pad = bs - batch
+        cu_k = inputs["cu_k"]
+        width = self.g_tables.shape[1]
+        # Padded rows write to the scratch row and attend to one key of block 0: harmless, discarded.
+        self.g_ids[:bs].copy_(self._tensor(inputs["ids"] + [0] * pad, torch.long), non_blocking=True)
+        self.g_positions[:bs].copy_(self._tensor(inputs["positions"] + [0] * pad, torch.long), non_blocking=True)
+        self.g_slots[:bs].copy_(self._tensor(inputs["slots"] + [self.scratch_slot] * pad, torch.long),
+                                non_blocking=True)
+        lens = [k1 - k0 for k0, k1 in zip(cu_k, cu_k[1:])] + [1] * pad
+        self.g_lens[:bs].copy_(self._tensor(lens, torch.int32), non_blocking=True)
+        self.g_tables[:bs].copy_(self._block_table_tensor(inputs["tables"] + [[]] * pad, width), non_blocking=True)
+        self.graphs[bs].replay()
+        return self.g_logits[:batch]
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, logits: torch.Tensor, out: SchedulerOutput) -> list[int]:
+        seqs = [s for s, flag in zip(out.seqs, out.samples) if flag]
+        gens = [self._generator(s) for s in seqs]
+        st = SamplingTensors.build([s.sampling_params for s in seqs], gens, self.vocab_size, self.device)
+        return self.sampler.sample(logits, st).tolist()
+
+    def _generator(self, seq) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None or seq.sampling_params.greedy:
+            return None
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
+
+    def release(self, seq) -> None:
+        """Forget per-request state of a finished sequence."""
+        self.generators.pop(seq.seq_id, None)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run one scheduled step end to end: inputs, forward, sampling. Returns the sampled tokens."""
+        logits = self.run(self.prepare(out))
+        return [] if logits is None else self.sample(logits, out)

@@ -1,0 +1,70 @@
+"""`SamplingParams`: vLLM's per-request decoding knobs, validated on construction.
+
+The paper (vLLM, arXiv 2309.06180, §4.3) treats decoding as "sample one token per step from the model's
+next-token distribution"; these parameters say how that distribution is shaped before sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request (vLLM's names and defaults).
+
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it before softmax.
+    top_p: nucleus sampling, keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
+    top_k: keep the k most likely tokens (-1 or 0 = off).
+    max_tokens: how many tokens to generate at most.
+    ignore_eos: keep generating past the end-of-sequence token (benchmarks).
+    stop_token_ids: extra token ids that end the request (the stop token is kept in the output, like EOS).
+    seed: per-request random seed; the same seed and prompt give the same tokens whatever else is batched.
+
+    Bad values raise ValueError naming the field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = field(default=None)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive int, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        if self.top_k == 0:
+            self.top_k = -1  # OpenAI-style clients send 0 for "off"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

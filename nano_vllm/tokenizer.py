@@ -1,0 +1,128 @@
+"""Text <-> token ids for the engine: the checkpoint's own tokenizer when we can read it, else shared's.
+
+A checkpoint directory that ships `tokenizer.json` is read with the `tokenizers` library (when
+installed); everything else — presets with random weights, checkpoints saved by nano_megatron / nano_zero
+— uses shared.tokenizer (a 4096-token byte-level BPE). Chat prompts use the checkpoint's Jinja chat
+template when it has one and jinja2 is installed, else a plain ChatML layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """encode / decode plus the ids that end a generation."""
+
+    name: str = "tokenizer"
+    eos_token_ids: set[int]
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt for a chat: the checkpoint's template, or ChatML ending in an open assistant turn."""
+        if self.chat_template is not None:
+            try:
+                import jinja2
+
+                env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                return env.from_string(self.chat_template).render(
+                    messages=messages, add_generation_prompt=True, **self.special_tokens)
+            except ImportError:
+                pass
+        parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+        return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class SharedTokenizer(Tokenizer):
+    """shared.tokenizer's tiktoken encoding ("nano-infra-4k")."""
+
+    name = "nano-infra-4k"
+
+    def __init__(self) -> None:
+        from shared.tokenizer import get_tokenizer
+
+        self.enc = get_tokenizer()
+        self.eos_token_ids = {self.enc.eot_token}
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        n = self.enc.n_vocab  # a model with a larger vocabulary can emit ids the tokenizer does not know
+        return self.enc.decode([i for i in ids if i < n], errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    """A checkpoint's `tokenizer.json` through the `tokenizers` library."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        self.name = path.name
+        cfg = _read_json(path / "tokenizer_config.json")
+        self.chat_template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
+        self.special_tokens = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        self.eos_token_ids = set()
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and self.tok.token_to_id(eos) is not None:
+            self.eos_token_ids.add(self.tok.token_to_id(eos))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def get_engine_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer for `model` (a checkpoint directory or a preset name)."""
+    path = Path(model)
+    if os.path.isdir(path) and (path / "tokenizer.json").is_file():
+        try:
+            return HFTokenizer(path)
+        except ImportError:  # `tokenizers` is not installed
+            pass
+    return SharedTokenizer()
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list, for streaming. Decodes the whole output each time (simple,
+    exact for merges across tokens) and holds back a trailing U+FFFD: an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def step(self, token_ids: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(token_ids)
+        if not final and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.text):  # a later token changed earlier text (rare): send nothing new
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
