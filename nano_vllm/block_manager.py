@@ -203,8 +203,7 @@ class BlockManager:
             self.pending_copies = [(s, d) for s, d in self.pending_copies
                                    if d not in mine or self.pool.ref_counts[d] > 0]
         seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # (num_cached_tokens stays, for metrics; admission resets both)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share all of `parent`'s blocks (§4.4, parallel sampling); the first write into a

@@ -46,6 +46,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -142,7 +143,8 @@ class LLMEngine:
             if len(seq.token_times) > 1:
                 metrics["tpot"] = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], seq.is_finished, metrics)
+                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], seq.is_finished,
+                             seq.num_cached_tokens, metrics)
 
     def shutdown(self) -> None:
         shutdown = getattr(self.model_runner, "shutdown", None)

@@ -1,0 +1,92 @@
+"""Greedy output of the engine == transformers' greedy `generate`, token for token (fp32, CPU).
+
+Each engine configuration exercises one mechanism of the paper on the same mixed-length batch: prefix
+caching on/off (§4.2), chunked prefill mixed with decodes, a KV cache so small that requests are
+preempted and recomputed (§4.5), no chunking at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+
+from nano_vllm import LLM, SamplingParams
+
+LENGTHS = [1, 5, 17, 33, 64, 70]
+MAX_TOKENS = [20, 7, 30, 12, 25, 16]
+
+CASES = {
+    "prefix_cache": {},
+    "no_prefix_cache": {"enable_prefix_caching": False},
+    "chunked_prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+    "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 128, "max_num_seqs": 8},
+    "preemption": {"num_kv_blocks": 8},  # 128 token slots for 6 requests of up to 86 tokens
+}
+
+
+def _record_steps(llm):
+    """Wrap the scheduler to keep every step's (num_new_tokens, samples)."""
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def wrapped():
+        out = schedule()
+        steps.append((list(out.num_new_tokens), list(out.samples)))
+        return out
+
+    llm.engine.scheduler.schedule = wrapped
+    return steps
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers(ckpt, hf_greedy, case):
+    prompts = random_prompts(0, LENGTHS)
+    llm = LLM(ckpt, max_model_len=128, **CASES[case])
+    steps = _record_steps(llm)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, n, out in zip(prompts, MAX_TOKENS, outs):
+        assert out.token_ids == hf_greedy(ckpt, prompt, n), f"prompt of {len(prompt)} tokens"
+        assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # every block back once all requests finished
+    if case == "chunked_prefill":
+        assert max(sum(n) for n, _ in steps) <= 16
+        # a step mixing a prompt chunk (> 1 token, not sampled) with decodes (1 token, sampled)
+        assert any(any(k > 1 and not s for k, s in zip(n, smp)) and 1 in n for n, smp in steps)
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if case == "no_chunked_prefill":  # every prompt in one piece
+        assert all(not (k > 1 and not s) for n, smp in steps for k, s in zip(n, smp))
+
+
+def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy):
+    """Shared prefixes, identical prompts in one step, then the same batch again (all hits)."""
+    base = random_prompts(1, [40])[0]
+    tails = random_prompts(2, [3, 9, 16])
+    prompts = [base + t for t in tails] + [base + tails[0], base[:32], base[:32]]
+    llm = LLM(ckpt, max_model_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=10)
+    for round_ in range(2):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        for p, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(ckpt, p, 10), (round_, len(p))
+        cached = [o.num_cached_tokens for o in outs]
+        if round_ == 0:  # the first prompt computes the 40-token prefix (2 full blocks) the others reuse
+            assert cached[0] == 0 and all(c >= 32 for c in cached[1:])
+        else:  # everything is cached; a 32-token prompt is fully cached and recomputes its last token only
+            assert cached[-1] == 32 and all(c >= 32 for c in cached)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_stop_tokens_and_length(ckpt, hf_greedy):
+    prompt = random_prompts(3, [12])[0]
+    ref = hf_greedy(ckpt, prompt, 12)
+    stop = ref[5]
+    k = ref.index(stop)  # the first occurrence ends the request, the stop token included
+    llm = LLM(ckpt, max_model_len=20)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == ref[: k + 1] and out.outputs[0].finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    assert out.token_ids == ref[:8] and out.outputs[0].finish_reason == "length"  # max_model_len = 12 + 8
