@@ -110,8 +110,9 @@ class MegatronEngine:
         self.reducer = BucketedGradReducer(self.params, grid.dp_group, parallel.bucket_mb)
         groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
                   {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           foreach=False)
+        # fused on GPU (one kernel for all tensors); per-tensor on CPU, exactly LocalEngine's arithmetic
+        impl = {"fused": True} if self.device.type == "cuda" else {"foreach": False}
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
         self.vocab_start = 0
         if model.lm_head is not None:
             self.vocab_start = grid.tp_rank * model.lm_head.weight.shape[0] if grid.tp > 1 else 0
@@ -162,12 +163,15 @@ class MegatronEngine:
         rank, replicated ones on tp rank 0 only, the tied LM-head copy not at all; then summed over tp
         and pp (dp replicas are identical after the reduction)."""
         g = self.grid
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
-        for n, m in zip(self.names, self.master):
-            if m.grad is None or (self.tied_copy and n == "lm_head.weight"):
-                continue
-            if self.shards[n].dim is not None or g.tp_rank == 0:
-                total += m.grad.float().pow(2).sum()
+        counted = [m.grad for n, m in zip(self.names, self.master)
+                   if m.grad is not None and not (self.tied_copy and n == "lm_head.weight")
+                   and (self.shards[n].dim is not None or g.tp_rank == 0)]
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative, so a sharded sum would
+        # not match an unsharded one: accumulate in fp64 there (CUDA's tree reductions are exact enough)
+        acc = torch.float64 if self.device.type == "cpu" else None
+        for t in counted:
+            total += torch.linalg.vector_norm(t, dtype=acc).double().pow(2)
         if g.tp > 1:
             dist.all_reduce(total, group=g.tp_group)
         if g.pp > 1:

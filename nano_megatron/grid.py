@@ -1,6 +1,6 @@
 """The (dp, pp, tp) process grid: one object that owns every process group and coordinate of this rank.
 
-Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, §3.3 and Takeaway #1) orders the grid so that the
+Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, §3, Takeaway #1) orders the grid so that the
 tensor-parallel ranks — which all-reduce activations in every layer — are adjacent global ranks, hence on
 the same node (NVLink), pipeline neighbours next, and data-parallel replicas furthest apart (they talk
 once per step). As picotron does, the grid is just `arange(world).view(dp, pp, tp)`: tp varies fastest,
@@ -94,6 +94,9 @@ class ParallelGrid:
         self.dp_group = self._new_groups(shape.dp_groups())
         self.embedding_group = self._new_groups(shape.embedding_groups()) if shape.pp > 1 else None
         self.tp_ranks = shape.tp_groups()[rank // shape.tp]
+        # NCCL wants the first collective of a group to involve all its ranks before batched p2p
+        # (dist.batch_isend_irecv's note); pipeline sends go through the default group.
+        dist.barrier()
 
     def _new_groups(self, enumeration: list[list[int]]) -> dist.ProcessGroup:
         mine, _ = dist.new_subgroups_by_enumeration(enumeration)
