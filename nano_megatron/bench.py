@@ -86,7 +86,15 @@ class DTensorTP:
                 loss.backward()
         for m, p in zip(self.master, self.params):
             m.grad, p.grad = p.grad.float(), None
-        sq = sum((m.grad.full_tensor() if isinstance(m.grad, DTensor) else m.grad).pow(2).sum() for m in self.master)
+        # torch.nn.utils.clip_grad_norm_ refuses a mix of DTensor and plain (norm) gradients:
+        # its norm per kind, sharded ones reduced as a scalar, then clipped with the same formula.
+        sharded = [m.grad for m in self.master if isinstance(m.grad, DTensor)]
+        plain = [m.grad for m in self.master if not isinstance(m.grad, DTensor)]
+        sq = torch.zeros((), device=self.device)
+        if sharded:
+            sq = sq + torch.nn.utils.get_total_norm(sharded).full_tensor().pow(2)
+        if plain:
+            sq = sq + torch.nn.utils.get_total_norm(plain).pow(2)
         coef = clip_coefficient(sq.sqrt(), self.cfg.grad_clip)
         for m in self.master:
             m.grad.mul_(coef)
@@ -136,23 +144,27 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
     batches = _batches(mcfg, cfg, int(bench.warmup) + int(bench.steps), 0, 1)
     times, bubbles = [], []
     for i, mb in enumerate(batches):
-        timed = i >= int(bench.warmup)
-        if timed and system.startswith("pp"):
-            engine.pipeline_timeline = []
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         engine.train_step(mb, cfg.lr)
         _sync(device)
-        dt = time.perf_counter() - t0
-        if timed:
-            times.append(dt)
-            if system.startswith("pp"):
-                # busy time of this stage's compute over the slowest stage's forward+backward span
-                span = torch.tensor([dt], dtype=torch.float64, device=device)
-                dist.all_reduce(span, op=dist.ReduceOp.MAX)
-                bubbles.append(1.0 - busy_seconds(engine.pipeline_timeline) / span.item())
-                engine.pipeline_timeline = None
+        if i >= int(bench.warmup):
+            times.append(time.perf_counter() - t0)
+    if system.startswith("pp"):
+        # The bubble of the schedule alone (forward_backward, no optimizer step): this stage's time in
+        # forward/backward kernels over the span of the slowest stage, all stages started together.
+        for mb in batches[-int(bench.steps):]:
+            engine.pipeline_timeline = []
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.forward_backward(mb)
+            _sync(device)
+            span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX)
+            bubbles.append(1.0 - busy_seconds(engine.pipeline_timeline) / span.item())
+        engine.pipeline_timeline = None
     seconds = statistics.median(times)
     tokens = cfg.global_batch_size * cfg.seq_len
     row = {"system": system, "GPUs": world, "ms/step": seconds * 1e3, "tokens/s": tokens / seconds,

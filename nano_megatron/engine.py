@@ -100,11 +100,11 @@ class MegatronEngine:
         # names/params of this rank (named_parameters drops the second name of a tied matrix)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.master = [p for _, p in named]
+        self.params = self.master = [p for _, p in named]  # master: what AdamW updates
         if cfg.dtype == "bf16":  # LocalEngine's mixed precision: bf16 model, fp32 master weights
-            self.master = [p.detach().float().clone() for p in self.master]
+            self.master = [p.detach().float().clone() for p in self.params]
             model.to(torch.bfloat16)
-        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+            self.params = [p for n, p in model.named_parameters() if p.requires_grad]
         self.tied_copy = (model_config.tie_word_embeddings and grid.pp > 1
                           and (grid.is_first_stage or grid.is_last_stage))
         self.reducer = BucketedGradReducer(self.params, grid.dp_group, parallel.bucket_mb)
