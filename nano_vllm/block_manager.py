@@ -27,7 +27,8 @@ Invariants (checked after every operation by tests/nano_vllm/test_block_manager.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from nano_vllm.sequence import Sequence
 

@@ -17,6 +17,7 @@ samples.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -211,14 +212,14 @@ class ModelRunner:
         tables = self._block_table_tensor(inputs["tables"]) if inputs["tables"] is not None else None
         cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
         if inputs["is_decode"]:
-            lens = self._tensor([k1 - k0 for k0, k1 in zip(cu_k, cu_k[1:])], torch.int32)
+            lens = self._tensor([k1 - k0 for k0, k1 in itertools.pairwise(cu_k)], torch.int32)
             ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=lens, block_tables=tables)
             return ids[:, None], positions[:, None], ctx
         ctx = AttentionContext(
             slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_q, torch.int32),
             cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])))
+            max_seqlen_q=max(b - a for a, b in itertools.pairwise(cu_q)),
+            max_seqlen_k=max(b - a for a, b in itertools.pairwise(cu_k)))
         return ids[None], positions[None], ctx
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -259,7 +260,7 @@ class ModelRunner:
         self.g_positions[:bs].copy_(self._tensor(inputs["positions"] + [0] * pad, torch.long), non_blocking=True)
         self.g_slots[:bs].copy_(self._tensor(inputs["slots"] + [self.scratch_slot] * pad, torch.long),
                                 non_blocking=True)
-        lens = [k1 - k0 for k0, k1 in zip(cu_k, cu_k[1:])] + [1] * pad
+        lens = [k1 - k0 for k0, k1 in itertools.pairwise(cu_k)] + [1] * pad
         self.g_lens[:bs].copy_(self._tensor(lens, torch.int32), non_blocking=True)
         self.g_tables[:bs].copy_(self._block_table_tensor(inputs["tables"] + [[]] * pad, width), non_blocking=True)
         self.graphs[bs].replay()

@@ -20,7 +20,7 @@ class Tokenizer:
     name: str = "tokenizer"
     eos_token_ids: set[int]
     chat_template: str | None = None
-    special_tokens: dict[str, str] = {}
+    special_tokens: dict[str, str]  # passed to the chat template (bos_token, eos_token, ...)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -58,6 +58,7 @@ class SharedTokenizer(Tokenizer):
 
         self.enc = get_tokenizer()
         self.eos_token_ids = {self.enc.eot_token}
+        self.special_tokens = {"eos_token": "<|endoftext|>"}
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")

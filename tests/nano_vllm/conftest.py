@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512
+VOCAB = 4096  # the shared tokenizer's size, so text prompts work too
 
 
 def _make_checkpoint(path, family: str) -> str:
@@ -51,12 +51,12 @@ def ckpt(request):
     return request.getfixturevalue(f"{request.param}_ckpt")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = _hf_model(path)
     ids = torch.tensor([prompt])

@@ -78,7 +78,7 @@ def test_random_operations_against_brute_force(prefix_caching):
     for seq in live:
         bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.pool.ref_counts)
-    assert min(counts.values()) > 20 or not prefix_caching and counts["hit"] == 0, counts
+    assert min(counts.values()) > 20 or (not prefix_caching and counts["hit"] == 0), counts
     assert prefix_caching == (counts["hit"] > 0)
 
 
