@@ -18,10 +18,11 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 4096  # the shared tokenizer's size, so text prompts work too
 
 
-def _make_checkpoint(path, family: str) -> str:
+def make_checkpoint(path, family: str, **overrides) -> str:
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
                   initializer_range=0.08, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common.update(overrides)
     if family == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
     else:
@@ -38,12 +39,12 @@ def _make_checkpoint(path, family: str) -> str:
 
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory):
-    return _make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="session")
 def qwen3_ckpt(tmp_path_factory):
-    return _make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen3"])

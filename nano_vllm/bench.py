@@ -1,0 +1,211 @@
+"""`python -m nano_vllm.bench` — offline throughput on nano-vllm's published workload (a Hydra app).
+
+Default workload (nano-vllm's bench.py, draw for draw): `random.seed(0)`; 256 prompts of `randint(100, 1024)`
+token ids `randint(0, 10000)`; then `max_tokens = randint(100, 1024)` each; temperature 0.6, ignore_eos;
+Qwen3-0.6B shape with random weights; one warm-up request; 133,966 output tokens. Prints output tokens,
+seconds, output tokens/s and the fraction of a roofline estimate, writes `bench.json` to the run directory.
+
+The roofline is a lower bound on the workload's time on this device: the prefill at the measured matmul
+peak, plus every decode step at max(bytes / bandwidth, FLOPs / peak), where a step reads all weights once
+plus the K/V of every active sequence, all sequences decoding together (so it ignores what batching
+limits add); bandwidth is the measured device copy (shared.bench), peak the measured bf16 matmul.
+
+    python -m nano_vllm.bench                              # GPU: the workload above
+    python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
+    python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
+    python -m nano_vllm.bench rate=20                      # + open-loop serving at 20 req/s: TTFT / TPOT
+    python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nano_vllm.engine import LLM, engine_args_from, kv_cache_summary
+from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
+from nano_vllm.metrics import summarize
+from nano_vllm.sampling_params import SamplingParams
+from shared.accounting import kv_cache_bytes, matmul_param_count, param_count
+from shared.bench import measure_copy_bandwidth, measure_matmul_flops, print_table, write_json
+from shared.config import ModelConfig, resolve_model_config
+from shared.hydra_utils import hydra_run_dir
+
+# Without a GPU the default would take hours: a tiny model and a few short requests instead.
+QUICK = {"model": "tiny", "workload": {"num_seqs": 8, "min_input_len": 16, "max_input_len": 64,
+                                       "min_output_len": 16, "max_output_len": 48, "vocab": 4000},
+         "engine": {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256},
+         # transformers sizes its cache from "free memory" otherwise: 20 s of allocation on a CPU
+         "peer_config": {"num_blocks": 64, "max_batch_tokens": 256}}
+
+
+def roofline(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int,
+             bandwidth: float, peak_flops: float) -> dict:
+    """Lower-bound seconds for the workload (see the module docstring) and what binds the decode."""
+    n_matmul = matmul_param_count(cfg)
+    weight_bytes = param_count(cfg) * dtype_bytes
+    kv_token = kv_cache_bytes(cfg, 1, 1, dtype_bytes)
+    attn_flops_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim  # QKᵀ and PV
+    prefill_flops = sum(2 * n_matmul * p + attn_flops_per_key * p * (p + 1) / 2 for p in prompt_lens)
+    prefill_s = prefill_flops / peak_flops
+    decode_s, memory_bound_steps = 0.0, 0
+    steps = max(output_lens, default=0)
+    # Step t (t = 1 .. steps-1: the first token comes from the prefill) serves every request with more
+    # than t outputs; each reads its prompt + t keys.
+    for t in range(1, steps):
+        active = [p for p, o in zip(prompt_lens, output_lens) if o > t]
+        keys = sum(active) + t * len(active)
+        mem_s = (weight_bytes + kv_token * keys) / bandwidth
+        flop_s = (2 * n_matmul * len(active) + attn_flops_per_key * keys) / peak_flops
+        decode_s += max(mem_s, flop_s)
+        memory_bound_steps += mem_s >= flop_s
+    total = prefill_s + decode_s
+    return {"roofline_s": total, "roofline_tok_per_s": sum(output_lens) / total if total else float("nan"),
+            "prefill_bound_s": prefill_s, "decode_bound_s": decode_s,
+            "decode_memory_bound_frac": memory_bound_steps / max(steps - 1, 1)}
+
+
+def _workload(w: DictConfig) -> list[Request]:
+    return nano_vllm_workload(int(w.num_seqs), int(w.min_input_len), int(w.max_input_len), int(w.min_output_len),
+                              int(w.max_output_len), int(w.vocab), float(w.temperature), int(w.seed))
+
+
+def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
+    llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+    print(kv_cache_summary(llm.engine), flush=True)
+    if cfg.warmup:  # nano-vllm's: one short request, so lazy initialisation is not timed
+        llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs], use_tqdm=bool(cfg.progress))
+    sync()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    row = {"system": "nano_vllm", "requests": len(reqs), "output tokens": tokens, "seconds": seconds,
+           "output tok/s": tokens / seconds, "steps": llm.engine.num_steps,
+           "preemptions": llm.engine.scheduler.num_preemptions}
+    return row, llm
+
+
+def run_transformers(cfg: DictConfig, reqs: list[Request], device: str, dtype: torch.dtype) -> dict:
+    """transformers' continuous batching (`ContinuousBatchingManager`) on the same requests and weights."""
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    mcfg = resolve_model_config(str(cfg.model))
+    if Path(str(cfg.model)).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.model), dtype=dtype)
+    else:  # the same random weights our engine ran (same preset, same seed)
+        from shared.model import build_model
+
+        hf_cfg = transformers.AutoConfig.for_model(**mcfg.to_hf())
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        ours = build_model(mcfg, device="cpu", dtype=dtype, seed=int(cfg.engine.get("seed") or 0))
+        model.load_state_dict(ours.state_dict(), strict=False)
+        del ours
+    model = model.to(device).eval()
+    temp = reqs[0].sampling_params.temperature
+    gen = GenerationConfig(do_sample=temp > 0, temperature=temp or None, top_k=0, top_p=1.0, eos_token_id=-1,
+                           max_new_tokens=max(r.sampling_params.max_tokens for r in reqs))
+    cb = ContinuousBatchingConfig(**OmegaConf.to_container(cfg.peer_config, resolve=True))
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   warmup=bool(cfg.warmup)) as manager:
+        sync()
+        t0 = time.perf_counter()
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.sampling_params.max_tokens, eos_token_id=-1)
+               for r in reqs]
+        done: dict[str, int] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers continuous batching stalled for 600 s")
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+                done[result.request_id] = len(result.generated_tokens)
+        sync()
+        seconds = time.perf_counter() - t0
+    tokens = sum(done.values())
+    return {"system": f"transformers {transformers.__version__} CB", "requests": len(reqs),
+            "output tokens": tokens, "seconds": seconds, "output tok/s": tokens / seconds}
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def run(cfg: DictConfig) -> dict:
+    cuda = torch.cuda.is_available() and str(cfg.engine.get("device") or "cuda").startswith("cuda")
+    quick = (not cuda) if cfg.quick is None else bool(cfg.quick)
+    if quick:
+        OmegaConf.set_struct(cfg, False)
+        cfg = OmegaConf.merge(cfg, {k: v for k, v in QUICK.items() if k != "model"},
+                              {"model": QUICK["model"]} if cfg.model == "qwen3-0.6b" else {})
+        print("note: quick run (no GPU, or quick=true): the tiny model and a few short requests instead of the "
+              "published workload (256 requests, Qwen3-0.6B shape, 133,966 output tokens); numbers from this run "
+              "say nothing about GPU throughput", flush=True)
+    reqs = _workload(cfg.workload)
+    mcfg = resolve_model_config(str(cfg.model))
+    device = "cuda" if cuda else "cpu"
+    row, llm = run_ours(cfg, reqs)
+    dtype = llm.engine.config.torch_dtype
+    del llm
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    bandwidth = measure_copy_bandwidth(device)
+    peak = measure_matmul_flops(device, n=None if cuda else 256)
+    prompt_lens = [len(r.prompt) for r in reqs]
+    out_lens = [r.sampling_params.max_tokens for r in reqs]
+    bound = roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak)
+    row["% of roofline"] = 100 * row["output tok/s"] / bound["roofline_tok_per_s"]
+    rows = [row]
+    if cfg.serving_rate is not None:  # open-loop serving on a fresh engine: TTFT / TPOT under load
+        llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+        metrics, seconds = run_engine_open_loop(llm.engine, reqs, poisson_arrivals(len(reqs), float(cfg.serving_rate)))
+        serving = summarize(metrics, seconds)
+        print_table([{k: v for k, v in serving.items() if "p90" not in k and "normalized" not in k}],
+                    title=f"open-loop serving, Poisson arrivals at {cfg.serving_rate} req/s (seconds)")
+        del llm
+        gc.collect()
+    else:
+        serving = None
+    if cfg.peer == "transformers":
+        n = int(cfg.peer_num_seqs or len(reqs))
+        peer = run_transformers(cfg, reqs[:n], device, dtype)
+        peer_bound = roofline(mcfg, prompt_lens[:n], out_lens[:n], dtype.itemsize, bandwidth, peak)
+        peer["% of roofline"] = 100 * peer["output tok/s"] / peer_bound["roofline_tok_per_s"]
+        rows.append(peer)
+        for r in rows:
+            r["vs transformers"] = r["output tok/s"] / peer["output tok/s"]
+    elif cfg.peer is not None:
+        raise ValueError(f"peer must be null or 'transformers', got {cfg.peer!r}")
+    record = {"bench": "nano_vllm", "model": str(cfg.model), "device": device, "dtype": str(dtype).removeprefix("torch."),
+              "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
+              OmegaConf.to_container(cfg.engine), "copy_GBps": bandwidth / 1e9, "matmul_TFLOPs": peak / 1e12,
+              **bound, "rows": rows, "serving": serving}
+    path = Path(hydra_run_dir()) / "bench.json"
+    write_json(path, record)
+    print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
+                            f"{record['dtype']} on {device}")
+    print(f"roofline: {bound['roofline_tok_per_s']:,.0f} output tok/s ({bound['roofline_s']:.3g} s: prefill "
+          f"{bound['prefill_bound_s']:.3g} s at {peak / 1e12:.1f} TFLOP/s, decode {bound['decode_bound_s']:.3g} s at "
+          f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth, {100 * bound['decode_memory_bound_frac']:.0f}% of decode "
+          f"steps memory-bound)\nwrote {path}", flush=True)
+    return record
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
