@@ -64,8 +64,9 @@ def roofline(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int], d
         flop_s = (2 * n_matmul * len(active) + attn_flops_per_key * keys) / peak_flops
         decode_s += max(mem_s, flop_s)
         memory_bound_steps += mem_s >= flop_s
-    total = prefill_s + decode_s
-    return {"roofline_s": total, "roofline_tok_per_s": sum(output_lens) / total if total else float("nan"),
+    total, out = prefill_s + decode_s, sum(output_lens)
+    return {"roofline_s": total, "roofline_tok_per_s": out / total if total else float("nan"),
+            "decode_only_tok_per_s": out / decode_s if decode_s else float("nan"),
             "prefill_bound_s": prefill_s, "decode_bound_s": decode_s,
             "decode_memory_bound_frac": memory_bound_steps / max(steps - 1, 1)}
 
@@ -136,6 +137,17 @@ def run_transformers(cfg: DictConfig, reqs: list[Request], device: str, dtype: t
             "output tokens": tokens, "seconds": seconds, "output tok/s": tokens / seconds}
 
 
+def _command_line() -> DictConfig:
+    """The `key=value` overrides of this Hydra run (empty outside one), config-group choices excluded."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return OmegaConf.create()
+    items = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("~")]
+    return OmegaConf.from_dotlist([o for o in items if o.split("=")[0] not in ("workload", "model")
+                                   and not o.startswith("hydra.")])
+
+
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -144,10 +156,10 @@ def sync() -> None:
 def run(cfg: DictConfig) -> dict:
     cuda = torch.cuda.is_available() and str(cfg.engine.get("device") or "cuda").startswith("cuda")
     quick = (not cuda) if cfg.quick is None else bool(cfg.quick)
-    if quick:
+    if quick:  # QUICK replaces the defaults, what was given on the command line still wins
         OmegaConf.set_struct(cfg, False)
         cfg = OmegaConf.merge(cfg, {k: v for k, v in QUICK.items() if k != "model"},
-                              {"model": QUICK["model"]} if cfg.model == "qwen3-0.6b" else {})
+                              {"model": QUICK["model"]} if cfg.model == "qwen3-0.6b" else {}, _command_line())
         print("note: quick run (no GPU, or quick=true): the tiny model and a few short requests instead of the "
               "published workload (256 requests, Qwen3-0.6B shape, 133,966 output tokens); numbers from this run "
               "say nothing about GPU throughput", flush=True)

@@ -1,0 +1,79 @@
+"""The bench (Hydra app, quick CPU run with the transformers peer), the workload, the roofline, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nano_vllm import LLM, SamplingParams
+from nano_vllm.bench import roofline
+from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
+from nano_vllm.metrics import RequestMetrics, percentile, slo_attainment, summarize
+from shared.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_workload_is_nano_vllms():
+    reqs = nano_vllm_workload()
+    assert len(reqs) == 256 and sum(r.sampling_params.max_tokens for r in reqs) == 133_966
+    assert sum(len(r.prompt) for r in reqs) == 142_827
+    assert all(r.sampling_params.ignore_eos and r.sampling_params.temperature == 0.6 for r in reqs)
+
+
+def test_roofline_matches_the_issue_estimate():
+    """Qwen3-0.6B, bf16, H200 (4.24 TB/s, 751 TFLOP/s): the issue's ≈ 37.6k tok/s is the decode-only bound."""
+    reqs = nano_vllm_workload()
+    bound = roofline(ModelConfig.from_name("qwen3-0.6b"), [len(r.prompt) for r in reqs],
+                     [r.sampling_params.max_tokens for r in reqs], 2, 4.24e12, 751e12)
+    assert bound["decode_only_tok_per_s"] == pytest.approx(37_600, rel=0.01)
+    assert bound["decode_memory_bound_frac"] == 1.0 and bound["roofline_tok_per_s"] < 37_600
+
+
+def test_bench_cli_quick_with_transformers_peer(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "nano_vllm.bench", "quick=true", "peer=transformers", "progress=false",
+           "workload.num_seqs=4", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "quick run" in proc.stdout and "roofline:" in proc.stdout
+    record = json.loads((tmp_path / "bench.json").read_text())
+    ours, peer = record["rows"]
+    assert ours["system"] == "nano_vllm" and peer["system"].startswith("transformers")
+    assert ours["output tokens"] == peer["output tokens"] == sum(
+        r.sampling_params.max_tokens for r in nano_vllm_workload(4, 16, 64, 16, 48, 4000))
+    assert ours["output tok/s"] > 0 and 0 < ours["% of roofline"] < 100
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+def test_percentiles_and_slo():
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    ms = [RequestMetrics(str(i), 0.0, ttft, ttft + 0.1 * (n - 1), 5, n) for i, (ttft, n) in
+          enumerate([(0.1, 11), (0.5, 3), (0.2, 1)])]
+    assert ms[0].tpot == pytest.approx(0.1) and ms[2].tpot is None
+    assert slo_attainment(ms, ttft_slo=0.3) == pytest.approx(2 / 3)
+    assert slo_attainment(ms, ttft_slo=1.0, tpot_slo=0.05) == pytest.approx(1 / 3)  # no TPOT: meets it
+    row = summarize(ms, duration=2.0, ttft_slo=1.0)
+    assert row["output_tokens"] == 15 and row["output_tok_per_s"] == 7.5 and row["slo_attainment"] == 1.0
+    assert row["ttft_p50_s"] == pytest.approx(0.2)
+
+
+def test_engine_open_loop():
+    llm = LLM("tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
+    reqs = [Request([1, 2, 3, i + 4], SamplingParams(temperature=0, max_tokens=4)) for i in range(6)]
+    arrivals = poisson_arrivals(6, rate=200.0, seed=1)
+    assert arrivals == sorted(arrivals) and poisson_arrivals(3, float("inf")) == [0.0] * 3
+    metrics, seconds = run_engine_open_loop(llm.engine, reqs, arrivals)
+    assert [m.num_output_tokens for m in metrics] == [4] * 6 and seconds >= arrivals[-1]
+    assert all(m.ttft > 0 and m.latency >= m.ttft for m in metrics)
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, rate=0)

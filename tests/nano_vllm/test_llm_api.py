@@ -1,0 +1,124 @@
+"""The offline API: prompts as text or ids, tokenizers, checkpoints from shared.checkpoint, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+from nano_vllm import LLM, EngineConfig, SamplingParams
+from shared.checkpoint import save_checkpoint
+from shared.config import ModelConfig
+from shared.model import build_model, greedy_generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("tiny", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def test_text_and_ids_in_input_order(tiny):
+    tok = tiny.tokenizer
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    outs = tiny.generate(["Hello world", [1, 2, 3], "a"], sp, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello world", None, "a"]
+    assert outs[0].prompt_token_ids == tok.encode("Hello world") and outs[1].prompt_token_ids == [1, 2, 3]
+    for o in outs:
+        assert len(o.token_ids) == 5 and o.text == tok.decode(o.token_ids) == o.outputs[0].text
+    one = tiny.generate("Hello world", sp, use_tqdm=False)  # a single prompt, not a list
+    assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
+    assert tiny.generate([[1, 2, 3]], sp)[0].token_ids == outs[1].token_ids  # with the progress bar
+
+
+def test_checkpoint_saved_by_shared(tmp_path):
+    """What nano_megatron / nano_zero save (shared.checkpoint, a Qwen3-family config) loads and runs."""
+    cfg = ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, qk_norm=True,
+                      initializer_range=0.1)
+    model = build_model(cfg, seed=3)
+    save_checkpoint(model, cfg, tmp_path)
+    llm = LLM(str(tmp_path), max_model_len=64)
+    prompt = [10, 20, 30, 40]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert out.token_ids == greedy_generate(model, prompt, 8)
+
+
+def test_checkpoint_tokenizer_json_is_used(tmp_path, qwen3_ckpt):
+    tokenizers = pytest.importorskip("tokenizers")
+    shutil.copytree(qwen3_ckpt, tmp_path, dirs_exist_ok=True)
+    vocab = {"[UNK]": 0, "hello": 5, "world": 6, "</s>": 7}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    llm = LLM(str(tmp_path), max_model_len=64)
+    out = llm.generate(["hello world hello"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [5, 6, 5]
+    assert llm.engine.scheduler.eos_token_ids == {7}  # config.json has no eos: the tokenizer's
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 8}, "block_size"), ({"block_size": 48}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"dtype": "int8"}, "dtype"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+])  # fmt: skip
+def test_engine_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_errors(tiny):
+    with pytest.raises(TypeError, match="bogus"):
+        LLM("tiny", bogus=1)
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM("/no/such/model")
+    with pytest.raises(ValueError, match="fewer than one max_model_len"):
+        LLM("tiny", max_model_len=64, num_kv_blocks=3)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM("tiny", max_model_len=10**6)
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny.generate([[1] * 65], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
+        tiny.generate([[1, 4096]], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        tiny.generate([[1]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks(tiny):
+    engine = tiny.engine
+    seq = engine.add_request([1, 2, 3, 4] * 8, SamplingParams(max_tokens=30))
+    engine.step()
+    assert seq.block_table and engine.abort_request(seq.request_id)
+    assert seq.finish_reason == "abort" and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.abort_request(seq.request_id)
+
+
+def test_serve_hydra_app_builds_a_server():
+    from hydra import compose, initialize_config_module
+
+    from nano_vllm.serve import build
+
+    with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
+        cfg = compose(config_name="serve", overrides=["port=0", "engine.max_model_len=64", "served_model_name=t"])
+    server, loop = build(cfg)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert json.loads(urllib.request.urlopen(url + "/health").read()) == {"status": "ok"}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps({"model": "t", "prompt": "Hi"}).encode(),
+                                     {"Content-Type": "application/json"})
+        body = json.loads(urllib.request.urlopen(req).read())
+        assert body["usage"]["completion_tokens"] == 16  # vLLM's default max_tokens
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.stop()
+    assert torch.get_num_threads() == 1  # the autouse fixture is in force
