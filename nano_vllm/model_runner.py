@@ -26,6 +26,7 @@ import torch
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
 from nano_vllm.config import EngineConfig
 from nano_vllm.sampler import Sampler, SamplingTensors
+from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.scheduler import SchedulerOutput
 from shared.checkpoint import load_model
 from shared.config import PRESETS, ModelConfig
@@ -122,13 +123,18 @@ class ModelRunner:
         ctx = AttentionContext(slot_mapping=slots, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
                                max_seqlen_k=seq_len)
         hidden = self.model.model(ids, positions, ctx)
-        self.model.compute_logits(hidden[0, cu[1:] - 1][: self.config.max_num_seqs])
+        logits = self.model.compute_logits(hidden[0, cu[1:] - 1][: self.config.max_num_seqs])
+        self.sampler.sample(logits, SamplingTensors.build(  # the sampler's vocab-sized temporaries too
+            [SamplingParams(temperature=1.0, top_k=2)] * logits.shape[0], [None] * logits.shape[0],
+            self.vocab_size, self.device))
+        del hidden, logits, ids, positions, slots, ctx
         torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        del self.kv_cache, hidden
-        budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+        torch.cuda.empty_cache()  # so that `used` below counts weights and contexts, not cached activations
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free  # everything on the GPU now, this process's and anyone else's
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current)
         return max(int(budget) // self.block_bytes, 0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
@@ -147,9 +153,12 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # ------------------------------------------------------------------ inputs
+    def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor, pinned on CUDA so the copy to the device is asynchronous."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+        return self._host(values, dtype).to(self.device, non_blocking=True)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
         """Cache rows for tokens [start, end) of `seq`; tokens already cached go to the scratch row."""
@@ -183,9 +192,10 @@ class ModelRunner:
                 "tables": tables if any_cached or out.is_decode else None, "is_decode": out.is_decode,
                 "sample_rows": sample_rows, "copies": out.copies}
 
-    def _block_table_tensor(self, tables: list[list[int]], width: int | None = None) -> torch.Tensor:
-        width = width or max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+    def _block_table_tensor(self, tables: list[list[int]], host: bool = False) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return self._host(padded, torch.int32) if host else self._tensor(padded, torch.int32)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -203,7 +213,10 @@ class ModelRunner:
             rows = self._tensor(inputs["sample_rows"], torch.long)
             flat = hidden[:, -1] if inputs["is_decode"] else hidden[0]
             return self.model.compute_logits(flat[rows]) if inputs["sample_rows"] else None
-        return logits[torch.tensor(inputs["sample_rows"], device=self.device)] if inputs["sample_rows"] else None
+        rows = inputs["sample_rows"]
+        if len(rows) == batch:  # the usual decode step: every row samples
+            return logits
+        return logits[torch.tensor(rows, device=self.device)] if rows else None
 
     def _eager_inputs(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         ids = self._tensor(inputs["ids"], torch.long)
@@ -228,7 +241,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
-        """Capture one graph per decode batch size, largest first, all in one memory pool."""
+        """Capture one graph per decode batch size, largest first, all in one memory pool. Each graph reads
+        its inputs from static buffers (the g_* tensors) and writes the logits into `g_logits`."""
         max_bs = self.config.max_num_seqs
         width = math.ceil(self.max_model_len / self.block_size)
         dev = self.device
@@ -238,31 +252,35 @@ class ModelRunner:
         self.g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.g_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=dev)
         self.g_logits = torch.zeros(max_bs, self.vocab_size, dtype=self.config.torch_dtype, device=dev)
-        pool = None
+        self._graph_pool = None
         for bs in reversed(cudagraph_batch_sizes(max_bs)):
             ctx = AttentionContext(slot_mapping=self.g_slots[:bs], is_decode=True, context_lens=self.g_lens[:bs],
                                    block_tables=self.g_tables[:bs])
-            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize(dev)
+            # Warm-up at this size first: Triton compiles (and caches) its kernels outside the capture.
+            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
+            self.graphs[bs] = self._capture(bs, ctx)
+
+    def _capture(self, bs: int, ctx: AttentionContext):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self._graph_pool):
+            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
+        self._graph_pool = self._graph_pool or graph.pool()
+        torch.cuda.synchronize(self.device)
+        return graph
 
     def _replay_graph(self, inputs: dict[str, Any], batch: int) -> torch.Tensor:
         bs = min(s for s in self.graphs if s >= batch)
         pad = bs - batch
-        cu_k = inputs["cu_k"]
-        width = self.g_tables.shape[1]
         # Padded rows write to the scratch row and attend to one key of block 0: harmless, discarded.
-        self.g_ids[:bs].copy_(self._tensor(inputs["ids"] + [0] * pad, torch.long), non_blocking=True)
-        self.g_positions[:bs].copy_(self._tensor(inputs["positions"] + [0] * pad, torch.long), non_blocking=True)
-        self.g_slots[:bs].copy_(self._tensor(inputs["slots"] + [self.scratch_slot] * pad, torch.long),
-                                non_blocking=True)
-        lens = [k1 - k0 for k0, k1 in itertools.pairwise(cu_k)] + [1] * pad
-        self.g_lens[:bs].copy_(self._tensor(lens, torch.int32), non_blocking=True)
-        self.g_tables[:bs].copy_(self._block_table_tensor(inputs["tables"] + [[]] * pad, width), non_blocking=True)
+        lens = [k1 - k0 for k0, k1 in itertools.pairwise(inputs["cu_k"])] + [1] * pad
+        for buf, values, dtype in ((self.g_ids, inputs["ids"] + [0] * pad, torch.long),
+                                   (self.g_positions, inputs["positions"] + [0] * pad, torch.long),
+                                   (self.g_slots, inputs["slots"] + [self.scratch_slot] * pad, torch.long),
+                                   (self.g_lens, lens, torch.int32)):
+            buf[:bs].copy_(self._host(values, dtype), non_blocking=True)
+        # Only the columns this batch uses: pages past a row's length are never read, stale ones included.
+        tables = self._block_table_tensor(inputs["tables"] + [[0]] * pad, host=True)
+        self.g_tables[:bs, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.g_logits[:batch]
 

@@ -1,0 +1,61 @@
+"""GPU-only checks (marker `gpu`; run by hand on the lent GPU machine: `pytest tests/nano_vllm -m gpu`).
+
+The Triton paged kernels, CUDA graphs, KV sizing from free memory, device sampling and NCCL tensor
+parallelism. fp32 keeps token-for-token comparisons with transformers meaningful (nano_flashattn's fp32
+uses full-precision products and torch's fp32 matmuls do not use TF32 by default).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_checkpoint, random_prompts
+
+from nano_vllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}])
+def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
+    prompts = random_prompts(40, LENGTHS)
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager, **extra)
+    assert bool(llm.engine.model_runner.graphs) != eager
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS],
+                        use_tqdm=False)
+    for p, n, o in zip(prompts, MAX_TOKENS, outs):
+        assert o.token_ids == hf_greedy(ckpt, p, n)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_kv_cache_sized_from_free_memory(qwen3_ckpt):
+    llm = LLM(qwen3_ckpt, device="cuda", gpu_memory_utilization=0.3, max_model_len=128)
+    r = llm.engine.model_runner
+    _, total = torch.cuda.mem_get_info()
+    assert r.num_blocks * r.block_bytes < 0.3 * total and r.num_blocks > 1000
+    assert r.kv_cache.dtype == torch.bfloat16 and r.kv_cache.is_cuda
+
+
+def test_bf16_graphs_and_seeded_sampling(qwen3_ckpt):
+    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128)
+    sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=24, seed=11)
+    a = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0].token_ids
+    b = llm.generate([[7, 8], [1, 2, 3], [9] * 30], [SamplingParams(temperature=1.0)] + [sp] * 2,
+                     use_tqdm=False)[1].token_ids
+    assert a == b and len(a) == 24
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_nccl(tmp_path, hf_greedy):
+    ckpt = make_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(41, [3, 40])
+    llm = LLM(ckpt, device="cuda", dtype="float32", tensor_parallel_size=2, max_model_len=96)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.token_ids == hf_greedy(ckpt, p, 20)
+    finally:
+        llm.shutdown()
