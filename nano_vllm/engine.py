@@ -11,11 +11,14 @@ forward over the packed batch with PagedAttention (§4.1, §4.3), sample, advanc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig
@@ -58,11 +61,21 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
 
-def _eos_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
-    eos = model_config.eos_token_id
-    if eos is None:
-        return set(tokenizer.eos_token_ids)
-    return {eos} if isinstance(eos, int) else set(eos)
+def _eos_ids(model: str, model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """config.json's eos_token_id plus generation_config.json's (Qwen3 ends chat turns with either), else
+    the tokenizer's end-of-text token."""
+    ids: set[int] = set()
+    sources = [model_config.eos_token_id]
+    gen_cfg = Path(model) / "generation_config.json"
+    if gen_cfg.is_file():
+        with contextlib.suppress(ValueError):
+            sources.append(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+    for eos in sources:
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(e for e in eos if isinstance(e, int))
+    return ids or set(tokenizer.eos_token_ids)
 
 
 class LLMEngine:
@@ -91,7 +104,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
                                 config.enable_chunked_prefill)
-        self.scheduler = Scheduler(sched, self.block_manager, _eos_ids(mcfg, self.tokenizer))
+        self.scheduler = Scheduler(sched, self.block_manager, _eos_ids(config.model, mcfg, self.tokenizer))
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
@@ -162,13 +175,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
+    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]] | Seq[dict],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); results in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt — strings, token-id lists, or vLLM's {"prompt": str} /
+        {"prompt_token_ids": [...]} dicts; one SamplingParams for all or one each. Results in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt
-        prompts = list(prompts)
+        prompts = [_unwrap(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -201,6 +215,16 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _unwrap(prompt):
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt
 
 
 def engine_args_from(node: dict) -> dict:

@@ -32,6 +32,8 @@ def test_text_and_ids_in_input_order(tiny):
     one = tiny.generate("Hello world", sp, use_tqdm=False)  # a single prompt, not a list
     assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
     assert tiny.generate([[1, 2, 3]], sp)[0].token_ids == outs[1].token_ids  # with the progress bar
+    dicts = tiny.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "a"}], sp, use_tqdm=False)
+    assert [d.token_ids for d in dicts] == [outs[1].token_ids, outs[2].token_ids]
 
 
 def test_checkpoint_saved_by_shared(tmp_path):
@@ -59,6 +61,8 @@ def test_checkpoint_tokenizer_json_is_used(tmp_path, qwen3_ckpt):
     out = llm.generate(["hello world hello"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
     assert out.prompt_token_ids == [5, 6, 5]
     assert llm.engine.scheduler.eos_token_ids == {7}  # config.json has no eos: the tokenizer's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    assert LLM(str(tmp_path), max_model_len=64).engine.scheduler.eos_token_ids == {3, 4}
 
 
 @pytest.mark.parametrize("kwargs,match", [
