@@ -301,8 +301,11 @@ class ZeroDataParallel(Stage3Mixin, nn.Module):
             else:
                 sl_grads.append(u.grad_shard)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative, so a sharded sum would not
+        # match an unsharded one: accumulate in fp64 there (CUDA's tree reductions are exact enough)
+        acc = torch.float64 if self.device.type == "cpu" else torch.float32
         for g in sl_grads:
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+            sq += torch.linalg.vector_norm(g, dtype=acc).double() ** 2
         if self.stage >= 1:
             self.comm.all_reduce_scalar(sq)  # each rank holds a disjoint shard: sum of squares adds up
         norm = float(sq.sqrt())

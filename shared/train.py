@@ -215,7 +215,10 @@ class LocalEngine:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grads = [m.grad for m in self.master if m.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative: accumulate the oracle's norm
+        # in fp64 there, as the parallel engines do (CUDA's tree reductions are exact enough)
+        acc = torch.float64 if self.device.type == "cpu" else torch.float32
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in grads]))
         coef = clip_coefficient(norm, self.cfg.grad_clip)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
