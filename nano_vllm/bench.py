@@ -168,6 +168,7 @@ def run(cfg: DictConfig) -> dict:
     device = "cuda" if cuda else "cpu"
     row, llm = run_ours(cfg, reqs)
     dtype = llm.engine.config.torch_dtype
+    llm.shutdown()  # tensor-parallel workers too: the device is needed for the measurements below
     del llm
     gc.collect()
     if cuda:
@@ -185,6 +186,7 @@ def run(cfg: DictConfig) -> dict:
         serving = summarize(metrics, seconds)
         print_table([{k: v for k, v in serving.items() if "p90" not in k and "normalized" not in k}],
                     title=f"open-loop serving, Poisson arrivals at {cfg.serving_rate} req/s (seconds)")
+        llm.shutdown()
         del llm
         gc.collect()
     else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from nano_vllm.sequence import Sequence
 
@@ -70,6 +71,21 @@ class BlockPool:
             self.free[block_id] = None  # most recently freed: reused last
 
 
+class PrefixCacheProtocol(Protocol):
+    """What BlockManager needs from a prefix cache (nano_sglang plugs a radix tree in here).
+
+    match(token_ids)                   -> blocks holding the longest cached full-block prefix (no side effects)
+    insert(token_ids, block_table, n)  -> remember that the first n blocks of the table hold those tokens
+    evict(block_id)                    -> the block is being reused: forget it
+    clear()                            -> forget everything
+    """
+
+    def match(self, token_ids: Seq[int]) -> list[int]: ...
+    def insert(self, token_ids: Seq[int], block_table: Seq[int], num_full_blocks: int) -> None: ...
+    def evict(self, block_id: int) -> None: ...
+    def clear(self) -> None: ...
+
+
 class PrefixCache:
     """Hash chain over full blocks: hash(block i) = hash((hash(block i-1), tokens of block i))."""
 
@@ -101,11 +117,17 @@ class PrefixCache:
         info = self.block_info.get(block_id)
         return None if info is None else info[0]
 
-    def insert(self, block_id: int, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-        h = self.block_hash(parent_hash, tokens)
-        self.block_info[block_id] = (h, (parent_hash, tokens))
-        self.hash_to_block.setdefault(h, block_id)  # an identical block already cached stays the one found
-        return h
+    def insert(self, token_ids: Seq[int], block_table: Seq[int], num_full_blocks: int) -> None:
+        bs, first = self.block_size, num_full_blocks
+        while first > 0 and self.hash_of(block_table[first - 1]) is None:
+            first -= 1  # a sequence's hashed blocks form a prefix of its table: walk back to its end
+        parent = self.hash_of(block_table[first - 1]) if first > 0 else None
+        for i in range(first, num_full_blocks):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = self.block_hash(parent, tokens)
+            self.block_info[block_table[i]] = (h, (parent, tokens))
+            self.hash_to_block.setdefault(h, block_table[i])  # an identical cached block stays the one found
+            parent = h
 
     def evict(self, block_id: int) -> None:
         """Forget a block whose contents are about to be overwritten (it was reallocated)."""
@@ -113,13 +135,19 @@ class PrefixCache:
         if info is not None and self.hash_to_block.get(info[0]) == block_id:
             del self.hash_to_block[info[0]]
 
+    def clear(self) -> None:
+        self.hash_to_block.clear()
+        self.block_info.clear()
+
 
 class BlockManager:
-    """Block tables of all sequences over one BlockPool, with an optional PrefixCache (§4.2)."""
+    """Block tables of all sequences over one BlockPool, with an optional prefix cache (§4.2): the hash
+    chain by default, or any `PrefixCacheProtocol` passed as `prefix_cache`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache: PrefixCacheProtocol | None = None):
         self.block_size = block_size
-        self.cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self.cache = prefix_cache or (PrefixCache(block_size) if enable_prefix_caching else None)
         self.pool = BlockPool(num_blocks, on_reuse=self.cache.evict if self.cache else None)
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, done before the next step
 
@@ -184,15 +212,8 @@ class BlockManager:
 
         Called by the scheduler once it is sure the step computes those tokens (a sequence preempted
         later in the same scheduling pass must not leave hashes of blocks nobody computed)."""
-        if self.cache is None:
-            return
-        table, bs = seq.block_table, self.block_size
-        first = num_tokens // bs
-        while first > 0 and self.cache.hash_of(table[first - 1]) is None:
-            first -= 1  # hashed blocks form a prefix of the table: walk back to its end
-        parent = self.cache.hash_of(table[first - 1]) if first > 0 else None
-        for i in range(first, num_tokens // bs):
-            parent = self.cache.insert(table[i], parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        if self.cache is not None:
+            self.cache.insert(seq.token_ids, seq.block_table, num_tokens // self.block_size)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (finish, abort or preemption). Tail blocks are released first, so
@@ -216,6 +237,11 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks stay where they are; only future hits are lost)."""
+        if self.cache is not None:
+            self.cache.clear()
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -140,7 +140,13 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: the KV cache cannot fit any waiting request")
             return [], []
-        tokens = self.model_runner.execute(out)
+        try:
+            tokens = self.model_runner.execute(out)
+        except BaseException:
+            # This step's K/V were never written, yet the blocks it fills are already hashed: forget every
+            # hash rather than let a later request hit garbage. (The caller aborts the requests.)
+            self.block_manager.reset_prefix_cache()
+            raise
         finished = self.scheduler.postprocess(out, tokens)
         for seq in finished:
             self.model_runner.release(seq)

@@ -8,6 +8,7 @@ applied between steps, which is also when an aborted request's blocks are freed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -115,7 +116,8 @@ class EngineLoop:
             except Exception:  # fail the requests in flight, keep serving new ones
                 message = traceback.format_exc(limit=5)
                 for rid, stream in list(self._streams.items()):
-                    self.engine.abort_request(rid)
+                    with contextlib.suppress(Exception):  # the engine may be half-way through a step
+                        self.engine.abort_request(rid)
                     stream.put(StreamEvent([], True, "error", message))
                 self._streams.clear()
                 continue

@@ -162,3 +162,33 @@ def test_allocation_failure_changes_nothing():
     assert not bm.allocate_slots(seq, 13, [], num_computed_tokens=0)
     assert (list(bm.pool.ref_counts), list(bm.pool.free), dict(bm.cache.hash_to_block)) == before
     assert seq.block_table == [] and a.block_table
+
+
+def test_a_prefix_cache_can_be_plugged_in():
+    """nano_sglang's radix tree goes where PrefixCache is: BlockManager only calls the protocol."""
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def match(self, token_ids):
+            self.calls.append(("match", len(token_ids)))
+            return []
+
+        def insert(self, token_ids, block_table, num_full_blocks):
+            self.calls.append(("insert", num_full_blocks))
+
+        def evict(self, block_id):
+            self.calls.append(("evict", block_id))
+
+        def clear(self):
+            self.calls.append(("clear",))
+
+    rec = Recorder()
+    bm = BlockManager(num_blocks=2, block_size=4, prefix_cache=rec)
+    a = _admit(bm, [1, 2, 3, 4, 5])
+    bm.free(a)
+    _admit(bm, [6, 7, 8, 9])
+    bm.reset_prefix_cache()
+    assert rec.calls == [("match", 5), ("evict", 0), ("evict", 1), ("insert", 1), ("match", 4), ("evict", 1),
+                         ("insert", 1), ("clear",)]

@@ -90,3 +90,18 @@ def test_stop_tokens_and_length(ckpt, hf_greedy):
     assert out.token_ids == ref[: k + 1] and out.outputs[0].finish_reason == "stop"
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     assert out.token_ids == ref[:8] and out.outputs[0].finish_reason == "length"  # max_model_len = 12 + 8
+
+
+def test_failed_step_forgets_hashes_of_uncomputed_blocks(qwen3_ckpt, hf_greedy, monkeypatch):
+    llm = LLM(qwen3_ckpt, max_model_len=128)
+    prompt = random_prompts(4, [40])[0]
+    runner = llm.engine.model_runner
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert not bm.cache.hash_to_block and bm.num_free_blocks == bm.num_blocks  # aborted, nothing cached
+    monkeypatch.setattr(runner, "execute", execute)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(qwen3_ckpt, prompt, 5)

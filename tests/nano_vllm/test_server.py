@@ -224,3 +224,23 @@ def test_http_open_loop_load_generator(server):
     assert row["requests"] == 4 and row["output_tokens"] == 20 and row["slo_attainment"] == 1.0
     assert all(m.ttft is not None and m.ttft >= 0 and m.tpot >= 0 for m in metrics)
     _idle(loop)
+
+
+def test_engine_failure_fails_requests_in_flight_not_the_server(server, monkeypatch):
+    srv, loop = server
+    step = loop.engine.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return step()
+
+    monkeypatch.setattr(loop.engine, "step", broken)
+    status, err = _post(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+    assert status == 500 and "injected failure" in err["error"]["message"]
+    assert err["error"]["type"] == "internal_server_error"
+    _idle(loop)
+    status, body = _post(srv, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
