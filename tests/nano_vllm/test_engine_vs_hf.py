@@ -75,6 +75,12 @@ def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy):
             assert cached[0] == 0 and all(c >= 32 for c in cached[1:])
         else:  # everything is cached; a 32-token prompt is fully cached and recomputes its last token only
             assert cached[-1] == 32 and all(c >= 32 for c in cached)
+    # Only fully cached prompts: the first step is all one-token queries, i.e. the decode path
+    # (flash_attn_with_kvcache / the CUDA graph), reading K/V it never wrote.
+    steps = _record_steps(llm)
+    outs = llm.generate([base[:32], base[:32]], sp, use_tqdm=False)
+    assert steps[0] == ([1, 1], [True, True]) and all(o.num_cached_tokens == 32 for o in outs)
+    assert all(o.token_ids == hf_greedy(ckpt, base[:32], 10) for o in outs)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
