@@ -1,0 +1,138 @@
+"""Disaggregated serving in processes: a router + prefill instance on rank 0, decode instances on the other
+ranks (DistServe, arXiv 2401.09670, §4: one phase per GPU, KV pulled over the interconnect).
+
+Launch with `run_disaggregated(...)` (spawns the ranks with shared.dist.run_distributed: gloo on CPU, NCCL
+with one GPU each) or call `instance_main` under torchrun. Every rank builds an ordinary nano_vllm
+`LLMEngine` for its model runner, scheduler and block manager and then drives them as one phase.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nano_distserve.instance import Completion, DecodeInstance, PrefillInstance
+from nano_distserve.kv_transfer import DistTransport, KVGeometry, handshake, register
+from nano_vllm.config import EngineConfig
+from nano_vllm.engine import LLMEngine
+from nano_vllm.loadgen import Request
+from shared.dist import find_free_port, run_distributed
+
+
+@dataclass
+class DisaggConfig:
+    """engine: nano_vllm EngineConfig fields of every instance (`decode_engine` overrides the decode ones);
+    lease_ttl_s: how long either side holds blocks for a silent peer; handshake_timeout_s: how long the
+    router waits for every instance to register; keep_kv: return what was sent and received (tests)."""
+
+    engine: dict
+    decode_engine: dict | None = None
+    num_decode: int = 1
+    lease_ttl_s: float = 30.0
+    handshake_timeout_s: float = 60.0
+    keep_kv: bool = False
+
+
+class Router:
+    """Admission control in front of the prefill instance: rejects what no decode instance could hold."""
+
+    def __init__(self, prefill: PrefillInstance, max_model_len: int, decode_blocks: int, block_size: int):
+        self.prefill, self.max_model_len = prefill, max_model_len
+        self.decode_blocks, self.block_size = decode_blocks, block_size
+
+    def check(self, prompt: list[int], max_tokens: int) -> None:
+        total = len(prompt) + max_tokens
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len ({self.max_model_len})")
+        need = math.ceil(min(total, self.max_model_len) / self.block_size)
+        if need > self.decode_blocks:
+            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the decode instance's cache "
+                             f"has only {self.decode_blocks}: it could never be decoded")
+
+    def submit(self, request_id: str, req: Request, arrival_time: float) -> None:
+        prompt = list(req.prompt)
+        self.check(prompt, req.sampling_params.max_tokens)
+        self.prefill.add_request(request_id, prompt, req.sampling_params, arrival_time)
+
+
+def _store(rank: int) -> dist.TCPStore:
+    """A store of our own for the mailboxes (the process group's store is private to torch)."""
+    port = [find_free_port() if rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    return dist.TCPStore("127.0.0.1", port[0], dist.get_world_size(), is_master=rank == 0,
+                         wait_for_workers=True)
+
+
+def instance_main(cfg: DisaggConfig, requests: list[Request], arrivals: list[float]) -> dict:
+    """Body of every rank: rank 0 routes and prefills, ranks 1.. decode. Returns what the rank measured."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _store(rank)
+    is_prefill = rank == 0
+    args = dict(cfg.engine) if is_prefill else {**cfg.engine, **(cfg.decode_engine or {})}
+    if torch.cuda.is_available():
+        args["device"] = f"cuda:{torch.cuda.current_device()}"
+    engine = LLMEngine(EngineConfig(**args))
+    runner = engine.model_runner
+    name = "prefill0" if is_prefill else f"decode{rank}"
+    register(store, name, KVGeometry.of_cache(runner.kv_cache), runner.num_blocks)
+    transport = DistTransport(store, rank)
+    if not is_prefill:
+        store.wait(["handshake"])
+        verdict = store.get("handshake").decode()
+        if verdict != "ok":
+            raise RuntimeError(f"decode rank {rank}: router rejected the handshake: {verdict}")
+        dec = DecodeInstance(engine.scheduler, runner, transport, 0, cfg.lease_ttl_s, keep_received=cfg.keep_kv)
+        while not dec.stopped or dec.has_work():
+            dec.step()
+            if not dec.has_work():
+                time.sleep(1e-4)
+        dist.barrier()  # rank 0 hosts the store: it must outlive every reader
+        return {"role": "decode", "received": dec.received, "transfer_times": dec.transfer_times,
+                "steps": dec.step_log}
+    names = ["prefill0"] + [f"decode{r}" for r in range(1, world)]
+    try:
+        info = handshake(store, names, cfg.handshake_timeout_s)
+    except BaseException as e:
+        store.set("handshake", f"{type(e).__name__}: {e}")
+        raise
+    store.set("handshake", "ok")
+    pre = PrefillInstance(engine.scheduler, runner, transport, list(range(1, world)), cfg.lease_ttl_s,
+                          keep_sent=cfg.keep_kv)
+    decode_blocks = min(info[n]["num_blocks"] for n in names[1:])
+    router = Router(pre, engine.max_model_len, decode_blocks, engine.config.block_size)
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    t0, nxt = time.perf_counter(), 0
+    while nxt < len(order) or len(pre.completed) < len(requests):
+        now = time.perf_counter()
+        while nxt < len(order) and t0 + arrivals[order[nxt]] <= now:
+            i = order[nxt]
+            router.submit(str(i), requests[i], t0 + arrivals[i])
+            nxt += 1
+        pre.step()
+        if not pre.scheduler.has_unfinished():
+            time.sleep(1e-4)
+    for r in range(1, world):
+        transport.send(r, {"type": "stop"})
+    dist.barrier()
+    return {"role": "prefill", "completions": pre.completed, "sent": pre.sent, "steps": pre.step_log,
+            "duration": time.perf_counter() - t0}
+
+
+def run_disaggregated(cfg: DisaggConfig, requests: list[Request], arrivals: list[float],
+                      timeout_s: float = 300.0) -> dict:
+    """Spawn 1 prefill + `num_decode` decode ranks (gloo on CPU, NCCL on GPUs) and serve `requests`
+    open-loop at `arrivals` (seconds). Returns {"completions": [Completion, ...] in request order,
+    "duration", "transfer_times", "prefill_steps", "decode_steps", "sent", "received"}."""
+    backend = "nccl" if torch.cuda.device_count() > cfg.num_decode else "gloo"
+    results = run_distributed(instance_main, 1 + cfg.num_decode, cfg, requests, arrivals, backend=backend,
+                              timeout_s=timeout_s)
+    pre, decs = results[0], results[1:]
+    by_id: dict[str, Completion] = {c.request_id: c for c in pre["completions"]}
+    received = {k: v for d in decs for k, v in d["received"].items()}
+    return {"completions": [by_id[str(i)] for i in range(len(requests))], "duration": pre["duration"],
+            "transfer_times": [t for d in decs for t in d["transfer_times"]], "prefill_steps": pre["steps"],
+            "decode_steps": [s for d in decs for s in d["steps"]], "sent": pre["sent"], "received": received}
