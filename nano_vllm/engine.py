@@ -81,6 +81,10 @@ def _eos_ids(model: str, model_config: ModelConfig, tokenizer: Tokenizer) -> set
 class LLMEngine:
     """Scheduler + ModelRunner + tokenizer. Not thread-safe: one thread steps it (see nano_vllm.server)."""
 
+    # Extension point: a subclass may run a ModelRunner subclass (nano_sglang adds logits masks and prompt
+    # scoring); tensor parallelism always uses TPModelRunner.
+    model_runner_cls: type[ModelRunner] = ModelRunner
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = resolve_model_config(config.model)
@@ -99,7 +103,7 @@ class LLMEngine:
 
             self.model_runner = TPModelRunner(config, mcfg, max_len)
         else:
-            self.model_runner = ModelRunner(config, mcfg, max_len)
+            self.model_runner = self.model_runner_cls(config, mcfg, max_len)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
