@@ -1,0 +1,184 @@
+"""Cache-aware scheduling (SGLang, arXiv 2312.07104, §3 "Cache-aware scheduling", Algorithm 1, Theorem 3.1).
+
+nano_vllm's `Scheduler` admits waiting requests in its queue order; this subclass re-orders the queue
+before every step and leaves everything else (budget, chunked prefill, preemption) to it:
+
+* `lpm` — longest prefix match first: sort waiting requests by the length of their cached prefix. The
+  paper's Theorem 3.1: for a batch of requests, visiting the radix tree of the requests in DFS order
+  attains the optimal hit rate when the cache holds at least the longest request; longest-shared-prefix
+  first realises that order online (tests/nano_sglang/test_scheduling.py checks Σ|edges| exactly).
+* `dfs-weight` — SGLang's variant: a DFS over the matched tree nodes, heavier subtrees (more waiting
+  requests) first, so requests that will share a prefix run together.
+* `fcfs` — arrival order (nano_vllm's own), for comparison.
+
+Two refinements from SGLang's runtime:
+
+* deferral: a request that shares ≥ `defer_threshold` uncached tokens with a request ahead of it in the
+  order sits out this step; next step the other one's blocks are in the tree and it hits them instead of
+  computing the same prefix twice (nano_vllm inserts blocks at admission, so this matters when the
+  leader's prompt is split into chunks or cannot be admitted fully);
+* aging: a request waiting more than `max_wait_steps` steps goes first (arrival order) whatever the
+  policy says, so a request with no shared prefix cannot starve behind a stream of cache hits.
+
+`postprocess` also drives constrained decoding (nano_sglang.constrained): it advances each constrained
+request's FSM with the sampled token, finishes it when the FSM accepts and nothing may follow, and
+performs jump-forward (§4) by appending the forced string's tokens, which the next step prefills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nano_sglang.block_manager import RadixBlockManager
+from nano_sglang.radix_cache import TreeNode
+from nano_vllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nano_vllm.sequence import Sequence, SequenceStatus
+
+POLICIES = ("lpm", "dfs-weight", "fcfs")
+
+
+@dataclass
+class CacheAwareConfig:
+    policy: str = "lpm"
+    defer_threshold: int | None = 32  # tokens; None: no deferral
+    max_wait_steps: int = 128  # aging bound
+    lpm_max_queue: int = 1024  # longer queues fall back to fcfs (matching every request costs time)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+
+
+def lpm_order(seqs: list[Sequence], match_len: dict[int, int]) -> list[Sequence]:
+    """Longest prefix match first (Algorithm 1); ties in arrival order."""
+    return sorted(seqs, key=lambda s: (-match_len[s.seq_id], s.seq_id))
+
+
+def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode], root: TreeNode) -> list[Sequence]:
+    """DFS over the tree of matched nodes, children by weight (waiting requests below) descending."""
+    weight: dict[int, int] = {}
+    children: dict[int, dict[int, TreeNode]] = {}
+    at_node: dict[int, list[Sequence]] = {}
+    for s in sorted(seqs, key=lambda s: s.seq_id):
+        node = nodes[s.seq_id]
+        at_node.setdefault(node.id, []).append(s)
+        while node is not None:
+            weight[node.id] = weight.get(node.id, 0) + 1
+            if node.parent is not None:
+                children.setdefault(node.parent.id, {})[node.id] = node
+            node = node.parent
+    out: list[Sequence] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(node.id, ()))
+        kids = sorted(children.get(node.id, {}).values(), key=lambda n: (weight[n.id], -n.id))
+        stack.extend(kids)  # the heaviest is popped first
+    return out
+
+
+class CacheAwareScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, block_manager: RadixBlockManager,
+                 eos_token_ids: set[int] | None = None, policy: CacheAwareConfig | None = None):
+        super().__init__(config, block_manager, eos_token_ids)
+        self.policy = policy or CacheAwareConfig()
+        self.num_steps = 0
+        self.enqueued_at: dict[int, int] = {}  # seq_id -> step it first waited
+        self.num_deferred = 0
+
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        self.enqueued_at.setdefault(seq.seq_id, self.num_steps)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        super()._finish(seq, reason)
+        self.enqueued_at.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------------ ordering
+    def order_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(this step's admission order, requests deferred to a later step)."""
+        p, waiting = self.policy, self.waiting
+        aged = [s for s in waiting if self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
+                >= p.max_wait_steps]
+        aged_ids = {s.seq_id for s in aged}
+        rest = [s for s in waiting if s.seq_id not in aged_ids]
+        bm: RadixBlockManager = self.block_manager
+        match_len: dict[int, int] = {}
+        if p.policy == "fcfs" or len(rest) > p.lpm_max_queue or not bm.enabled:
+            rest.sort(key=lambda s: s.seq_id)
+            for s in rest:
+                match_len[s.seq_id] = 0
+        else:
+            nodes = {}
+            for s in rest:
+                pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: bm.prefix_limit(s)])
+                match_len[s.seq_id] = len(pages) * bm.block_size
+            bm.matched.update(nodes)
+            rest = lpm_order(rest, match_len) if p.policy == "lpm" else dfs_weight_order(rest, nodes, bm.tree.root)
+        order, deferred = sorted(aged, key=lambda s: s.seq_id), []
+        if p.defer_threshold is not None:
+            leaders: set[tuple[int, ...]] = set()
+            for s in rest:
+                m = match_len[s.seq_id]
+                if s.num_tokens - m - 1 < p.defer_threshold:  # nothing long left to share
+                    order.append(s)
+                    continue
+                key = tuple(s.token_ids[m : m + p.defer_threshold])
+                if (m, key) in leaders:
+                    deferred.append(s)
+                else:
+                    leaders.add((m, key))
+                    order.append(s)
+        else:
+            order += rest
+        return order, deferred
+
+    def schedule(self) -> SchedulerOutput:
+        self.waiting, deferred = self.order_waiting()
+        self.num_deferred += len(deferred)
+        try:
+            return super().schedule()
+        finally:
+            self.waiting += deferred  # re-ordered next step anyway
+            self.num_steps += 1
+
+    # ------------------------------------------------------------------ constrained decoding
+    def postprocess(self, out: SchedulerOutput, sampled: list[int], now: float | None = None) -> list[Sequence]:
+        finished = super().postprocess(out, sampled, now)
+        for seq, samples in zip(out.seqs, out.samples):
+            constraint = getattr(seq, "constraint", None)
+            if constraint is None or not samples or seq.status is SequenceStatus.WAITING:
+                continue
+            token = seq.token_ids[-1]
+            if seq.is_finished:
+                continue  # EOS in an accepting state, or the length limit
+            constraint.advance(token)
+            forced = constraint.forced_string() if constraint.jump_forward else ""
+            if forced:
+                self._jump_forward(seq, constraint, forced)
+            if constraint.is_terminal():
+                self.running.remove(seq)
+                self._finish(seq, "stop")
+                finished.append(seq)
+            elif seq.num_output_tokens >= seq.sampling_params.max_tokens or \
+                    seq.num_tokens >= self.config.max_model_len:
+                self.running.remove(seq)
+                self._finish(seq, "length")
+                finished.append(seq)
+        return finished
+
+    def _jump_forward(self, seq: Sequence, constraint, forced: str) -> None:
+        """§4 jump-forward: append the forced string without model calls. The last sampled token is not
+        computed yet, so it is re-tokenized together with the forced string (a boundary token such as
+        `"` followed by `name` may merge differently); the next step prefills the new tokens."""
+        tok = constraint.tokenizer
+        last = seq.token_ids[-1]
+        ids = tok.encode(tok.decode([last]) + forced)
+        room = self.config.max_model_len - (seq.num_tokens - 1)
+        ids = ids[:room]
+        seq.token_ids[-1:] = ids
+        seq.token_times.extend([seq.token_times[-1]] * (len(ids) - 1))
+        constraint.advance_string(forced)
+        constraint.num_jump_tokens += len(ids) - 1
