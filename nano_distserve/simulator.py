@@ -1,0 +1,233 @@
+"""A discrete-event simulator of colocated and disaggregated serving (DistServe, arXiv 2401.09670, §3.3
+and Appendix A: the placement search needs attainment at many rates, far too many to measure).
+
+* `LatencyModel`: step time = c0 + c_prefill * prefill tokens + c_decode * decode sequences
+  + c_context * context tokens read by attention, divided by a tensor-parallel speed-up. The paper derives
+  the same shape from FLOP counts (its Appendix A: linear and quadratic prefill terms, linear decode
+  terms); `LatencyModel.fit` fits it by least squares to steps measured by the real engine
+  (`instance.StepRecord`), so the simulator predicts *this* engine on *this* GPU.
+* KV memory: every instance has `kv_tokens` of cache; a request reserves prompt + output tokens when
+  admitted (conservative: no preemption is modelled). A disaggregated prefill instance keeps a request's
+  prompt K/V until the decode instance has pulled it, so a full decode side backs up into the prefill side.
+* KV transfer: prompt tokens x `kv_bytes_per_token` / `bandwidth` + `transfer_latency`, overlapped with
+  compute (a separate link), starting when the decode instance admits the request (pull).
+* Scheduling: colocated "plain" (vLLM before chunked prefill: a prefill step whenever prompts wait, which
+  stalls every decode — the interference of §2.2) or "chunked" (Sarathi: decodes first, prompt chunks fill
+  the token budget); disaggregated: prefill-only and decode-only instances, requests to the least-loaded.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from nano_vllm.metrics import RequestMetrics
+
+
+@dataclass
+class LatencyModel:
+    c0: float = 5e-3
+    c_prefill: float = 5e-5
+    c_decode: float = 1e-4
+    c_context: float = 1e-7
+    tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
+        t = self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_context * context_tokens
+        return t / (tp * self.tp_efficiency ** (tp.bit_length() - 1))
+
+    @classmethod
+    def fit(cls, steps) -> LatencyModel:
+        """Least squares over `StepRecord`s (prefill_tokens, decode_seqs, context_tokens, seconds);
+        negative coefficients (noise) are clamped to 0."""
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens] for s in steps], dtype=torch.float64)
+        y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
+        coef = torch.linalg.lstsq(x, y).solution[:, 0].clamp(min=0).tolist()
+        return cls(*coef)
+
+
+@dataclass
+class SimConfig:
+    mode: str = "disaggregated"  # "colocated" | "disaggregated"
+    policy: str = "chunked"  # colocated only: "plain" | "chunked"
+    num_instances: int = 1  # colocated replicas
+    num_prefill: int = 1
+    num_decode: int = 1
+    tp: int = 1  # GPUs per instance
+    tp_prefill: int | None = None  # per-phase overrides (the planner's (tp, #prefill, #decode))
+    tp_decode: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_tokens: int = 200_000  # KV cache capacity of one instance, tokens
+    kv_bytes_per_token: float = 2 * 40 * 5120 * 2  # K and V, layers, hidden, bf16 (a 13B-class model)
+    bandwidth: float = 25e9  # bytes/s between a prefill and a decode instance
+    transfer_latency: float = 1e-4
+
+    @property
+    def num_gpus(self) -> int:
+        if self.mode == "colocated":
+            return self.num_instances * self.tp
+        return self.num_prefill * (self.tp_prefill or self.tp) + self.num_decode * (self.tp_decode or self.tp)
+
+
+@dataclass
+class _Req:
+    rid: int
+    arrival: float
+    prompt: int
+    output: int
+    prefilled: int = 0
+    generated: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+
+
+@dataclass
+class _Instance:
+    kind: str  # "colocated" | "prefill" | "decode"
+    tp: int
+    kv_tokens: int
+    waiting: deque = field(default_factory=deque)  # prompts to prefill (or, decode side: to pull)
+    running: list = field(default_factory=list)
+    kv_used: int = 0
+    busy: bool = False
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+
+def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]],
+             arrivals: list[float]) -> list[RequestMetrics]:
+    """Serve (prompt_len, output_len) requests arriving at `arrivals`; returns nano_vllm RequestMetrics."""
+    reqs = [_Req(i, a, p, max(o, 1)) for i, ((p, o), a) in enumerate(zip(requests, arrivals))]
+    if cfg.mode == "colocated":
+        fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_instances)]
+        decodes: list[_Instance] = []
+    elif cfg.mode == "disaggregated":
+        fronts = [_Instance("prefill", cfg.tp_prefill or cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_prefill)]
+        decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_decode)]
+    else:
+        raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {cfg.mode!r}")
+    for r in reqs:
+        if r.prompt + r.output > cfg.kv_tokens:
+            raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance holds {cfg.kv_tokens}")
+    events: list = []
+    tick = itertools.count()
+
+    def push(t: float, kind: str, *payload) -> None:
+        heapq.heappush(events, (t, next(tick), kind, payload))
+
+    for r in reqs:
+        push(r.arrival, "arrive", r)
+
+    def start(inst: _Instance, now: float) -> None:
+        if inst.busy:
+            return
+        batch = _plan_step(inst, cfg)
+        if batch is None:
+            return
+        pre, dec = batch
+        ctx = sum(r.prefilled for r, _ in pre) + sum(n for r, n in pre) + sum(r.prompt + r.generated for r in dec)
+        t = model.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp)
+        inst.busy = True
+        push(now + t, "step", inst, pre, dec)
+
+    def admit_decode(inst: _Instance, now: float) -> None:
+        """Backpressure: pull the oldest waiting request only when its whole reservation fits."""
+        while inst.waiting and inst.kv_used + inst.waiting[0][0].prompt + inst.waiting[0][0].output <= inst.kv_tokens:
+            r, src = inst.waiting.popleft()
+            inst.kv_used += r.prompt + r.output
+            push(now + cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth, "pulled", inst, r, src)
+
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            (r,) = payload
+            target = min(fronts, key=_Instance.load)  # the router: least loaded instance
+            target.waiting.append(r)
+            start(target, now)
+        elif kind == "pulled":
+            inst, r, src = payload
+            src.kv_used -= r.prompt
+            inst.running.append(r)
+            start(inst, now)
+            start(src, now)
+        else:  # a step ended
+            inst, pre, dec = payload
+            inst.busy = False
+            for r in dec:
+                r.generated += 1
+                if r.generated >= r.output:
+                    r.finish = now
+                    inst.running.remove(r)
+                    inst.kv_used -= r.prompt + r.output
+            for r, n in pre:
+                r.prefilled += n
+                if r.prefilled < r.prompt:
+                    continue
+                r.first_token, r.generated = now, 1
+                if inst.kind == "colocated":
+                    inst.waiting.remove(r)
+                    if r.output == 1:
+                        r.finish = now
+                        inst.kv_used -= r.prompt + r.output
+                    else:
+                        inst.running.append(r)
+                elif r.output == 1:
+                    r.finish = now
+                    inst.kv_used -= r.prompt
+                else:
+                    target = min(decodes, key=_Instance.load)
+                    target.waiting.append((r, inst))
+                    admit_decode(target, now)
+            if inst.kind == "decode":
+                admit_decode(inst, now)
+            start(inst, now)
+    return [RequestMetrics(str(r.rid), r.arrival, r.first_token, r.finish if r.finish is not None else r.arrival,
+                           r.prompt, r.output) for r in reqs]
+
+
+def _plan_step(inst: _Instance, cfg: SimConfig):
+    """(prefill [(req, tokens)], decode [req]) of the instance's next step, or None if it has nothing to do."""
+    budget = cfg.max_num_batched_tokens
+    if inst.kind == "decode":
+        return ([], inst.running[: cfg.max_num_seqs]) if inst.running else None
+    chunked = inst.kind == "colocated" and cfg.policy == "chunked"
+    dec = inst.running[: cfg.max_num_seqs] if inst.kind == "colocated" else []
+    pre: list = []
+    if chunked:
+        budget -= len(dec)
+    elif inst.kind == "colocated" and not _can_admit(inst, cfg):
+        return ([], dec) if dec else None
+    elif inst.kind == "colocated":
+        dec = []  # plain: a prefill step whenever a prompt can start; decodes wait (interference)
+    for r in inst.waiting:
+        if budget <= 0:
+            break
+        if r.prefilled == 0:  # admission: reserve its KV (prefill side: the prompt only)
+            need = r.prompt + (r.output if inst.kind == "colocated" else 0)
+            if inst.kv_used + need > inst.kv_tokens:
+                break
+            inst.kv_used += need
+        n = r.prompt - r.prefilled
+        if n > budget:
+            if not chunked and pre:
+                inst.kv_used -= r.prompt + (r.output if inst.kind == "colocated" else 0)
+                break
+            n = budget if chunked else n  # plain: a prompt over the budget runs alone
+        pre.append((r, n))
+        budget -= n
+    if inst.kind != "colocated":
+        for r, n in pre:
+            if r.prefilled + n >= r.prompt:
+                inst.waiting.remove(r)
+    return (pre, dec) if pre or dec else None
+
+
+def _can_admit(inst: _Instance, cfg: SimConfig) -> bool:
+    r = inst.waiting[0] if inst.waiting else None
+    return r is not None and (r.prefilled > 0 or inst.kv_used + r.prompt + r.output <= inst.kv_tokens)
