@@ -22,15 +22,8 @@ from nano_megatron.engine import MegatronEngine, ParallelConfig
 from nano_megatron.schedules import bubble_fraction_formula
 from shared.accounting import param_count
 from shared.dist import destroy_distributed, init_distributed, print0
-from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.hydra_utils import hydra_run_dir, model_config_from, peak_flops_from, to_dataclass
 from shared.train import TrainConfig, train
-
-
-def _same_on_all_ranks(value: str) -> str:
-    """Rank 0's value everywhere (each rank's Hydra may stamp a different `${now:}` run directory)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def parallel_config_from(node: DictConfig | dict, world_size: int) -> ParallelConfig:
@@ -48,7 +41,7 @@ def run(cfg: DictConfig) -> list[dict]:
     env = init_distributed(cfg.get("backend"))
     engine = None
     try:
-        out_dir = _same_on_all_ranks(hydra_run_dir())
+        out_dir = hydra_run_dir()
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
         pcfg = parallel_config_from(cfg.parallel, env.world_size)
@@ -58,12 +51,7 @@ def run(cfg: DictConfig) -> list[dict]:
                f", sequence_parallel={pcfg.sequence_parallel}, {pcfg.schedule} over {m} micro-batch(es)"
                + (f" (bubble (p-1)/(m+p-1) = {bubble_fraction_formula(pcfg.pp, m):.1%})" if pcfg.pp > 1 else "")
                + f"; {param_count(mcfg) / 1e6:.1f}M parameters; out_dir {out_dir}")
-        peak = cfg.get("peak_tflops")
-        peak_flops = peak * 1e12 if peak else None
-        if peak_flops is None and env.device.type == "cuda":
-            from shared.bench import measure_matmul_flops
-
-            peak_flops = measure_matmul_flops(env.device)
+        peak_flops = peak_flops_from(cfg, env.device)
         return train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
     finally:
         if engine is not None:

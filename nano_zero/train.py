@@ -10,40 +10,25 @@ from __future__ import annotations
 
 import hydra
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from nano_zero.engine import ZeroEngine
 from shared.dist import destroy_distributed, init_distributed, print0
-from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
+from shared.hydra_utils import hydra_run_dir, model_config_from, peak_flops_from, to_dataclass
 from shared.train import TrainConfig, train
-
-
-def _same_on_all_ranks(value: str) -> str:
-    """Rank 0's value everywhere (each rank's Hydra may stamp a different `${now:}` run directory)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def run(cfg: DictConfig) -> list[dict]:
     """Everything `main` does, callable without Hydra's decorator (tests, notebooks)."""
     env = init_distributed(cfg.get("backend"))
     try:
-        out_dir = _same_on_all_ranks(hydra_run_dir())
+        out_dir = hydra_run_dir()
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
         engine = ZeroEngine(mcfg, tcfg, int(cfg.zero.stage), device=env.device, prefetch=bool(cfg.zero.prefetch))
         print0(f"nano_zero: stage {engine.stage}, {env.world_size} rank(s), {env.backend}, out_dir {out_dir}")
         print0(engine.memory_report().format(env.rank))
-        peak = cfg.get("peak_tflops")
-        peak_flops = peak * 1e12 if peak else None
-        if peak_flops is None and env.device.type == "cuda":
-            from shared.bench import measure_matmul_flops
-
-            peak_flops = measure_matmul_flops(env.device)
+        peak_flops = peak_flops_from(cfg, env.device)
         records = train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
         elements, nbytes = engine.last_step_comm
         psi = sum(u.numel for u in engine.model.units)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from shared.config import ModelConfig, resolve_model_config
@@ -53,10 +54,31 @@ def model_config_from(node: DictConfig | dict[str, Any] | str) -> ModelConfig:
 
 
 def hydra_run_dir(default: str = ".") -> str:
-    """The current Hydra run's output directory (where its config and our metrics/checkpoints go)."""
+    """The current Hydra run's output directory (where its config and our metrics/checkpoints go).
+
+    Under torchrun each rank's Hydra may stamp a different `${now:}` directory, so with a process group
+    every rank returns rank 0's (one run, one directory)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else default
+    out = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else default
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        box = [out]
+        torch.distributed.broadcast_object_list(box, src=0)
+        out = box[0]
+    return out
 
 
-__all__ = ["hydra_run_dir", "model_config_from", "to_dataclass"]
+def peak_flops_from(cfg: DictConfig | dict[str, Any], device: torch.device) -> float | None:
+    """The MFU denominator: `peak_tflops` from the config if set, else the bf16 matmul rate measured on
+    this CUDA device (shared.bench), else None (no MFU on CPU)."""
+    peak = _as_dict(cfg).get("peak_tflops")
+    if peak:
+        return float(peak) * 1e12
+    if device.type == "cuda":
+        from shared.bench import measure_matmul_flops
+
+        return measure_matmul_flops(device)
+    return None
+
+
+__all__ = ["hydra_run_dir", "model_config_from", "peak_flops_from", "to_dataclass"]
