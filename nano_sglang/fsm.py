@@ -8,7 +8,7 @@ forced, so it can be appended without running the model ("jump-forward", `RegexF
 
 Pipeline: `parse` (recursive descent) → AST → Thompson NFA → DFA by subset construction → dead states
 pruned (a state from which no accepting state is reachable is never entered). Supported syntax: literals,
-escapes (\\d \\w \\s \\D \\W \\S, \\. etc.), classes `[a-z_]` / `[^"]`, `.`, groups `( )` / `(?: )`,
+escapes (\\d \\w \\s \\D \\W \\S, \\xHH, \\. etc.), classes `[a-z_]` / `[^"]`, `.`, groups `( )` / `(?: )`,
 `|`, `* + ?`, `{m}` `{m,}` `{m,n}`. The alphabet is printable ASCII plus tab and newline.
 """
 
@@ -108,6 +108,12 @@ class _Parser:
         if c.lower() in _CLASSES:
             chars = _CLASSES[c.lower()]
             return ALPHABET - chars if c.isupper() else chars
+        if c == "x":
+            digits = self.p[self.i : self.i + 2]
+            if len(digits) != 2 or any(d not in string.hexdigits for d in digits):
+                raise self.error("\\x needs two hex digits")
+            self.i += 2
+            return frozenset(chr(int(digits, 16)))
         return frozenset({"n": "\n", "t": "\t"}.get(c, c))
 
     def char_class(self) -> frozenset[str]:

@@ -1,0 +1,68 @@
+"""`SGLModelRunner`: nano_vllm's model runner plus the two logits hooks SGLang's primitives need.
+
+* Prompt scoring for `select` (SGLang, arXiv 2312.07104, §2): a request with `seq.score_from = k` also
+  gets the log-probability of each prompt token from position k on, computed in the same packed forward
+  as everything else (the rows of its chunk are added to the rows whose logits are computed). The block
+  manager never serves those tokens from the cache, so their logits exist.
+* Constrained decoding (§4): a request with `seq.constraint` has every token its FSM cannot read masked
+  out before sampling (greedy and sampled rows alike).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nano_vllm.model_runner import ModelRunner
+from nano_vllm.scheduler import SchedulerOutput
+
+
+class SGLModelRunner(ModelRunner):
+    def prepare(self, out: SchedulerOutput) -> dict[str, Any]:
+        inputs = super().prepare(out)
+        rows, owners = [], []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
+            score_from = getattr(seq, "score_from", None)
+            if score_from is None:
+                continue
+            start = seq.num_computed_tokens
+            # the logits of position p score token p + 1
+            for p in range(max(start, score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
+                rows.append(inputs["cu_q"][i] + p - start)
+                owners.append((seq, seq.token_ids[p + 1]))
+        inputs["sample_rows"] = rows + inputs["sample_rows"]
+        self._score_owners = owners
+        return inputs
+
+    def run(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        if self._score_owners and inputs["is_decode"] and self.graphs:
+            # a replayed graph returns logits in batch order; score rows come first, so run eagerly
+            graphs, self.graphs = self.graphs, {}
+            try:
+                return super().run(inputs)
+            finally:
+                self.graphs = graphs
+        return super().run(inputs)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        logits = self.run(self.prepare(out))
+        if logits is None:
+            return []
+        k = len(self._score_owners)
+        if k:
+            logprobs = logits[:k].float().log_softmax(dim=-1)
+            targets = torch.tensor([t for _, t in self._score_owners], device=logits.device)
+            values = logprobs[torch.arange(k, device=logits.device), targets].tolist()
+            for (seq, _), v in zip(self._score_owners, values):
+                seq.prompt_logprobs.append(v)
+            logits = logits[k:]
+        if logits.shape[0] == 0:
+            return []
+        seqs = [s for s, f in zip(out.seqs, out.samples) if f]
+        masked = [(i, s.constraint) for i, s in enumerate(seqs) if getattr(s, "constraint", None) is not None]
+        if masked:
+            logits = logits.clone()  # may be a CUDA graph's static output buffer
+            for i, c in masked:
+                logits[i].masked_fill_(~c.mask(logits.device), float("-inf"))
+        return self.sample(logits, out)
