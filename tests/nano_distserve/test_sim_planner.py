@@ -1,0 +1,73 @@
+"""Planner arithmetic (§2.3), goodput bisection, the simulator's interference and KV-memory behaviour, the
+latency fit, and the simulation-only bench (< 1 minute on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import nano_distserve
+from nano_distserve.bench import format_table, run_sim
+from nano_distserve.goodput import find_goodput
+from nano_distserve.instance import StepRecord
+from nano_distserve.planner import plan
+from nano_distserve.simulator import LatencyModel, SimConfig, simulate
+from nano_distserve.workloads import WORKLOADS
+
+
+def test_planner_reproduces_the_papers_motivating_arithmetic():
+    p = plan(lambda tp: 5.6, lambda tp: 10.0, gpu_budget=3, tps=(1,))
+    assert (p.num_prefill, p.num_decode) == (2, 1)
+    assert p.goodput_per_gpu == pytest.approx(10 / 3) and p.goodput_per_gpu > 2 * 1.6
+    with pytest.raises(ValueError, match="cannot hold one prefill and one decode"):
+        plan(lambda tp: 1.0, lambda tp: 1.0, gpu_budget=1, tps=(1,))
+
+
+def test_find_goodput_bisects_to_the_threshold():
+    assert find_goodput(lambda r: 1.0 if r <= 3.3 else 0.5, 0.01, 100) == pytest.approx(3.3, rel=0.03)
+    assert find_goodput(lambda r: 0.0, 0.01, 100) == 0.0
+
+
+def test_latency_fit_recovers_coefficients():
+    true = LatencyModel(0.002, 3e-5, 1e-4, 2e-7)
+    steps = [StepRecord(p, d, c, true.step_time(p, d, c)) for p, d, c in
+             [(100, 0, 100), (0, 8, 800), (500, 4, 900), (0, 32, 4000), (1000, 0, 1000), (50, 16, 3000)]]
+    fit = LatencyModel.fit(steps)
+    for name in ("c0", "c_prefill", "c_decode", "c_context"):
+        assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-12)
+
+
+def test_plain_colocation_stalls_decodes_and_disaggregation_does_not():
+    model = LatencyModel(0.01, 1e-4, 1e-4, 0.0)
+    reqs = [(16, 50)] + [(4000, 2)] * 3  # one decoding request, then long prompts join
+    arrivals = [0.0, 0.2, 0.3, 0.4]
+    plain = simulate(SimConfig(mode="colocated", policy="plain"), model, reqs, arrivals)
+    disagg = simulate(SimConfig(mode="disaggregated"), model, reqs, arrivals)
+    assert plain[0].tpot > 1.5 * disagg[0].tpot  # §2.2 interference
+
+
+def test_decode_memory_backs_up_into_prefill_and_finishes():
+    cfg = SimConfig(mode="disaggregated", kv_tokens=300)
+    out = simulate(cfg, LatencyModel(), [(100, 100)] * 6, [0.0] * 6)
+    assert all(m.first_token_time is not None and m.finish_time > m.first_token_time for m in out)
+    with pytest.raises(ValueError, match="needs 400 KV tokens"):
+        simulate(cfg, LatencyModel(), [(300, 100)], [0.0])
+
+
+def test_workloads_have_table1_slos_and_seeded_lengths():
+    w = WORKLOADS["code_completion"]
+    assert (w.ttft_slo, w.tpot_slo) == (0.125, 0.2)
+    assert w.lengths(5, seed=1) == w.lengths(5, seed=1) != w.lengths(5, seed=2)
+    s = WORKLOADS["summarization"]
+    assert sum(p for p, _ in s.lengths(200)) > 5 * sum(p for p, _ in w.lengths(200))
+
+
+def test_simulation_only_bench_runs_fast():
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg.update(num_requests=100, rates=[1, 4])
+    result = run_sim(cfg)
+    assert {r["system"] for r in result["systems"]} == {"colocated", "colocated_chunked", "disaggregated"}
+    assert all(len(r["attainment"]) == 2 and r["goodput_per_gpu"] > 0 for r in result["systems"])
+    assert "planner" in format_table(result)
