@@ -54,7 +54,7 @@ class RadixBlockManager(BlockManager):
         if num_computed_tokens is None:  # a running sequence grows
             return self._allocate_evicting(seq, num_new_tokens)
         node = self.matched.pop(seq.seq_id, self.tree.root)
-        if node.parent is None and node is not self.tree.root or \
+        if (node.parent is None and node is not self.tree.root) or \
                 self.tree.path_len(node) != len(cached_blocks) * self.block_size:
             raise ValueError(f"sequence {seq.seq_id}: cached blocks do not come from its last match_prefix")
         self.tree.lock(node)  # first: eviction below must not take the matched prefix
