@@ -118,7 +118,7 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], arrivals: list[flo
     for r in range(1, world):
         transport.send(r, {"type": "stop"})
     dist.barrier()
-    return {"role": "prefill", "completions": pre.completed, "sent": pre.sent, "steps": pre.step_log,
+    return {"role": "prefill", "completions": list(pre.completed.values()), "sent": pre.sent, "steps": pre.step_log,
             "duration": time.perf_counter() - t0}
 
 

@@ -93,7 +93,9 @@ class PrefillInstance:
         self.leases = LeaseTable(clock)
         self.handed: dict[str, Sequence] = {}  # prefilled, blocks under lease, waiting for a pull
         self.sending: list[tuple[Work, torch.Tensor]] = []  # staging buffers until their send completes
-        self.completed: list[Completion] = []  # finished here, or reported by a decode instance
+        # rid -> how it ended (finished here, or reported by a decode instance). The first report wins: a
+        # pull that arrives after the lease expired is nacked, and the decode side reports it once more.
+        self.completed: dict[str, Completion] = {}
         self.sent: dict[str, torch.Tensor] = {}  # with keep_sent: what each transfer carried (tests)
         self.keep_sent = keep_sent
         self.step_log: list[StepRecord] = []
@@ -102,10 +104,14 @@ class PrefillInstance:
     def add_request(self, request_id: str, prompt: list[int], sp: SamplingParams, arrival_time: float) -> None:
         self.scheduler.add(Sequence(prompt, sp, request_id, arrival_time))
 
+    def _complete(self, c: Completion) -> None:
+        self.completed.setdefault(c.request_id, c)
+
     def abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self.runner.release(seq)
+            self._complete(_completion(seq))
         if self.leases.take(request_id):
             self._free(request_id, "abort")
         for dst in self.decode_ranks:
@@ -120,7 +126,7 @@ class PrefillInstance:
         self.runner.release(seq)
         if reason is not None:  # the request ends here, unfinished
             seq.finish_reason, seq.finish_time = reason, self.clock()
-            self.completed.append(_completion(seq))
+            self._complete(_completion(seq))
 
     def step(self) -> None:
         for msg in self.transport.poll():
@@ -130,7 +136,8 @@ class PrefillInstance:
         if not self.scheduler.has_unfinished():
             return
         out, finished = _execute(self.scheduler, self.runner, self.step_log)
-        self.completed.extend(_completion(s) for s in finished)  # EOS or max_tokens reached at token 1
+        for seq in finished:  # EOS or max_tokens reached at the first token
+            self._complete(_completion(seq))
         for seq, sampled in zip(out.seqs, out.samples):
             if sampled and seq.status is SequenceStatus.RUNNING:
                 self._hand_off(seq)
@@ -168,7 +175,7 @@ class PrefillInstance:
             for r in msg["rids"]:
                 self.leases.renew(r, self.lease_ttl_s)
         elif kind in ("finished", "failed"):
-            self.completed.append(msg["completion"])
+            self._complete(msg["completion"])
         elif kind == "abort":
             self.abort(rid)
         else:
@@ -305,13 +312,14 @@ class DecodeInstance:
                 self._fail(rid, "transfer_timeout")
         elif kind == "abort":
             p = self.queue.get(rid)
-            if p is not None and p.seq is not None:
-                self.leases.release(rid)  # frees and reports
+            if p is not None and p.seq is not None and self.leases.take(rid):
+                self._drop(rid, p.seq, "abort")
             elif p is not None:
                 self._fail(rid, "abort")
             else:
                 seq = self.scheduler.abort(rid)
                 if seq is not None:
                     self.runner.release(seq)
+                    self._report("finished", _completion(seq))
         else:
             raise ValueError(f"decode instance got an unknown message {kind!r}")
