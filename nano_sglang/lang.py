@@ -1,0 +1,225 @@
+"""The SGLang frontend (arXiv 2312.07104, §2): prompts as programs over a growing program state.
+
+    import nano_sglang as sgl
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.system("You are terse.")
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=16))
+        forks = s.fork(2)                                   # parallel branches share the prefix
+        for i, f in enumerate(forks):
+            f += f"Option {i}: " + sgl.gen("opt", max_tokens=8)
+        s += "Best: " + sgl.select("best", choices=["A", "B"])
+
+    state = qa.run(question="Why?", backend=sgl.RuntimeBackend(runtime))
+    state["answer"], state.text()
+    qa.run_batch([{"question": "a"}, {"question": "b"}], backend=...)
+
+Interpreter: every `ProgramState` owns a worker thread and a queue of primitives, so `s += ...` returns at
+once and the program runs ahead (asynchronous execution, §2 "Execution modes"); reading a variable
+(`s["answer"]`) or `text()` waits for the queue to drain. Many states — batch members, fork branches —
+run concurrently, so their requests meet in the same engine steps and the radix tree. A `fork` first
+sends the shared prefix ahead as a one-token request (a *hint*), so its KV is cached once before the
+branches, which all start with it, arrive (§2, "the interpreter ... sends the prefix first").
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+
+@dataclass
+class Gen:
+    name: str | None
+    max_tokens: int = 32
+    temperature: float = 0.0
+    stop: str | list[str] | None = None
+    regex: str | None = None
+    json_schema: dict | None = None
+    jump_forward: bool = True
+
+
+@dataclass
+class Select:
+    name: str | None
+    choices: list[str]
+
+
+def gen(name: str | None = None, max_tokens: int = 32, temperature: float = 0.0, stop=None, regex=None,
+        json_schema=None, jump_forward: bool = True) -> Gen:
+    """Generate into variable `name` (optionally constrained by a regex or JSON schema, §4)."""
+    return Gen(name, max_tokens, temperature, stop, regex, json_schema, jump_forward)
+
+
+def select(name: str | None = None, choices: list[str] | None = None) -> Select:
+    """Choose the option with the highest length-normalised prompt log-probability (§2)."""
+    if not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    return Select(name, list(choices))
+
+
+@dataclass
+class _Expr:
+    """A concatenation of strings and primitives (what `"x" + gen(...)` builds)."""
+
+    parts: list
+
+    def __add__(self, other):
+        return _Expr(self.parts + _parts(other))
+
+    def __radd__(self, other):
+        return _Expr(_parts(other) + self.parts)
+
+
+def _parts(x) -> list:
+    if isinstance(x, _Expr):
+        return list(x.parts)
+    if isinstance(x, (str, Gen, Select)):
+        return [x]
+    raise TypeError(f"cannot add {type(x).__name__} to a program state")
+
+
+Gen.__add__ = Select.__add__ = lambda self, o: _Expr([self, *_parts(o)])  # type: ignore[attr-defined]
+Gen.__radd__ = Select.__radd__ = lambda self, o: _Expr([*_parts(o), self])  # type: ignore[attr-defined]
+
+
+def _role(role: str, content="") -> _Expr:
+    """ChatML role markers around `content` (which may contain gen/select)."""
+    return _Expr([f"<|im_start|>{role}\n", *_parts(content), "<|im_end|>\n"])
+
+
+def system(content="") -> _Expr:
+    return _role("system", content)
+
+
+def user(content="") -> _Expr:
+    return _role("user", content)
+
+
+def assistant(content="") -> _Expr:
+    return _role("assistant", content)
+
+
+class ProgramState:
+    """The text so far, its variables, and a worker thread that executes queued primitives in order."""
+
+    def __init__(self, backend, text: str = ""):
+        self.backend = backend
+        self._text = text
+        self.vars: dict[str, str] = {}
+        self.meta: dict[str, dict] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stream: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run, daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ program-facing API
+    def __iadd__(self, other) -> ProgramState:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put(_parts(other))
+        return self
+
+    def __getitem__(self, name: str) -> str:
+        self.sync()
+        return self.vars[name]
+
+    def text(self) -> str:
+        self.sync()
+        return self._text
+
+    def sync(self) -> None:
+        self._idle.wait()
+        if self._error is not None:
+            raise self._error
+
+    def fork(self, n: int) -> list[ProgramState]:
+        """n branches starting from this state's text; the shared prefix is sent ahead as a cache hint."""
+        self.sync()
+        self.backend.cache_prefix(self._text)
+        return [ProgramState(self.backend, self._text) for _ in range(n)]
+
+    def join(self, forks: list[ProgramState]) -> None:
+        for f in forks:
+            f.sync()
+
+    def text_iter(self) -> Iterator[str]:
+        """Stream text as it is produced (each appended string and each generated delta); ends when idle."""
+        while True:
+            try:
+                yield self._stream.get(timeout=0.05)
+            except queue.Empty:
+                if self._idle.is_set() and self._stream.empty():
+                    return
+
+    # ------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        while True:
+            parts = self._queue.get()
+            try:
+                if self._error is None:
+                    for part in parts:
+                        self._execute(part)
+            except BaseException as e:  # surfaced to the program at its next sync
+                self._error = e
+            with self._lock:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.set()
+
+    def _execute(self, part) -> None:
+        if isinstance(part, str):
+            self._text += part
+            self._stream.put(part)
+        elif isinstance(part, Gen):
+            out = []
+            for delta in self.backend.generate(self._text, part):
+                out.append(delta)
+                self._stream.put(delta)
+            value = "".join(out)
+            self._text += value
+            if part.name:
+                self.vars[part.name] = value
+        else:
+            scores = self.backend.score_choices(self._text, part.choices)
+            best = max(range(len(scores)), key=lambda i: scores[i])
+            value = part.choices[best]
+            self._text += value
+            self._stream.put(value)
+            if part.name:
+                self.vars[part.name] = value
+                self.meta[part.name] = {"normalized_prompt_logprobs": scores}
+
+
+class SglFunction:
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def run(self, *args, backend, **kwargs) -> ProgramState:
+        state = ProgramState(backend)
+        self.fn(state, *args, **kwargs)
+        state.sync()
+        return state
+
+    def run_batch(self, batch_kwargs: list[dict], backend, num_threads: int = 16) -> list[ProgramState]:
+        """Run many programs at once (each in its own thread) so their requests batch in the engine."""
+        with ThreadPoolExecutor(max(1, min(num_threads, len(batch_kwargs)))) as pool:
+            return list(pool.map(lambda kw: self.run(backend=backend, **kw), batch_kwargs))
+
+
+def function(fn: Callable) -> SglFunction:
+    """`@function`: a prompt program `fn(s, ...)` that appends to the program state `s`."""
+    return SglFunction(fn)

@@ -1,0 +1,77 @@
+"""Constrained decoding (§4): every output parses and matches its regex / JSON schema, with and without
+jump-forward; jump-forward produces the same kind of output with fewer model steps; the FSM itself
+against Python's `re`."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from nano_sglang.engine import SGLEngine
+from nano_sglang.fsm import compile_regex, json_schema_to_regex
+from nano_sglang.scheduler import CacheAwareConfig
+from nano_vllm import EngineConfig, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "member": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}}}
+
+
+def valid(obj) -> bool:
+    return (isinstance(obj, dict) and list(obj) == ["name", "age", "member", "tags"]
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 6
+            and isinstance(obj["age"], int) and 0 <= obj["age"] <= 99 and isinstance(obj["member"], bool)
+            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 2
+            and all(t in ("red", "green") for t in obj["tags"]))
+
+
+@pytest.mark.parametrize("pattern", [r"(a|bc)*d{2,3}[0-9]+", r"[A-Z][a-z]{0,4}( [A-Z][a-z]+)?\.", r"\d{3}-\d{4}",
+                                     r'"[^"\\]{0,5}"', r"(true|false|null)"])
+def test_fsm_agrees_with_python_re(pattern):
+    fsm = compile_regex(pattern)
+    rng = random.Random(0)
+    alphabet = "abcdAZxyz019.- \"\\tfrulen"
+    for _ in range(2000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+        assert fsm.matches(s) == bool(re.fullmatch(pattern, s)), s
+
+
+def test_compressed_edges_are_the_forced_strings():
+    fsm = compile_regex(json_schema_to_regex(SCHEMA))
+    assert fsm.forced_string(0) == '{"name":"'
+    edges = fsm.compressed_edges()
+    assert edges[0] == ('{"name":"', fsm.step(0, '{"name":"'))
+    assert all(len(s) > 1 and t is not None for s, t in edges.values())
+
+
+def test_json_outputs_parse_and_match_with_and_without_jump_forward(ckpt):
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64),
+                       CacheAwareConfig("lpm"))
+    prompts = [f"Person {i}: " for i in range(3)]
+    steps = {}
+    for jf in (False, True):
+        params = SamplingParams(temperature=1.0, max_tokens=96, seed=1)
+        before = engine.num_steps
+        outs = engine.generate(prompts, params, json_schema=SCHEMA, jump_forward=jf)
+        steps[jf] = engine.num_steps - before
+        for o in outs:
+            obj = json.loads(o.text)
+            assert valid(obj), o.text
+            assert o.outputs[0].finish_reason == "stop"
+    assert steps[True] < steps[False]
+
+
+def test_regex_outputs_match_greedy_and_sampled(ckpt):
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64))
+    pattern = r"(yes|no), [a-z]{1,6} (\d{1,3}|none)\."
+    for temp in (0.0, 1.0):
+        outs = engine.generate([f"Q{i}: " for i in range(5)], SamplingParams(temperature=temp, max_tokens=40),
+                               regex=pattern)
+        assert all(re.fullmatch(pattern, o.text) for o in outs), [o.text for o in outs]
+    bm = engine.block_manager
+    assert bm.num_free_blocks + bm.tree.total_pages() == bm.num_blocks
