@@ -1,0 +1,171 @@
+"""`python -m nano_sglang.bench`: synthetic LLM programs on nano_sglang vs nano_vllm (prefix caching off and
+on), in one run; plus JSON decoding with and without jump-forward (SGLang, arXiv 2312.07104, §6).
+
+A program is a list of calls; call j's prompt is everything before it (earlier prompts and outputs) plus
+new tokens, so later calls extend earlier ones, as in the paper's workloads. Shapes (configs/bench.yaml):
+
+* kshot     — one shared preamble of examples, then each program's own question (MMLU-style k-shot);
+* chat      — a shared system prompt, then `turns` user turns each followed by the model's answer;
+* tot       — a question, then `branches` thoughts per level for `depth` levels (tree of thought);
+* react     — a shared agent system prompt, then `steps` of (model action, tool observation);
+* prefixes  — `groups` generated shared prefixes, each program one of them plus its own suffix.
+
+Every system runs all programs together, call by call (round j = every program's j-th call), greedy with
+`ignore_eos`, so all systems see the same prompts. Reported per system: programs/s, prompt tokens, cache
+hit rate (prompt tokens served from the cache / all prompt tokens) and the analytic optimum
+1 − unique prompt tokens / total prompt tokens (unique = distinct prefixes over all prompts: what an
+infinite cache computes).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nano_sglang.engine import SGLEngine
+from nano_sglang.scheduler import CacheAwareConfig
+from nano_vllm.config import EngineConfig
+from nano_vllm.engine import LLMEngine
+from nano_vllm.sampling_params import SamplingParams
+from shared.bench import print_table, write_json
+from shared.hydra_utils import hydra_run_dir
+
+Call = tuple[list[int], int]  # (new prompt tokens, output tokens)
+
+
+def make_programs(name: str, shape: dict, rng: random.Random, vocab: int) -> list[list[Call]]:
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    s = shape
+    if name == "kshot":
+        pre = toks(s["preamble"])
+        return [[(pre + toks(s["question"]), s["output"])] for _ in range(s["programs"])]
+    if name == "chat":
+        sys_p = toks(s["system"])
+        return [[(sys_p + toks(s["user"]) if t == 0 else toks(s["user"]), s["output"]) for t in range(s["turns"])]
+                for _ in range(s["programs"])]
+    if name == "react":
+        sys_p = toks(s["system"])
+        return [[(sys_p if k == 0 else toks(s["observation"]), s["output"]) for k in range(s["steps"])]
+                for _ in range(s["programs"])]
+    if name == "prefixes":
+        groups = [toks(s["prefix"]) for _ in range(s["groups"])]
+        return [[(rng.choice(groups) + toks(s["suffix"]), s["output"])] for _ in range(s["programs"])]
+    if name == "tot":  # each leaf of the thought tree is a program whose calls are its path
+        progs = []
+        for _ in range(s["programs"]):
+            q = toks(s["question"])
+            for leaf in range(s["branches"] ** s["depth"]):
+                path = [(q + toks(4), s["thought"])] if leaf == 0 else None
+                progs.append(path)
+            # branches share their ancestors' calls: leaf i's level-d call is shared by all leaves in its block
+            level_calls = [[(toks(4), s["thought"]) for _ in range(s["branches"] ** d)] for d in range(s["depth"])]
+            first = len(progs) - s["branches"] ** s["depth"]
+            for leaf in range(s["branches"] ** s["depth"]):
+                calls = [(q + level_calls[0][0][0], s["thought"])]
+                for d in range(1, s["depth"]):
+                    calls.append(level_calls[d][leaf // s["branches"] ** (s["depth"] - d)])
+                progs[first + leaf] = calls
+        return progs
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def run_programs(engine: LLMEngine, programs: list[list[Call]]) -> dict:
+    """All programs together, call by call; returns programs/s, hit rate and the analytic optimum."""
+    contexts = [[] for _ in programs]
+    prompts_seen, total, cached = set(), 0, 0
+    t0 = time.perf_counter()
+    for j in range(max(len(p) for p in programs)):
+        seqs = []
+        for i, prog in enumerate(programs):
+            if j < len(prog):
+                new, out = prog[j]
+                contexts[i] = contexts[i] + new
+                seqs.append((i, engine.add_request(contexts[i], SamplingParams(temperature=0.0, max_tokens=out,
+                                                                                ignore_eos=True))))
+        while engine.has_unfinished_requests():
+            engine.step()
+        for i, seq in seqs:
+            p = seq.prompt_token_ids
+            total += len(p)
+            cached += seq.num_cached_tokens
+            prompts_seen.update(tuple(p[:k]) for k in range(1, len(p) + 1))
+            contexts[i] = contexts[i] + seq.output_token_ids
+    seconds = time.perf_counter() - t0
+    return {"programs": len(programs), "seconds": seconds, "programs/s": len(programs) / seconds,
+            "prompt tokens": total, "hit rate": cached / total, "optimal hit rate": 1 - len(prompts_seen) / total}
+
+
+def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "city": {"type": "string", "maxLength": 12}, "member": {"type": "boolean"}}}
+    prompts = [f"Person {i} as JSON: " for i in range(n)]
+    steps0, t0 = engine.num_steps, time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=128, seed=0), json_schema=schema,
+                           jump_forward=jump_forward)
+    seconds = time.perf_counter() - t0
+    return {"system": f"nano_sglang JSON, jump-forward {'on' if jump_forward else 'off'}", "programs": n,
+            "seconds": seconds, "programs/s": n / seconds, "steps": engine.num_steps - steps0,
+            "output tokens": sum(len(o.token_ids) for o in outs)}
+
+
+def run(cfg: DictConfig) -> dict:
+    quick = (not torch.cuda.is_available()) if cfg.quick is None else bool(cfg.quick)
+    model = "tiny" if quick and cfg.model == "qwen3-0.6b" else str(cfg.model)
+    engine_args = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if v is not None}
+    if quick:  # < 1 min on a 2-core CPU: a tenth of the tokens, an eighth of the programs
+        engine_args.update(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
+    rows, json_rows = [], []
+    for name in cfg.workloads:
+        shape = dict(cfg.shapes[name])
+        if quick:
+            shape = {k: (max(1, v // 8) if k == "programs" else v if k in ("turns", "steps", "branches", "depth",
+                     "groups") else max(2, v // 10)) for k, v in shape.items()}
+        programs = make_programs(name, shape, random.Random(cfg.seed), 4000)
+        systems = [("nano_sglang", lambda: SGLEngine(EngineConfig(model=model, **engine_args),
+                                                    CacheAwareConfig(cfg.policy))),
+                   ("nano_vllm, prefix caching off", lambda: LLMEngine(EngineConfig(
+                       model=model, **engine_args, enable_prefix_caching=False))),
+                   ("nano_vllm, prefix caching on", lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
+        results = []
+        for system, make in systems:
+            engine = make()
+            run_programs(engine, programs[:1])  # warm-up (also fills the cache with one program: all alike)
+            engine = make()
+            results.append({"workload": name, "system": system, **run_programs(engine, programs)})
+        for r in results:
+            r["vs vllm off"] = r["programs/s"] / results[1]["programs/s"]
+            r["vs vllm on"] = r["programs/s"] / results[2]["programs/s"]
+            r["% of optimal hits"] = 100 * r["hit rate"] / max(r["optimal hit rate"], 1e-9)
+        rows += results
+    if cfg.json_programs:
+        engine = SGLEngine(EngineConfig(model=model, **engine_args))
+        n = max(2, cfg.json_programs // (8 if quick else 1))
+        run_json(engine, 2, True)  # warm-up: FSM compile and token masks
+        json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
+        json_rows[1]["speedup"] = json_rows[1]["programs/s"] / json_rows[0]["programs/s"]
+    print_table(rows, title=f"nano_sglang bench: {model}{' (quick CPU version)' if quick else ''}")
+    if json_rows:
+        print_table(json_rows, title="JSON decoding (regex FSM from a JSON schema)")
+    record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy,
+              "engine": engine_args, "rows": rows, "json": json_rows}
+    path = Path(hydra_run_dir()) / "bench.json"
+    write_json(path, record)
+    print(f"wrote {path}", flush=True)
+    return record
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
