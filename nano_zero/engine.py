@@ -18,26 +18,14 @@ from torch import nn
 from nano_zero.ledger import MemoryReport
 from nano_zero.zero import ZeroDataParallel
 from shared.config import ModelConfig
-from shared.model import CausalLM, RMSNorm
+from shared.model import CausalLM, init_module_
 from shared.train import StepResult, TrainConfig, next_token_loss
 
 
 def init_like_build_model(std: float) -> Callable[[nn.Module, torch.Generator], None]:
-    """Per-module form of `CausalLM.init_weights` (N(0, std) matrices, zero biases, unit norms).
-
-    Applied in `modules()` order with one generator, it draws exactly the numbers `build_model` draws,
-    which the tests check; keep it in step with `CausalLM.init_weights`.
-    """
-
-    def init(module: nn.Module, gen: torch.Generator) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, std, generator=gen)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            module.bias.zero_()
-        if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
-
-    return init
+    """`shared.model.init_module_` bound to `std`: per module, in `modules()` order with one generator,
+    it draws exactly the numbers `build_model` draws (the tests check)."""
+    return lambda module, gen: init_module_(module, std, gen)
 
 
 class ZeroEngine:

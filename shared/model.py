@@ -99,6 +99,19 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+@torch.no_grad()
+def init_module_(module: nn.Module, std: float, gen: torch.Generator | None = None) -> None:
+    """Initialise one module's own parameters as HF does: N(0, std) matrices, zero biases, unit norms.
+    Applied over `modules()` in order with one generator it is `CausalLM.init_weights`; engines that
+    materialise a model piece by piece (ZeRO-3) call it per module and draw the same numbers."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        module.weight.normal_(0.0, std, generator=gen)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        module.bias.zero_()
+    if isinstance(module, RMSNorm):
+        module.weight.fill_(1.0)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -218,14 +231,8 @@ class CausalLM(nn.Module):
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
-        std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=gen)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                module.bias.zero_()
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            init_module_(module, self.config.initializer_range, gen)
         self.model._inv_freq.clear()
         return self
 
@@ -281,6 +288,7 @@ __all__ = [
     "build_model",
     "default_attention",
     "greedy_generate",
+    "init_module_",
     "rope_inv_freq",
     "sdpa_attention",
 ]
