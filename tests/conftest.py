@@ -14,6 +14,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread than on two contended ones (the CI box has two cores,
+    shared with any spawned ranks): `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -29,13 +29,7 @@ TOL = 1e-5
 PEER_TOL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model runs far faster on one thread, and the CI box's two cores are shared with ranks."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _cfg(micro: int, **kw) -> TrainConfig:

@@ -15,12 +15,7 @@ from shared.train import LocalEngine, TrainConfig, micro_batches_of
 TINY = ModelConfig.from_name("tiny").replace(num_hidden_layers=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_flat_adamw_is_torch_adamw():

@@ -25,13 +25,7 @@ from shared.train import (
 TINY = ModelConfig.from_name("tiny").replace(num_hidden_layers=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread than on two contended ones."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _cfg(tmp_path, **kw) -> TrainConfig:
