@@ -15,9 +15,9 @@ any number of frontend threads submit to).
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
-import traceback
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -27,6 +27,7 @@ from nano_sglang.model_runner import SGLModelRunner
 from nano_sglang.scheduler import CacheAwareConfig, CacheAwareScheduler
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine, RequestOutput
+from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.sequence import Sequence
 
@@ -111,99 +112,64 @@ class Handle:
             yield item
 
 
+class _HandleLoop(EngineLoop):
+    """nano_vllm's engine thread speaking `Handle`s instead of `RequestStream`s. The engine's lock is held
+    while it adds or steps, because frontend threads compile constraints on the same `token_index`."""
+
+    idle_wait_s = 0.2
+
+    def __init__(self, engine: SGLEngine, lock: threading.Lock):
+        super().__init__(engine, name="nano_sglang-engine")
+        self._lock = lock
+
+    def _add(self, handle: Handle, prompt_token_ids: list[int], params: SamplingParams, kwargs: dict) -> Sequence:
+        with self._lock:
+            handle.seq = super()._add(handle, prompt_token_ids, params, kwargs)
+        return handle.seq
+
+    def _step(self) -> tuple[list[Sequence], list[Sequence]]:
+        with self._lock:
+            return super()._step()
+
+    def _emit(self, handle: Handle, seq: Sequence) -> None:
+        new = seq.output_token_ids[handle.sent:]
+        handle.sent += len(new)
+        if new:
+            handle.events.put(new)
+        if seq.is_finished:
+            self._end(handle, seq.finish_reason)
+
+    def _end(self, handle: Handle, reason: str | None, error: str | None = None) -> None:
+        # A Handle has no finish reason of its own (the sequence has it); wait/stream only tell error from not.
+        handle.error = error
+        handle.done.set()
+        handle.events.put(None)
+
+
 class Runtime:
-    """An `SGLEngine` stepped by its own thread: frontend threads `submit` and wait on their handles, so
-    concurrent programs share every step (and the radix tree)."""
+    """An `SGLEngine` stepped by its own thread (nano_vllm's `EngineLoop`): frontend threads `submit` and
+    wait on their handles, so concurrent programs share every step (and the radix tree)."""
 
     def __init__(self, model: str = "tiny", policy: str | CacheAwareConfig = "lpm", **engine_args):
         pol = CacheAwareConfig(policy) if isinstance(policy, str) else policy
         self.engine = SGLEngine(EngineConfig(model=str(model), **engine_args), pol)
         self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._handles: dict[str, Handle] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._ids = 0
         self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._loop, name="nano_sglang-engine", daemon=True)
-        self.thread.start()
+        self._ids = itertools.count(1)
+        self._loop = _HandleLoop(self.engine, self._lock).start()
+        self.thread = self._loop.thread
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, **kwargs) -> Handle:
         """Queue a request; constraint and scoring errors raise here (ValueError), in the caller's thread."""
         if kwargs.get("regex") is not None or kwargs.get("json_schema") is not None:
             with self._lock:  # compile now, so a bad regex fails in the caller's thread
                 Constraint.build(self.engine.token_index, kwargs.get("regex"), kwargs.get("json_schema"))
-        with self._lock:
-            self._ids += 1
-            handle = Handle(f"sgl-{self._ids}")
-        self._commands.put(("add", handle, list(prompt_ids), params, kwargs))
-        self._wake.set()
+        handle = Handle(f"sgl-{next(self._ids)}")
+        self._loop.add(handle, list(prompt_ids), params, **kwargs)
         return handle
 
     def abort(self, handle: Handle) -> None:
-        self._commands.put(("abort", handle))
-        self._wake.set()
+        self._loop.abort(handle.request_id)
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self.thread.join(timeout=10)
-
-    def _end(self, handle: Handle, error: str | None = None) -> None:
-        handle.error = error
-        handle.done.set()
-        handle.events.put(None)
-
-    def _apply(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, handle, ids, params, kwargs = cmd
-                try:
-                    with self._lock:
-                        handle.seq = self.engine.add_request(ids, params, handle.request_id, **kwargs)
-                    self._handles[handle.request_id] = handle
-                except ValueError as e:
-                    self._end(handle, str(e))
-            elif self._handles.pop(cmd[1].request_id, None) is not None:
-                self.engine.abort_request(cmd[1].request_id)
-                self._end(cmd[1])
-
-    def _loop(self) -> None:
-        while not self._stop:
-            self._apply()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.2)
-                self._wake.clear()
-                continue
-            try:
-                with self._lock:
-                    stepped, finished = self.engine.step()
-            except Exception:
-                message = traceback.format_exc(limit=5)
-                for rid, handle in list(self._handles.items()):
-                    self.engine.abort_request(rid)
-                    self._end(handle, message)
-                self._handles.clear()
-                continue
-            for seq in stepped:
-                handle = self._handles.get(seq.request_id)
-                if handle is None:
-                    continue
-                new = seq.output_token_ids[handle.sent:]
-                handle.sent += len(new)
-                if new:
-                    handle.events.put(new)
-                if seq.is_finished:
-                    del self._handles[seq.request_id]
-                    self._end(handle)
-            for seq in finished:  # finished by the scheduler without sampling (constraint complete)
-                handle = self._handles.pop(seq.request_id, None)
-                if handle is not None:
-                    new = seq.output_token_ids[handle.sent:]
-                    if new:
-                        handle.events.put(new)
-                    self._end(handle)
+        self._loop.stop()

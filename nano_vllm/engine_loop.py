@@ -14,9 +14,11 @@ import queue
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.sequence import Sequence
 
 
 @dataclass
@@ -33,7 +35,8 @@ class RequestStream:
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = []  # what the reader has taken; the loop thread never reads it
+        self.sent = 0  # tokens the loop has put; the loop thread's alone
         self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
 
     def put(self, event: StreamEvent) -> None:
@@ -49,16 +52,22 @@ class RequestStream:
 
 
 class EngineLoop:
-    """Owns an LLMEngine and the thread that steps it."""
+    """Owns an LLMEngine (or a subclass) and the thread that steps it.
 
-    def __init__(self, engine: LLMEngine):
+    Each request has a *client*, the object its thread reads from: a `RequestStream` here. The loop only
+    needs a client's `request_id`; how tokens and the end reach it is in `_emit` / `_end`, so another
+    frontend (nano_sglang's `Runtime`) overrides those instead of copying the loop."""
+
+    idle_wait_s = 0.5  # an idle loop re-checks `_stop` this often even if nothing wakes it
+
+    def __init__(self, engine: LLMEngine, name: str = "nano_vllm-engine"):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._clients: dict[str, Any] = {}  # request id -> client, for requests the engine holds
         self._ids = itertools.count()
         self._stop = False
-        self.thread = threading.Thread(target=self._run, name="nano_vllm-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> EngineLoop:
         self.thread.start()
@@ -69,12 +78,19 @@ class EngineLoop:
         self._wake.set()
         self.thread.join(timeout=10)
 
-    def submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestStream:
+    def submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+               **add_request_kwargs) -> RequestStream:
         """Queue a request (already validated by the caller); returns its stream."""
         stream = RequestStream(f"req-{next(self._ids)}", list(prompt_token_ids))
-        self._commands.put(("add", stream, sampling_params))
-        self._wake.set()
+        self.add(stream, stream.prompt_token_ids, sampling_params, **add_request_kwargs)
         return stream
+
+    def add(self, client: Any, prompt_token_ids: list[int], sampling_params: SamplingParams,
+            **add_request_kwargs) -> None:
+        """Queue a request for any client with a unique `request_id`; the keyword arguments go to the
+        engine's `add_request` (e.g. nano_sglang's constraints)."""
+        self._commands.put(("add", client, prompt_token_ids, sampling_params, add_request_kwargs))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -82,7 +98,25 @@ class EngineLoop:
 
     @property
     def num_active(self) -> int:
-        return len(self._streams)
+        return len(self._clients)
+
+    # ------------------------------------------------------------------ hooks (run on the loop thread)
+    def _add(self, client: Any, prompt_token_ids: list[int], params: SamplingParams, kwargs: dict) -> Sequence:
+        return self.engine.add_request(prompt_token_ids, params, request_id=client.request_id, **kwargs)
+
+    def _step(self) -> tuple[list[Sequence], list[Sequence]]:
+        return self.engine.step()
+
+    def _emit(self, stream: RequestStream, seq: Sequence) -> None:
+        """Send `seq`'s tokens since the last emit, and the end if it finished. A step usually adds one
+        token, but counting covers several (jump-forward) and none (finished without sampling)."""
+        new = seq.token_ids[seq.num_prompt_tokens + stream.sent:]
+        stream.sent += len(new)
+        stream.put(StreamEvent(new, seq.is_finished, seq.finish_reason))
+
+    def _end(self, stream: RequestStream, reason: str, error: str | None = None) -> None:
+        """End a request the engine did not finish: "abort" or "error" (with the message)."""
+        stream.put(StreamEvent([], True, reason, error))
 
     # ------------------------------------------------------------------ the loop thread
     def _apply_commands(self) -> None:
@@ -92,39 +126,45 @@ class EngineLoop:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, stream, params = cmd
+                _, client, prompt_token_ids, params, kwargs = cmd
                 try:
-                    self.engine.add_request(stream.prompt_token_ids, params, request_id=stream.request_id)
-                    self._streams[stream.request_id] = stream
+                    self._add(client, prompt_token_ids, params, kwargs)
+                    self._clients[client.request_id] = client
                 except ValueError as e:  # validated before, but never let one request stop the loop
-                    stream.put(StreamEvent([], True, "error", str(e)))
+                    self._end(client, "error", str(e))
             else:
-                stream = self._streams.pop(cmd[1], None)
-                if stream is not None:
+                client = self._clients.pop(cmd[1], None)
+                if client is not None:
                     self.engine.abort_request(cmd[1])
-                    stream.put(StreamEvent([], True, "abort"))
+                    self._end(client, "abort")
 
     def _run(self) -> None:
         while not self._stop:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=self.idle_wait_s)
                 self._wake.clear()
                 continue
             try:
-                stepped, _ = self.engine.step()
+                stepped, finished = self._step()
             except Exception:  # fail the requests in flight, keep serving new ones
                 message = traceback.format_exc(limit=5)
-                for rid, stream in list(self._streams.items()):
+                for rid, client in list(self._clients.items()):
                     with contextlib.suppress(Exception):  # the engine may be half-way through a step
                         self.engine.abort_request(rid)
-                    stream.put(StreamEvent([], True, "error", message))
-                self._streams.clear()
+                    self._end(client, "error", message)
+                self._clients.clear()
                 continue
             for seq in stepped:
-                stream = self._streams.get(seq.request_id)
-                if stream is None:
+                client = self._clients.get(seq.request_id)
+                if client is None:
                     continue
-                stream.put(StreamEvent([seq.token_ids[-1]], seq.is_finished, seq.finish_reason))
+                self._emit(client, seq)
                 if seq.is_finished:
-                    del self._streams[seq.request_id]
+                    del self._clients[seq.request_id]
+            # nano_vllm finishes a sequence only as it samples, but a subclass's scheduler may finish one
+            # without a token this step; its client must still hear the end.
+            for seq in finished:
+                client = self._clients.pop(seq.request_id, None)
+                if client is not None:
+                    self._emit(client, seq)
