@@ -34,13 +34,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """Test files share one flat module namespace (rootdir imports, no packages: a `tests/shared` package
+    """Test files and their helper modules share one flat module namespace (rootdir imports, no packages: a `tests/shared` package
     would shadow the real `shared`), so two files with one basename break collection: fail with a clear
     message instead of pytest's 'import file mismatch'."""
     import collections
     import pathlib
 
-    names = collections.Counter(p.name for p in pathlib.Path(__file__).parent.rglob("test_*.py"))
+    names = collections.Counter(p.name for p in pathlib.Path(__file__).parent.rglob("*.py")
+                                if p.name != "conftest.py")  # helpers too: tests import them by name
     dupes = sorted(n for n, c in names.items() if c > 1)
     if dupes:
         raise pytest.UsageError(f"test file basenames must be unique across tests/: {dupes}")

@@ -15,26 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 4096  # the shared tokenizer's size, so text prompts work too
-
-
-def make_checkpoint(path, family: str, **overrides) -> str:
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                  initializer_range=0.08, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    common.update(overrides)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
-    else:
-        cfg = transformers.Qwen3Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
-    torch.manual_seed({"llama": 1, "qwen3": 2}[family])
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return str(path)
+from vllm_checkpoints import VOCAB, make_checkpoint, random_prompts  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -71,11 +52,6 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
 def hf_greedy():
     """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' greedy generate produces."""
     return lambda path, prompt, n: list(_hf_greedy(path, tuple(prompt), n))
-
-
-def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ transformers."""
 
 from __future__ import annotations
 
-from conftest import random_prompts
+from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
 from nano_vllm.model_runner import ModelRunner, cudagraph_batch_sizes

@@ -8,7 +8,7 @@ preempted and recomputed (§4.5), no chunking at all.
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_checkpoint, random_prompts
+from vllm_checkpoints import make_checkpoint, random_prompts
 
 from nano_vllm import LLM, SamplingParams
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import random_prompts
+from vllm_checkpoints import random_prompts
 
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_checkpoint, random_prompts
+from vllm_checkpoints import make_checkpoint, random_prompts
 
 from nano_vllm import LLM, SamplingParams
 from nano_vllm.tp import shard_model
