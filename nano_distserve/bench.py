@@ -2,25 +2,36 @@
 same GPUs — attainment-vs-rate curves and goodput per GPU under a Table 1 workload (DistServe, arXiv
 2401.09670, §6.2 / Fig. 8) — plus the planner's placement (Algorithm 1).
 
-mode=sim runs the discrete-event simulator only (CPU, well under a minute). Prints a table, writes
-bench.json into the Hydra run directory.
+mode=sim runs the discrete-event simulator only (CPU, well under a minute). mode=measured serves a
+seeded workload open-loop (nano_vllm.loadgen) at each rate with real engines on `num_gpus` devices:
+colocated = `num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1
+decode instance (`disagg.run_disaggregated`); it fits `LatencyModel` to the disaggregated step logs and
+simulates the same requests and arrivals beside each measurement. Both print a table and write bench.json
+into the Hydra run directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nano_distserve.disagg import DisaggConfig, run_disaggregated
+from nano_distserve.goodput import report, to_metrics
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
-from nano_vllm.loadgen import poisson_arrivals
-from nano_vllm.metrics import slo_attainment
+from nano_vllm.config import EngineConfig
+from nano_vllm.engine import LLMEngine
+from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
+from nano_vllm.metrics import percentile, slo_attainment, summarize
+from shared.dist import run_distributed
 from shared.hydra_utils import hydra_run_dir, to_dataclass
 
 
@@ -67,19 +78,120 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_rate: list[list[float]]) -> dict:
+    """Body of one colocated replica (one device, rank r of n): at each rate it serves requests r, r+n, ...
+    open-loop (round-robin dispatch) after a warm-up request, so first-call overheads stay out of TTFT."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    args = dict(engine_args)
+    if torch.cuda.is_available():
+        args["device"] = f"cuda:{torch.cuda.current_device()}"
+    engine = LLMEngine(EngineConfig(**args))
+    run_engine_open_loop(engine, [Request([1] * 8, dataclasses.replace(requests[0].sampling_params, max_tokens=2))],
+                         [0.0])
+    mine = list(range(rank, len(requests), world))
+    per_rate = []
+    for arrivals in arrivals_per_rate:
+        metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
+        per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
+    kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
+    return {"per_rate": per_rate, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
+            "kv_bytes_per_token": 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()}
+
+
+def _grid_goodput(rates: list[float], attainment: list[float], target: float = 0.9) -> float:
+    """Highest measured rate whose attainment (and every lower rate's) meets `target`; 0 if none."""
+    best = 0.0
+    for r, a in sorted(zip(rates, attainment)):
+        if a < target:
+            break
+        best = r
+    return best
+
+
+def run_measured(cfg: dict) -> dict:
+    """The measured bench (`cfg["measured"]` of bench.yaml): real colocated (plain, chunked) and 1P+1D
+    disaggregated serving at each rate, the simulator fitted to the measured steps beside each number."""
+    m = cfg["measured"]
+    w = WORKLOADS[m["workload"]].scaled(m["length_scale"], m["slo_scale"])
+    n, g, seed, rates = m["num_requests"], cfg["num_gpus"], cfg["seed"], list(m["rates"])
+    requests = w.requests(n, seed)
+    lengths = [(len(r.prompt), r.sampling_params.max_tokens) for r in requests]
+    arrivals = [poisson_arrivals(n, rate, seed, cfg.get("burstiness", 1.0)) for rate in rates]
+    backend = "nccl" if torch.cuda.device_count() >= g else "gloo"
+    budgets = {"colocated": m["engine"]["max_num_batched_tokens"], "colocated_chunked": m["chunk_tokens"]}
+    measured: dict[str, list] = {}
+    geometry = {}
+    for name, chunked in (("colocated", False), ("colocated_chunked", True)):
+        args = {**m["engine"], "enable_chunked_prefill": chunked, "max_num_batched_tokens": budgets[name]}
+        res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
+        geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
+        measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
+                          for k in range(len(rates))]
+    dis = [run_disaggregated(DisaggConfig(engine=dict(m["engine"])), requests, a, m["timeout_s"]) for a in arrivals]
+    measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
+    transfers = [t for d in dis for t in d["transfer_times"]]
+    decode_steps = [s for d in dis for s in d["decode_steps"]]
+    model = LatencyModel.fit([s for d in dis for s in d["prefill_steps"]] + decode_steps)
+    base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
+                     kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
+                     transfer_latency=percentile(transfers, 50))  # measured pull time stands in for bytes/bw
+    sims = {
+        "colocated": dataclasses.replace(base, mode="colocated", policy="plain", num_instances=g,
+                                         max_num_batched_tokens=budgets["colocated"]),
+        "colocated_chunked": dataclasses.replace(base, mode="colocated", policy="chunked", num_instances=g,
+                                                 max_num_batched_tokens=budgets["colocated_chunked"]),
+        "disaggregated": dataclasses.replace(base, max_num_batched_tokens=budgets["colocated"]),
+    }
+    rows = []
+    for name, sc in sims.items():
+        att = [slo_attainment(x, w.ttft_slo, w.tpot_slo) for x in measured[name]]
+        sim_att = [slo_attainment(simulate(sc, model, lengths, a), w.ttft_slo, w.tpot_slo) for a in arrivals]
+        sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=seed)
+        rows.append({"system": name, "gpus": sc.num_gpus, "attainment": att, "sim_attainment": sim_att,
+                     "goodput_per_gpu": _grid_goodput(rates, att) / sc.num_gpus,
+                     "sim_goodput_per_gpu": sim_goodput / sc.num_gpus,
+                     "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
+    rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
+    return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
+            "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
+            "latency_fit": dataclasses.asdict(model), "num_steps_fitted": sum(len(d["prefill_steps"]) for d in dis)
+            + len(decode_steps),
+            "transfer": {"count": len(transfers), **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99)}},
+            "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50)}
+
+
+def format_measured_table(result: dict) -> str:
+    rates = result["rates"]
+    head = (f"{'system':<20}{'GPUs':>5}{'goodput/GPU meas|sim':>22}  "
+            + "".join(f"{f'@{r:g} meas|sim':>16}" for r in rates))
+    lines = [head]
+    for row in result["systems"]:
+        lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>12.3f}|{row['sim_goodput_per_gpu']:<9.3f}  "
+                     + "".join(f"{a:>11.2f}|{s:<4.2f}" for a, s in zip(row["attainment"], row["sim_attainment"])))
+    t = result["transfer"]
+    lines.append(f"KV transfer (pull -> in decode cache), {t['count']} transfers: P50 {t['p50_s'] * 1e3:.2f} ms, "
+                 f"P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms; "
+                 f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
+    f = result["latency_fit"]
+    lines.append(f"simulator fitted to {result['num_steps_fitted']} measured steps: c0 {f['c0']:.2e} s, prefill "
+                 f"{f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, context {f['c_context']:.2e} s/token")
+    return "\n".join(lines)
+
+
 @hydra.main(version_base=None, config_path="configs", config_name="bench")
 def main(cfg: DictConfig) -> None:
-    if cfg.mode != "sim":
-        raise ValueError(f"mode={cfg.mode!r}: only mode=sim is implemented (measured serving: see the README)")
+    if cfg.mode not in ("sim", "measured"):
+        raise ValueError(f"mode must be 'sim' or 'measured', got {cfg.mode!r}")
     t0 = time.perf_counter()
-    result = run_sim(OmegaConf.to_container(cfg, resolve=True))
+    run, fmt = (run_sim, format_table) if cfg.mode == "sim" else (run_measured, format_measured_table)
+    result = run(OmegaConf.to_container(cfg, resolve=True))
     result["seconds"] = time.perf_counter() - t0
-    print(f"workload {cfg.workload}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
+    print(f"workload {result['workload']['name']}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
           f"{result['workload']['tpot_slo']:g} s; joint SLO attainment at each rate (req/s):")
-    print(format_table(result))
     out = Path(hydra_run_dir()) / "bench.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} ({result['seconds']:.1f} s)")
+    print(fmt(result))
 
 
 if __name__ == "__main__":

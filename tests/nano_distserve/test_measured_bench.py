@@ -1,0 +1,32 @@
+"""The measured bench on CPU, smallest settings: real colocated (plain, chunked) and 1P+1D disaggregated
+processes at two rates, the simulator fitted to their steps beside each measurement (< 1 minute)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+import nano_distserve
+from nano_distserve.bench import format_measured_table, run_measured
+
+
+def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg["measured"].update(num_requests=4, rates=[4, 32], timeout_s=120)
+    result = run_measured(cfg)
+    assert result["rates"] == [4, 32]
+    assert [r["system"] for r in result["systems"]] == ["colocated", "colocated_chunked", "disaggregated"]
+    for row in result["systems"]:
+        assert row["gpus"] == 2
+        assert len(row["attainment"]) == len(row["sim_attainment"]) == len(row["summaries"]) == 2
+        assert all(0.0 <= a <= 1.0 for a in row["attainment"] + row["sim_attainment"])
+        assert all(s["requests"] == 4 for s in row["summaries"])  # every request served, none lost
+        assert row["goodput_per_gpu"] >= 0 and row["sim_goodput_per_gpu"] >= 0
+    t = result["transfer"]
+    assert t["count"] == 2 * 4  # one pull per request per rate
+    assert 0 < t["p50_s"] <= t["p90_s"] <= t["p99_s"] and not math.isnan(t["p99_s"])
+    assert result["latency_fit"]["c0"] + result["latency_fit"]["c_prefill"] > 0 and result["num_steps_fitted"] > 0
+    table = format_measured_table(result)
+    assert "KV transfer" in table and "meas|sim" in table
