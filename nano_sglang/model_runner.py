@@ -46,7 +46,7 @@ class SGLModelRunner(ModelRunner):
         return super().run(inputs)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        logits = self.run(self.prepare(out))
+        logits = self.run(self.timed_prepare(out))
         if logits is None:
             return []
         k = len(self._score_owners)

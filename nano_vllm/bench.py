@@ -82,14 +82,24 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     if cfg.warmup:  # nano-vllm's: one short request, so lazy initialisation is not timed
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
     sync()
+    warm_steps, warm_times = llm.engine.num_steps, dict(llm.engine.step_seconds)
+    warm_prepare = llm.engine.model_runner.prepare_seconds
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs], use_tqdm=bool(cfg.progress))
     sync()
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
+    engine = llm.engine
+    steps = max(engine.num_steps - warm_steps, 1)
+    phases = {k: v - warm_times[k] for k, v in engine.step_seconds.items()}
+    phases["prepare"] = engine.model_runner.prepare_seconds - warm_prepare
+    print("per step (ms): " + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in phases.items())
+          + "  (execute includes prepare, the launches and the wait for the sampled tokens)", flush=True)
     row = {"system": "nano_vllm", "requests": len(reqs), "output tokens": tokens, "seconds": seconds,
-           "output tok/s": tokens / seconds, "steps": llm.engine.num_steps,
+           "output tok/s": tokens / seconds, "steps": steps,
            "preemptions": llm.engine.scheduler.num_preemptions}
+    row["ms/step"] = 1e3 * seconds / steps
+    row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
     return row, llm
 
 

@@ -184,12 +184,15 @@ class BlockManager:
         if end > seq.num_tokens or (admission and start > num_cached_tokens):
             raise ValueError(f"sequence {seq.seq_id}: slots [{start}, {end}) with {seq.num_tokens} tokens, "
                              f"{num_cached_tokens} cached")
-        table = list(cached_blocks) if admission else list(seq.block_table)
+        # Nothing changes before the check below passes, so a running sequence's table is edited in place.
+        table = list(cached_blocks) if admission else seq.block_table
         first_write = max(start, num_cached_tokens)  # K/V of earlier tokens are already in the cache
         cow = first_write < end and first_write // self.block_size < len(table) and \
             self.pool.ref_counts[table[first_write // self.block_size]] > 1
-        reviving = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # they leave the free list
         new_blocks = self.blocks_for(end) - len(table)
+        if not admission and not cow and new_blocks <= 0:
+            return True  # the common decode step: the token fits in the last block
+        reviving = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # they leave the free list
         if max(new_blocks, 0) + int(cow) + reviving > self.pool.num_free:
             return False
         for b in cached_blocks:

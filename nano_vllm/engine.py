@@ -110,6 +110,9 @@ class LLMEngine:
                                 config.enable_chunked_prefill)
         self.scheduler = Scheduler(sched, self.block_manager, _eos_ids(config.model, mcfg, self.tokenizer))
         self.num_steps = 0
+        # Wall seconds per phase of step(), summed (the bench prints them per step): "execute" is the
+        # runner's whole call — input preparation on the host, launches, then waiting for the sampled tokens.
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "postprocess": 0.0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
@@ -139,11 +142,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> tuple[list[Sequence], list[Sequence]]:
         """Schedule, run and sample one step. Returns (sequences that got a token, finished sequences)."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: the KV cache cannot fit any waiting request")
             return [], []
+        t1 = time.perf_counter()
         try:
             tokens = self.model_runner.execute(out)
         except BaseException:
@@ -151,10 +156,15 @@ class LLMEngine:
             # hash rather than let a later request hit garbage. (The caller aborts the requests.)
             self.block_manager.reset_prefix_cache()
             raise
+        t2 = time.perf_counter()
         finished = self.scheduler.postprocess(out, tokens)
         for seq in finished:
             self.model_runner.release(seq)
         self.num_steps += 1
+        times = self.step_seconds
+        times["schedule"] += t1 - t0
+        times["execute"] += t2 - t1
+        times["postprocess"] += time.perf_counter() - t2
         return [s for s, f in zip(out.seqs, out.samples) if f], finished
 
     def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:

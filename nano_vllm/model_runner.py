@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
@@ -33,6 +35,7 @@ from shared.config import PRESETS, ModelConfig
 from shared.model import CausalLM, build_model
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache budget on a CPU (when not given)
+NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> CausalLM:
@@ -75,6 +78,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prepare_seconds = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
 
@@ -154,8 +158,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor, pinned on CUDA so the copy to the device is asynchronous."""
-        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        """A host tensor, pinned on CUDA so the copy to the device is asynchronous. (Through numpy: that
+        converts a list of ints ~3x faster than torch.tensor, and this runs several times per step.)"""
+        t = torch.from_numpy(np.fromiter(values, NUMPY_DTYPES[dtype], len(values)))
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return self._host(values, dtype).to(self.device, non_blocking=True)
@@ -176,6 +182,8 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> dict[str, Any]:
         """The step's inputs as host lists (what a tensor-parallel rank 0 broadcasts)."""
+        if out.is_decode:
+            return self._prepare_decode(out)
         ids, positions, slots, cu_q, cu_k, tables = [], [], [], [0], [0], []
         any_cached = False
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -192,10 +200,36 @@ class ModelRunner:
                 "tables": tables if any_cached or out.is_decode else None, "is_decode": out.is_decode,
                 "sample_rows": sample_rows, "copies": out.copies}
 
+    def _prepare_decode(self, out: SchedulerOutput) -> dict[str, Any]:
+        """`prepare` for the hot path, a step in which every sequence computes one token (the same dict,
+        built in one pass: at 256 sequences per step the host time of this function is on the clock)."""
+        bs, scratch = self.block_size, self.scratch_slot
+        ids, positions, slots, cu_k, tables = [], [], [], [0], []
+        for seq in out.seqs:
+            pos, table = seq.num_computed_tokens, seq.block_table
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            # A fully cached prompt recomputes its last token only for its logits: K/V go to scratch.
+            slots.append(scratch if pos < seq.num_cached_tokens else table[pos // bs] * bs + pos % bs)
+            cu_k.append(cu_k[-1] + pos + 1)
+            tables.append(table)
+        sample_rows = [i for i, s in enumerate(out.samples) if s]
+        return {"ids": ids, "positions": positions, "slots": slots, "cu_q": list(range(len(ids) + 1)),
+                "cu_k": cu_k, "tables": tables, "is_decode": True, "sample_rows": sample_rows,
+                "copies": out.copies}
+
     def _block_table_tensor(self, tables: list[list[int]], host: bool = False) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return self._host(padded, torch.int32) if host else self._tensor(padded, torch.int32)
+        """Ragged block tables -> one (batch, widest) int32 tensor, zero-padded (pages past a row's length
+        are never read). numpy does the padding: nested Python lists through torch.tensor cost ~2.5 ms at
+        256 x 64 blocks, this ~0.4 ms."""
+        lens = np.fromiter(map(len, tables), np.int64, len(tables))
+        padded = np.zeros((len(tables), int(lens.max())), np.int32)
+        padded[np.arange(padded.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+        t = torch.from_numpy(padded)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t if host else t.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -306,5 +340,12 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run one scheduled step end to end: inputs, forward, sampling. Returns the sampled tokens."""
-        logits = self.run(self.prepare(out))
+        logits = self.run(self.timed_prepare(out))
         return [] if logits is None else self.sample(logits, out)
+
+    def timed_prepare(self, out: SchedulerOutput) -> dict[str, Any]:
+        """`prepare`, its wall time added to `prepare_seconds` (host time the GPU may sit idle for)."""
+        t0 = time.perf_counter()
+        inputs = self.prepare(out)
+        self.prepare_seconds += time.perf_counter() - t0
+        return inputs

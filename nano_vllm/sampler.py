@@ -68,19 +68,19 @@ class Sampler:
     """`sample(logits, tensors)` -> (B,) int64 token ids, on the logits' device."""
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        logits = logits.float()
         greedy = logits.argmax(dim=-1)
         if st.all_greedy:
             return greedy
         temps = st.temperatures
-        logits = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+        logits = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
         if st.any_top_k or st.any_top_p:
             logits = apply_top_k_top_p(logits, st.top_ks if st.any_top_k else None,
                                        st.top_ps if st.any_top_p else None)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(logits).exponential_()
         for i, gen in enumerate(st.generators):
             if gen is not None:  # seeded request: its own stream of Exp(1) draws
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        # argmax(p_i / E_i) = argmax(logit_i - log E_i): softmax's normaliser is the same for every i of a
+        # row, so it is skipped (two fewer passes over a (batch, vocab) fp32 tensor).
+        sampled = logits.sub_(noise.log_()).argmax(dim=-1)
         return torch.where(temps > 0, sampled, greedy)

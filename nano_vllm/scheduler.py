@@ -138,8 +138,10 @@ class Scheduler:
                 budget -= n
         # Hash the blocks these steps fill only now: a sequence scheduled and then preempted within the
         # pass above must not leave hashes of blocks that nobody computes.
+        bs = bm.block_size
         for seq, n in scheduled.items():
-            bm.cache_blocks(seq, seq.num_computed_tokens + n)
+            if (seq.num_computed_tokens + n) // bs > seq.num_computed_tokens // bs:  # a block fills up
+                bm.cache_blocks(seq, seq.num_computed_tokens + n)
         # 2. Waiting sequences, in arrival order, while budget, sequence slots and blocks last. Nothing new
         # is admitted in a step that had to preempt: memory is short, running requests come first.
         while self.waiting and num_preempted == 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -144,8 +144,12 @@ class TPModelRunner:
         self.num_blocks = self.runner.num_blocks
         self.block_bytes = self.runner.block_bytes * world  # all ranks' shards of one block
 
+    @property
+    def prepare_seconds(self) -> float:
+        return self.runner.prepare_seconds
+
     def execute(self, out) -> list[int]:
-        inputs = self.runner.prepare(out)
+        inputs = self.runner.timed_prepare(out)
         dist.broadcast_object_list([inputs], src=0, group=_CPU_GROUP)
         logits = self.runner.run(inputs)
         return [] if logits is None else self.runner.sample(logits, out)
