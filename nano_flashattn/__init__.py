@@ -9,13 +9,16 @@ attention in Triton, behind flash-attn's API. Depends on torch and Triton only.
 
 Each exists three times: `*_torch` (reference.py, the specification and the CPU path), `*_triton`
 (interface.py, the kernels; on CPU tensors they run under TRITON_INTERPRET=1) and the plain name,
-which dispatches: CUDA tensors go to Triton, everything else to the reference.
+which dispatches: CUDA tensors go to Triton, everything else to the reference. Arguments are checked
+(ValueError naming the argument); `with trusted_metadata():` skips the few checks that read tensor
+values (a device sync each), for engines that validated that metadata on the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .checks import trusted_metadata
 from .reference import flash_attn_func_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 
 try:
@@ -48,6 +51,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_with_kvcache_torch",
     "flash_attn_with_kvcache_triton",
+    "trusted_metadata",
     "use_triton",
 ]
 

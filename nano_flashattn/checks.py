@@ -5,12 +5,16 @@ index past the cache would otherwise read garbage memory silently (or fault the 
 
 Checks that need tensor *values* (a block table pointing past the cache, cache lengths past its
 capacity) cost a device->host sync, so they are skipped while a CUDA graph is being captured (where a
-sync is illegal); everything else is shape/dtype metadata and free.
+sync is illegal) and inside `trusted_metadata()`, which an engine that built the metadata itself from
+validated host values enters (a sync per layer would stall its launch queue every step); everything
+else is shape/dtype metadata and free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 
@@ -22,7 +26,24 @@ HEAD_DIMS = (32, 64, 128, 256)
 NO_WINDOW = 1 << 30
 
 
+_TRUSTED = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_metadata():
+    """Skip the value checks (the syncing ones) of block tables, cu_seqlens and cache lengths in this
+    thread: for callers that derive that metadata from host values they have already validated."""
+    before = getattr(_TRUSTED, "on", False)
+    _TRUSTED.on = True
+    try:
+        yield
+    finally:
+        _TRUSTED.on = before
+
+
 def _values_checkable(t: torch.Tensor) -> bool:
+    if getattr(_TRUSTED, "on", False):
+        return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 

@@ -126,3 +126,16 @@ def test_kvcache_bad_inputs(fn):
         fn(q, pages, pages, lens, block_table=torch.tensor([[0, 1], [2, 3]]))
     with pytest.raises(ValueError, match=r"^num_splits must be an int >= 0"):
         fn(q, kc, kc, lens, num_splits=-2)
+
+
+def test_trusted_metadata_skips_only_the_value_checks():
+    """Inside `trusted_metadata()` the syncing value checks are off (an engine vouches for its block
+    tables); shape / dtype checks still run, and the switch is restored on exit."""
+    q, k, v, cu_q, cu_k, mq, mk, table = _varlen(paged=True)
+    bad = torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)
+    with fa.trusted_metadata():
+        with pytest.raises(ValueError, match=r"^block_table must be int32"):
+            fa.flash_attn_varlen_func_torch(q, k, v, cu_q, cu_k, mq, mk, block_table=bad.long())
+        assert not fa.checks._values_checkable(bad)
+    with pytest.raises(ValueError, match=r"^block_table points outside the cache"):
+        fa.flash_attn_varlen_func_torch(q, k, v, cu_q, cu_k, mq, mk, block_table=bad)
