@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nano_vllm.sampling_params import SamplingParams
@@ -38,12 +39,13 @@ class SamplingTensors:
         temps = [p.temperature for p in params]
         top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
-        pin = device.type == "cuda"
-
-        def to(values, dtype):
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-
-        return cls(to(temps, torch.float32), to(top_ks, torch.int64), to(top_ps, torch.float32),
+        # One host array, one copy (this runs every step): rows temperature, top-k, top-p. fp64 holds
+        # any vocabulary index exactly.
+        host = torch.from_numpy(np.array([temps, top_ks, top_ps], dtype=np.float64))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        return cls(dev[0].float(), dev[1].long(), dev[2].float(),
                    all(t == 0.0 for t in temps),
                    any(k < vocab_size for k, t in zip(top_ks, temps) if t > 0),
                    any(p < 1.0 for p, t in zip(top_ps, temps) if t > 0), generators)
