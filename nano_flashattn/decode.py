@@ -123,11 +123,13 @@ def num_sms(device: torch.device) -> int:
 # A paged tile's page lookup feeds its K/V addresses, so Triton's pipeliner needs more stages to keep
 # two K/V tiles in flight: 128-row tiles with 5 stages beat 64-row tiles with 4 by 10-25%.
 DECODE_TUNING = {"waves": 1, "min_split_tiles": 4}
-# Second H200 sweep (nano_vllm's decode: batch 64-256, 16 q / 8 kv heads, ragged contexts of 100-2000
-# keys, page 16): (128, 4, 4) reads 3.91 TB/s where (128, 4, 5) read 3.08 at batch 256 x 100-1100 keys,
-# 4.15 vs 3.84 at 500-2000, 3.33 vs 3.01 at batch 64: with a few tiles per program a 5-deep pipeline
-# mostly fills and drains, and its shared memory keeps a second program off the SM.
-DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (128, 4, 4)}
+DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (128, 4, 5)}
+# Second H200 sweep (nano_vllm's decode: 16 q / 8 kv heads, ragged contexts of 100-2000 keys, page 16):
+# with many programs each streaming only a few tiles, a 5-deep pipeline mostly fills and drains and its
+# shared memory keeps a second program off the SM; 4 stages read 3.91 TB/s where 5 read 3.08 (batch 256 x
+# 100-1100 keys) and 4.15 vs 3.84 (500-2000 keys), while 5 stages stay ahead for long uniform contexts
+# (batch 64 x 4k: 4.26 vs 3.72; batch 1 x 64k: 3.94 vs 3.01). Used when programs >= MANY_PROGRAMS waves.
+PAGED_MANY_PROGRAMS_CONFIG, MANY_PROGRAMS = (128, 4, 4), 4
 
 
 def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
@@ -140,13 +142,17 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
 
 
 def decode_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool
+    head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool, programs: int = 0
 ) -> tuple[int, int, int]:
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
-    return DECODE_CONFIGS[paged] if head_dim <= 128 else (32, 4, 3)
+    if head_dim > 128:
+        return 32, 4, 3
+    if paged and programs >= MANY_PROGRAMS * num_sms(device):
+        return PAGED_MANY_PROGRAMS_CONFIG
+    return DECODE_CONFIGS[paged]
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits, config=None):
@@ -159,11 +165,12 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # no sync: bound, not max
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, paged)
     block_m = max(16, min(64, triton.next_power_of_2(group * seqlen_q)))  # tl.dot wants >= 16 rows
     row_blocks = triton.cdiv(group * seqlen_q, block_m)
+    programs = batch * heads_k * row_blocks
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, paged, programs)
     if num_splits == 0:
-        num_splits = pick_num_splits(batch * heads_k * row_blocks, capacity, block_n, num_sms(q.device))
+        num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
     split_len = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(capacity, 1), split_len)  # drop slices that would start past the capacity
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

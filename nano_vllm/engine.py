@@ -113,6 +113,25 @@ class LLMEngine:
         # Wall seconds per phase of step(), summed (the bench prints them per step): "execute" is the
         # runner's whole call — input preparation on the host, launches, then waiting for the sampled tokens.
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "postprocess": 0.0}
+        if config.torch_device.type == "cuda":
+            self._compile_kernels()
+
+    def _compile_kernels(self) -> None:
+        """Run each kind of step once before serving, so Triton compiles its kernels now and not inside the
+        first requests (seconds): a prefill, a prefill that continues over cached blocks (the paged varlen
+        path), a step mixing it with a decode, decodes. Then forget what the warm-up cached."""
+        bs, room = self.config.block_size, self.max_model_len - 4
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        prompt = [1 + i % 100 for i in range(min(2 * bs + 3, room))]
+        self.add_request(prompt, greedy, request_id="warmup-0")
+        self.step()
+        longer = prompt + [7] * min(bs, room - len(prompt))
+        self.add_request(longer, greedy, request_id="warmup-1")  # a prefix hit, in a step with a decode
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_manager.reset_prefix_cache()
+        self.num_steps = 0
+        self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,

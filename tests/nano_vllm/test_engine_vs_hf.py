@@ -111,3 +111,22 @@ def test_failed_step_forgets_hashes_of_uncomputed_blocks(qwen3_ckpt, hf_greedy, 
     monkeypatch.setattr(runner, "execute", execute)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(qwen3_ckpt, prompt, 5)
+
+
+@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64}])
+def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra):
+    """The compile warm-up a CUDA engine runs at start (called by hand here): it exercises a prefix hit
+    in a mixed step, then leaves no request, no used block, no cached hash and no step count behind."""
+    llm = LLM(ckpt, max_model_len=64, **extra)
+    engine = llm.engine
+    steps = _record_steps(llm)
+    engine._compile_kernels()
+    assert any(len(n) == 2 and 1 in n and max(n) > 1 for n, _ in steps)  # decode + prefill chunk
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+    assert engine.num_steps == 0 and engine.step_seconds["execute"] == 0.0
+    prompts = random_prompts(5, [3, 35])
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ckpt, p, 8)
