@@ -173,8 +173,8 @@ def run(cfg: DictConfig) -> dict:
         record = {"bench": "nano_zero", "world_size": env.world_size, "model": param_count(mcfg),
                   "dtype": tcfg.dtype, "global_batch": tcfg.global_batch_size, "seq_len": tcfg.seq_len,
                   "micro_batch": tcfg.micro_batch_size, "quick": quick, "rows": rows}
+        path = Path(hydra_run_dir()) / "bench.json"  # a collective (rank 0 decides): every rank calls it
         if env.rank == 0:
-            path = Path(hydra_run_dir()) / "bench.json"
             write_json(path, record)
             print_table(rows, title=f"nano_zero bench: {param_count(mcfg) / 1e6:,.1f}M params, {env.world_size} "
                                     f"rank(s) ({env.backend}), {tcfg.dtype}, {tcfg.global_batch_size} x "

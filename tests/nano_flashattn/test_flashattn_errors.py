@@ -131,7 +131,7 @@ def test_kvcache_bad_inputs(fn):
 def test_trusted_metadata_skips_only_the_value_checks():
     """Inside `trusted_metadata()` the syncing value checks are off (an engine vouches for its block
     tables); shape / dtype checks still run, and the switch is restored on exit."""
-    q, k, v, cu_q, cu_k, mq, mk, table = _varlen(paged=True)
+    q, k, v, cu_q, cu_k, mq, mk, _table = _varlen(paged=True)
     bad = torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)
     with fa.trusted_metadata():
         with pytest.raises(ValueError, match=r"^block_table must be int32"):
