@@ -13,7 +13,11 @@ Triton's reference kernel does: one kernel owns a key tile and loops over the qu
 dK, dV; a second owns a query tile and loops over the keys to produce dQ. Every gradient element is
 written by exactly one program, in a fixed order: bit-identical results run to run, no atomics.
 GQA: the program for a key/value head loops over the `group` query heads that read it, so dK and dV
-are summed inside one program, again without atomics.
+are summed inside one program, again without atomics. When that grid (key tiles x kv heads x batch)
+would leave most SMs idle — one 2k-token sequence with 4 kv heads is 64-128 programs for 132 SMs, and
+each loops over 8 query heads — K and V are instead expanded to one copy per query head, every query
+head gets its own programs, and the group's fp32 partial dK, dV are summed afterwards (flash-attn's
+"dk_expanded"): a few MB of temporaries for ~group x the parallelism, still deterministic.
 
 Masking follows the forward (forward.py): fully visible tiles run without mask arithmetic.
 """
@@ -200,6 +204,15 @@ BWD_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int
 }
 
 
+GQA_EXPAND_WAVES = 4  # expand K/V for the dK/dV kernel below this many programs per SM (docstring)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a small pretend GPU, so the tests take both GQA paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device):
     if device.type != "cuda":
         return (16, 16, 4, 1), (16, 16, 4, 1)
@@ -236,13 +249,27 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
         HEAD_DIM=head_dim,
         BLOCK_M=pre_m,
     )
-    common = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // heads_k, scale * LOG2E, scale,
+    group = heads_q // heads_k
+    common = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, scale * LOG2E, scale,
               window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))  # fmt: skip
     meta = dict(HEAD_DIM=head_dim, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype))
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), heads_k, batch)](
-        q, k, v, do, lse2, delta, dk, dv, *common, BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1,
-        **meta,
-    )  # fmt: skip
+    kv_programs = triton.cdiv(seqlen_k, n1) * heads_k * batch
+    if group > 1 and kv_programs < GQA_EXPAND_WAVES * _num_sms(q.device):  # see the module docstring
+        k_x, v_x = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        dk_x = torch.empty(k_x.shape, dtype=torch.float32, device=k.device)
+        dv_x = torch.empty_like(dk_x)
+        args = (*common[:4], 1, *common[5:11], k_x.stride(0), k_x.stride(1), lse.stride(0))
+        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), heads_q, batch)](
+            q, k_x, v_x, do, lse2, delta, dk_x, dv_x, *args, BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1,
+            num_stages=stages1, **meta,
+        )  # fmt: skip
+        dk.copy_(dk_x.view(-1, heads_k, group, head_dim).sum(2))
+        dv.copy_(dv_x.view(-1, heads_k, group, head_dim).sum(2))
+    else:
+        _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), heads_k, batch)](
+            q, k, v, do, lse2, delta, dk, dv, *common, BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1,
+            num_stages=stages1, **meta,
+        )  # fmt: skip
     _bwd_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
         q,
         k,

@@ -216,7 +216,11 @@ def run(cfg: DictConfig) -> dict:
         cuda = env.device.type == "cuda"
         matmul = measure_matmul_flops(env.device)
         peak = (cfg.peak_tflops * 1e12 if cfg.peak_tflops else (DATASHEET_BF16_TFLOPS * 1e12 if cuda else matmul))
-        rows = [bench_system(s, mcfg, tcfg, bench, env.device, peak) for s in systems]
+        rows = []
+        for s in systems:  # each row as soon as it is measured: a later failure keeps the earlier ones
+            rows.append(bench_system(s, mcfg, tcfg, bench, env.device, peak))
+            if env.rank == 0:
+                print(f"measured {rows[-1]}", flush=True)
         if cfg.baseline_json:
             base = json.loads(Path(cfg.baseline_json).read_text())
             ref = {r["system"]: r["tokens/s"] for r in base["rows"]}

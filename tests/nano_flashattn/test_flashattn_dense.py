@@ -63,6 +63,17 @@ def test_fwd_bwd_fp16(fa_check, b, m, n, hq, hk, d, causal, window):
     _run_and_compare(fa_check, b, m, n, hq, hk, d, torch.float16, causal, window)
 
 
+@pytest.mark.parametrize("expand_waves", [0, 1 << 20])
+def test_gqa_backward_both_paths(fa_check, monkeypatch, expand_waves):
+    """dK/dV of GQA two ways: the kv-head programs looping over their query heads (0: never expand) and
+    K/V expanded per query head with the group's partials summed after (always expand)."""
+    from nano_flashattn import backward
+
+    monkeypatch.setattr(backward, "GQA_EXPAND_WAVES", expand_waves)
+    _run_and_compare(fa_check, 2, 37, 53, 4, 1, 32, torch.float16, True, (-1, -1))
+    _run_and_compare(fa_check, 1, 40, 40, 8, 2, 64, torch.float16, False, (-1, -1))
+
+
 def test_fwd_bwd_fp32_and_wide_heads(fa_check):
     _run_and_compare(fa_check, 1, 20, 30, 2, 1, 32, torch.float32, True, (-1, -1))
     _run_and_compare(fa_check, 1, 16, 20, 1, 1, 256, torch.float16, False, (-1, -1))
