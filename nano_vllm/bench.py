@@ -79,8 +79,11 @@ def _workload(w: DictConfig) -> list[Request]:
 def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
     print(kv_cache_summary(llm.engine), flush=True)
-    if cfg.warmup:  # nano-vllm's: one short request, so lazy initialisation is not timed
+    if cfg.warmup:  # nano-vllm's one short request, plus a slice of the workload with 2 output tokens each:
+        # large prefill chunks and mixed steps of the real shapes, so no Triton compilation is timed
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
+        llm.generate([r.prompt for r in reqs[:32]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.engine.block_manager.reset_prefix_cache()  # the timed run must not hit the warm-up's prompts
     sync()
     warm_steps, warm_times = llm.engine.num_steps, dict(llm.engine.step_seconds)
     warm_prepare = llm.engine.model_runner.prepare_seconds

@@ -127,11 +127,22 @@ class LLMEngine:
         self.step()
         longer = prompt + [7] * min(bs, room - len(prompt))
         self.add_request(longer, greedy, request_id="warmup-1")  # a prefix hit, in a step with a decode
-        while self.has_unfinished_requests():
-            self.step()
+        self._run_to_completion()
+        # Triton compiles one variant of a kernel per "is this int a multiple of 16" pattern of its
+        # arguments (token counts among them): the steps above had odd token counts, these multiples of 16.
+        aligned = [3 + i % 97 for i in range(min(4 * bs, room) // 16 * 16)]
+        self.add_request(aligned, greedy, request_id="warmup-2")
+        self._run_to_completion()
+        grown = aligned + [9] * min(16, room - len(aligned))
+        self.add_request(grown, greedy, request_id="warmup-3")  # a 16-token chunk over cached blocks
+        self._run_to_completion()
         self.block_manager.reset_prefix_cache()
         self.num_steps = 0
         self.step_seconds = dict.fromkeys(self.step_seconds, 0.0)
+
+    def _run_to_completion(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
