@@ -57,8 +57,9 @@ __all__ = [
 
 
 def use_triton(q) -> bool:
-    """The dispatch rule: Triton for CUDA tensors (when Triton is importable), the torch reference else."""
-    return HAS_TRITON and isinstance(q, torch.Tensor) and q.is_cuda
+    """The dispatch rule: Triton for plain CUDA tensors (when Triton is importable), the torch reference
+    else; tensor subclasses (DTensor, AsyncCollectiveTensor, ...) own no data pointer a kernel could read."""
+    return HAS_TRITON and type(q) in (torch.Tensor, torch.nn.Parameter) and q.is_cuda
 
 
 def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):

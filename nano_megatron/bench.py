@@ -66,6 +66,13 @@ class DTensorTP:
                 plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.model = parallelize_module(model, mesh, plan)
+        # A Replicate output with use_local_output is an AsyncCollectiveTensor: a wrapper around the
+        # all-reduce still in flight, with no storage of its own. torch ops wait on it transparently, but a
+        # Triton kernel (our RMSNorm, next) reads raw pointers: an illegal memory access on the GPU. One
+        # clone per all-reduced output makes it a plain tensor (the b·s·h copy is charged to this peer).
+        for name, style in plan.items():
+            if isinstance(style, RowwiseParallel):
+                self.model.get_submodule(name).register_forward_hook(lambda mod, args, out: out.clone())
         self.master = [p.detach().clone() for p in self.model.parameters()]
         self.model.to(cfg.torch_dtype)
         self.params = list(self.model.parameters())

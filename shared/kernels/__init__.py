@@ -50,8 +50,10 @@ __all__ = [
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """The dispatch rule: Triton for CUDA tensors when Triton is importable, the torch reference else."""
-    return HAS_TRITON and x.is_cuda
+    """The dispatch rule: Triton for plain CUDA tensors when Triton is importable, the torch reference
+    else. Tensor subclasses (DTensor, the AsyncCollectiveTensor of an in-flight collective, fake tensors)
+    take the reference path: a Triton kernel reads raw data pointers, which such wrappers do not own."""
+    return HAS_TRITON and x.is_cuda and type(x) in (torch.Tensor, torch.nn.Parameter)
 
 
 def rms_norm(
