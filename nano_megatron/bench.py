@@ -10,7 +10,8 @@ master weights of a bf16 model — LocalEngine's recipe):
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
   pp_gpipe    the same with GPipe
 Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
-`peak_tflops` per GPU), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
+`peak_tflops` per GPU), on GPUs the share of a step's wall time the GPU was running kernels (one extra
+profiled step; well under 100% means the host's launches are the bottleneck), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
 forward/backward kernels) / (step time of the slowest stage), per stage, next to (p−1)/(m+p−1).
 `baseline_json` (a 1-GPU run's bench.json) adds scaling efficiency. Writes bench.json to the run dir.
 On CPU, `quick=true` (or `--quick`) is a smoke run with a tiny model: gloo numbers mean nothing.
@@ -35,7 +36,7 @@ from nano_megatron.engine import MegatronEngine, ParallelConfig
 from nano_megatron.pipeline_parallel import busy_seconds
 from nano_megatron.schedules import bubble_fraction_formula
 from shared.accounting import flops_per_token, param_count
-from shared.bench import measure_matmul_flops, print_table, write_json
+from shared.bench import device_busy_seconds, measure_matmul_flops, print_table, write_json
 from shared.config import ModelConfig
 from shared.dist import destroy_distributed, init_distributed
 from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
@@ -173,9 +174,21 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
             bubbles.append(1.0 - busy_seconds(engine.pipeline_timeline) / span.item())
         engine.pipeline_timeline = None
     seconds = statistics.median(times)
+    busy = None
+    if device.type == "cuda":  # one more step under the profiler: is the GPU fed, or waiting on the host?
+        dist.barrier()
+        try:
+            busy = device_busy_seconds(lambda e=engine: e.train_step(batches[-1], cfg.lr), device)
+        except Exception as e:  # a diagnostic must not cost the measurement
+            print(f"GPU busy time not measured: {type(e).__name__}: {e}", flush=True)
     tokens = cfg.global_batch_size * cfg.seq_len
     row = {"system": system, "GPUs": world, "ms/step": seconds * 1e3, "tokens/s": tokens / seconds,
            "MFU %": 100 * flops_per_token(mcfg, cfg.seq_len) * tokens / seconds / (peak_flops * world)}
+    if device.type == "cuda":  # every rank joins the reduction; -1 marks a rank that could not measure
+        t = torch.tensor(-1.0 if busy is None else busy / seconds, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        if t.item() >= 0:
+            row["GPU busy % (min rank)"] = 100 * t.item()
     if device.type == "cuda":
         peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -142,6 +142,9 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
            "ms/step": seconds * 1e3, "peak GiB/GPU": peak,
            "model states GiB (formula)": _formula_bytes(name, psi, world, cfg.torch_dtype) / 2**30,
            "loss": result.loss}
+    if peak is not None:  # activations, workspace and transient buffers: equal across stages if only the
+        # model states differ (issue 5's memory target: peak within 10% of formula + activations)
+        row["peak − model states GiB"] = peak - row["model states GiB (formula)"]
     if isinstance(engine, ZeroEngine):
         row["model states GiB (ours, measured)"] = engine.memory_report().total / 2**30
         row["comm Ψ/step"] = engine.last_step_comm[0] / psi

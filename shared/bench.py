@@ -95,6 +95,34 @@ def benchmark(
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
 
 
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals (overlapping kernels on two streams count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> float | None:
+    """Seconds during one call of `fn` in which the GPU ran at least one kernel or copy (any stream), from
+    the profiler's device activity; None off CUDA. Beside the call's unprofiled wall time it tells whether
+    the host keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(dev)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return union_seconds(spans) / 1e6  # the profiler's clock is in microseconds
+
+
 def mfu(flops_per_second: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s as a fraction of a peak (e.g. measured matmul FLOP/s)."""
     if peak_flops <= 0:

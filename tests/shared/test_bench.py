@@ -108,3 +108,12 @@ def test_cli_quick_runs(tmp_path):
     assert "rms_norm fwd" in proc.stdout and "% copy bw" in proc.stdout
     rec = json.loads(path.read_text())
     assert rec["bench"] == "shared.kernels" and rec["device"] == "cpu" and len(rec["rows"]) >= 11
+
+
+def test_union_seconds_counts_overlaps_once():
+    from shared.bench import device_busy_seconds, union_seconds
+
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0  # [0, 3] and [5, 6]
+    assert union_seconds([(4, 5), (0, 10)]) == 10.0  # a kernel inside another stream's span
+    assert device_busy_seconds(lambda: None, "cpu") is None
