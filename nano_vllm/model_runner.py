@@ -291,7 +291,9 @@ class ModelRunner:
         self.g_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=dev)
         # Pinned host twins the inputs are written into, so one replay costs three async copies and no
         # allocation. Reusing them every step is safe because every step ends by reading the sampled
-        # tokens back (a sync), after which the previous step's copies have completed.
+        # tokens back (a sync), after which the previous step's copies have completed. (A tensor-parallel
+        # worker does not sample, but its next inputs arrive only after rank 0 has its tokens, which needs
+        # the worker's all-reduces of this step, which follow its copies on the same stream.)
         pin = dev.type == "cuda"
         self.h_inputs = torch.zeros(3, max_bs, dtype=torch.long, pin_memory=pin)
         self.h_lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
