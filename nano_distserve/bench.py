@@ -2,6 +2,7 @@
 same GPUs — attainment-vs-rate curves and goodput per GPU under a Table 1 workload (DistServe, arXiv
 2401.09670, §6.2 / Fig. 8) — plus the planner's placement (Algorithm 1).
 
+mode=interference traces step times while decodes run and a long prompt joins them (§2.1, Fig. 2).
 mode=sim runs the discrete-event simulator only (CPU, well under a minute). mode=measured serves a
 seeded workload open-loop (nano_vllm.loadgen) at each rate with real engines on `num_gpus` devices:
 colocated = `num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_distserve.disagg import DisaggConfig, run_disaggregated
 from nano_distserve.goodput import report, to_metrics
+from nano_distserve.instance import _execute
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
@@ -31,6 +34,9 @@ from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import percentile, slo_attainment, summarize
+from nano_vllm.sampling_params import SamplingParams
+from shared.bench import format_table as shared_format_table
+from shared.config import resolve_model_config
 from shared.dist import run_distributed
 from shared.hydra_utils import hydra_run_dir, to_dataclass
 
@@ -178,16 +184,74 @@ def format_measured_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_interference(cfg: dict) -> dict:
+    """§2.1 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
+    while one `prefill_tokens`-token prompt joins them; once with plain colocation (the whole prompt in one
+    step, every decode waits for it) and once with chunked prefill (Sarathi: at most `chunk_tokens` per step).
+    A decode's time per output token is the time of the step that produces it, so the slowdown of the steps
+    carrying the prefill is the TPOT increase. Returns both step traces (StepRecord dicts)."""
+    c = cfg["interference"]
+    decodes, prefill, chunk = int(c["decodes"]), int(c["prefill_tokens"]), int(c["chunk_tokens"])
+    before, after = int(c["steps_before"]), int(c["steps_after"])
+    chunk_steps = -(-prefill // max(chunk - decodes, 1))
+    max_len = max(prefill + 8, int(c["decode_prompt"]) + before + after + chunk_steps + 64)
+    gen = torch.Generator().manual_seed(int(cfg["seed"]))
+    vocab = min(resolve_model_config(c["engine"]["model"]).vocab_size, 10000)
+    prompts = [torch.randint(0, vocab, (int(c["decode_prompt"]),), generator=gen).tolist() for _ in range(decodes)]
+    long_prompt = torch.randint(0, vocab, (prefill,), generator=gen).tolist()
+    keep = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
+    rows, traces = [], {}
+    for policy in ("plain", "chunked"):
+        budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
+        engine = LLMEngine(EngineConfig(**{**c["engine"], "max_num_batched_tokens": budget,
+                                           "max_num_seqs": max(decodes + 1, 2), "max_model_len": max_len,
+                                           "enable_chunked_prefill": policy == "chunked"}))
+        sched, runner, log = engine.scheduler, engine.model_runner, []
+        for p in prompts:
+            engine.add_request(p, keep)
+        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+            _execute(sched, runner, [])  # the decodes' own prefills, not traced
+        for _ in range(before):
+            _execute(sched, runner, log)
+        engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        joined = len(log)
+        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+            _execute(sched, runner, log)
+        for _ in range(after):
+            _execute(sched, runner, log)
+        engine.shutdown()
+        base = statistics.median(r.seconds for r in log[:joined])
+        with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
+        rows.append({"policy": policy, "decode-only step ms": 1e3 * base,
+                     "steps carrying the prefill": len(with_prefill),
+                     "slowest such step ms": 1e3 * max(r.seconds for r in with_prefill),
+                     "TPOT slowdown (slowest / decode-only)": max(r.seconds for r in with_prefill) / base,
+                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:joined + len(with_prefill)])})
+        traces[policy] = [dataclasses.asdict(r) for r in log]
+    return {"mode": "interference", "settings": dict(c), "rows": rows, "traces": traces}
+
+
+def format_interference_table(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"{s['decodes']} running decodes ({s['engine']['model']}), then one {s['prefill_tokens']}-token prompt "
+             f"joins (chunked: {s['chunk_tokens']} tokens per step); traces in bench.json"]
+    lines.append(shared_format_table(result["rows"]))
+    return "\n".join(lines)
+
+
 @hydra.main(version_base=None, config_path="configs", config_name="bench")
 def main(cfg: DictConfig) -> None:
-    if cfg.mode not in ("sim", "measured"):
-        raise ValueError(f"mode must be 'sim' or 'measured', got {cfg.mode!r}")
+    modes = {"sim": (run_sim, format_table), "measured": (run_measured, format_measured_table),
+             "interference": (run_interference, format_interference_table)}
+    if cfg.mode not in modes:
+        raise ValueError(f"mode must be one of {sorted(modes)}, got {cfg.mode!r}")
     t0 = time.perf_counter()
-    run, fmt = (run_sim, format_table) if cfg.mode == "sim" else (run_measured, format_measured_table)
+    run, fmt = modes[cfg.mode]
     result = run(OmegaConf.to_container(cfg, resolve=True))
     result["seconds"] = time.perf_counter() - t0
-    print(f"workload {result['workload']['name']}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
-          f"{result['workload']['tpot_slo']:g} s; joint SLO attainment at each rate (req/s):")
+    if "workload" in result:
+        print(f"workload {result['workload']['name']}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
+              f"{result['workload']['tpot_slo']:g} s; joint SLO attainment at each rate (req/s):")
     out = Path(hydra_run_dir()) / "bench.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} ({result['seconds']:.1f} s)")

@@ -30,3 +30,22 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
     assert result["latency_fit"]["c0"] + result["latency_fit"]["c_prefill"] > 0 and result["num_steps_fitted"] > 0
     table = format_measured_table(result)
     assert "KV transfer" in table and "meas|sim" in table
+
+
+def test_interference_trace_plain_vs_chunked():
+    """mode=interference on a CPU: the traces have the right shape (the times mean nothing here)."""
+    from nano_distserve.bench import format_interference_table, run_interference
+
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg["interference"].update(decodes=4, prefill_tokens=256, chunk_tokens=64, steps_before=4, steps_after=2,
+                               engine={"model": "tiny", "enable_prefix_caching": False})
+    result = run_interference(cfg)
+    plain, chunked = result["rows"]
+    assert (plain["policy"], chunked["policy"]) == ("plain", "chunked")
+    assert plain["steps carrying the prefill"] == 1  # the whole prompt in one step
+    assert chunked["steps carrying the prefill"] == math.ceil(256 / (64 - 4))  # decodes go first in each step
+    for policy, trace in result["traces"].items():
+        assert all(r["prefill_tokens"] == 0 and r["decode_seqs"] == 4 for r in trace[:4]), policy
+        assert sum(r["prefill_tokens"] for r in trace) == 256, policy
+        assert all(r["seconds"] > 0 for r in trace)
+    assert "TPOT slowdown" in format_interference_table(result)
