@@ -32,7 +32,7 @@ from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "group", "split_len"])
+@triton.jit(do_not_specialize=["seqlen_q", "group", "split_len", "stride_bt"])
 def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
                          seqlen_q, group, qk_scale, split_len, window_right,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,

@@ -26,7 +26,7 @@ from .reference import check_rms_norm_args
 MAX_HIDDEN = 65536
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the token count varies per call: one compiled variant
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD,
     stride_x, stride_r, stride_y, stride_s,
@@ -54,7 +54,7 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the token count varies per call: one compiled variant
 def _rms_norm_bwd_kernel(
     DY, DS, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_ds, stride_x, stride_dx,
