@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -154,6 +155,11 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
 
 
 def run(cfg: DictConfig) -> dict:
+    if cfg.get("avoid_record_streams"):
+        # An experiment on stage 3's peak memory (BENCHMARKS.md): NCCL's recordStream keeps every freed
+        # gathered/gradient buffer reserved until the NCCL stream passes it; with this, torch holds the
+        # tensors until the work completes instead. Read when the process group is created, so set first.
+        os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
     env = init_distributed(cfg.get("backend"))
     try:
         quick = bool(cfg.quick)
