@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shared.train import weak_hook
+
 
 @dataclass
 class _Bucket:
@@ -62,7 +64,7 @@ class BucketedGradReducer:
         if self.world > 1:
             for b in self.buckets:
                 for p in b.params:
-                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                    p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self.zero_grad()
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:

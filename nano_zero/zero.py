@@ -24,7 +24,6 @@ once, on the last micro-step (the accumulation boundary).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -35,7 +34,7 @@ from torch import nn
 from nano_zero.flat import FlatUnit, adamw_
 from nano_zero.ledger import Collectives, CommCounter, MemoryReport, formula_for
 from nano_zero.stage3 import Stage3Mixin
-from shared.train import clip_coefficient
+from shared.train import clip_coefficient, weak_hook
 
 InitFn = Callable[[nn.Module, torch.Generator], None]
 
@@ -89,7 +88,7 @@ class ZeroDataParallel(Stage3Mixin, nn.Module):
         if stage >= 2:
             for u in self.units:
                 for s in u.slots:
-                    s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, u))
+                    s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, u))
         if stage == 2:
             module.register_forward_pre_hook(lambda m, a: self._ensure_grad_buckets())
         if stage == 3:

@@ -26,6 +26,8 @@ import math
 import os
 import shutil
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -154,6 +156,22 @@ def clip_coefficient(grad_norm: torch.Tensor | float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (float(grad_norm) + 1e-6))
+
+
+def weak_hook(method: Callable, *bound: Any) -> Callable:
+    """A hook that calls `method(*bound, *args)` without keeping `method`'s object alive.
+
+    Why: autograd keeps tensor hooks (e.g. `register_post_accumulate_grad_hook`) in C++, where Python's
+    garbage collector cannot see them, so param -> hook -> wrapper -> module -> param is a cycle nobody
+    frees: every ZeRO / data-parallel wrapper built in a process (a bench trying several systems) would
+    keep its buffers on the GPU forever. Once the object is gone the hook does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        live = ref()
+        return None if live is None else live(*bound, *args)
+
+    return hook
 
 
 def micro_batches_of(inputs: torch.Tensor, targets: torch.Tensor, micro_batch_size: int

@@ -1,6 +1,9 @@
 """nano_zero in one process (no process group: world size 1): the flat-shard AdamW against torch's, shard
 geometry with padding, every stage against LocalEngine in fp32 and bf16, the ledgers, and bad inputs."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -81,6 +84,21 @@ def test_world1_every_stage_equals_local_engine(dtype):
                     assert torch.equal(u.full[u.shard_slice()], u.master.to(torch.bfloat16))
         report = engine.memory_report()
         assert report.total == pytest.approx(report.formula.total, rel=1e-3)
+
+
+def test_deleted_engine_frees_its_buffers():
+    """Autograd keeps post-accumulate-grad hooks in C++, out of the garbage collector's sight: a hook holding
+    the wrapper strongly made every stage-2/3 engine immortal (the bench's next system then measured both
+    engines' memory). Each stage's engine must die with its last reference."""
+    cfg = TrainConfig(global_batch_size=4, micro_batch_size=2, seq_len=16, dtype="fp32")
+    (x, y), = _batches(1)
+    for stage in range(4):
+        engine = ZeroEngine(TINY, cfg, stage)
+        engine.train_step(micro_batches_of(x, y, 2), 1e-3)
+        ref = weakref.ref(engine.model)
+        del engine
+        gc.collect()
+        assert ref() is None, f"stage {stage}: ZeroDataParallel still referenced after del + gc"
 
 
 def test_init_like_build_model_is_the_same_draw():
