@@ -8,17 +8,23 @@ new tokens, so later calls extend earlier ones, as in the paper's workloads. Sha
 * chat      — a shared system prompt, then `turns` user turns each followed by the model's answer;
 * tot       — a question, then `branches` thoughts per level for `depth` levels (tree of thought);
 * react     — a shared agent system prompt, then `steps` of (model action, tool observation);
-* prefixes  — `groups` generated shared prefixes, each program one of them plus its own suffix.
+* prefixes  — `groups` generated shared prefixes, each program one of them plus its own suffix;
+* noreuse   — independent random prompts (nothing to share): the cost of the tree's bookkeeping.
 
 Every system runs all programs together, call by call (round j = every program's j-th call), greedy with
 `ignore_eos`, so all systems see the same prompts. Reported per system: programs/s, prompt tokens, cache
 hit rate (prompt tokens served from the cache / all prompt tokens) and the analytic optimum
 1 − unique prompt tokens / total prompt tokens (unique = distinct prefixes over all prompts: what an
-infinite cache computes).
+infinite cache computes); for nano_sglang also "bookkeeping %": wall time inside the radix tree (match,
+insert, lock, unlock, evict) and the cache-aware ordering of the waiting queue, over the engine's step time.
+
+Each system is one engine (built once, warmed up on one program, its prefix cache emptied before each
+workload) and is freed before the next is built, so every engine sizes its KV cache from the same memory.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from pathlib import Path
@@ -54,6 +60,8 @@ def make_programs(name: str, shape: dict, rng: random.Random, vocab: int) -> lis
         sys_p = toks(s["system"])
         return [[(sys_p if k == 0 else toks(s["observation"]), s["output"]) for k in range(s["steps"])]
                 for _ in range(s["programs"])]
+    if name == "noreuse":
+        return [[(toks(s["prompt"]), s["output"])] for _ in range(s["programs"])]
     if name == "prefixes":
         groups = [toks(s["prefix"]) for _ in range(s["groups"])]
         return [[(rng.choice(groups) + toks(s["suffix"]), s["output"])] for _ in range(s["programs"])]
@@ -76,8 +84,44 @@ def make_programs(name: str, shape: dict, rng: random.Random, vocab: int) -> lis
     raise ValueError(f"unknown workload {name!r}")
 
 
-def run_programs(engine: LLMEngine, programs: list[list[Call]]) -> dict:
+class Bookkeeping:
+    """Wall time spent inside chosen methods of some objects (outermost calls only: a method that calls
+    another timed one is counted once), installed on the instances, not the classes."""
+
+    def __init__(self) -> None:
+        self.seconds, self._depth = 0.0, 0
+
+    def wrap(self, obj: object, names: list[str]) -> None:
+        for name in names:
+            setattr(obj, name, self._timed(getattr(obj, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def bookkeeping_of(engine: LLMEngine) -> Bookkeeping | None:
+    """Time nano_sglang's tree operations and cache-aware ordering (None for nano_vllm)."""
+    if not isinstance(engine, SGLEngine):
+        return None
+    book = Bookkeeping()
+    book.wrap(engine.block_manager.tree, ["match_prefix", "insert", "lock", "unlock", "evict"])
+    book.wrap(engine.scheduler, ["order_waiting"])
+    return book
+
+
+def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeeping | None = None) -> dict:
     """All programs together, call by call; returns programs/s, hit rate and the analytic optimum."""
+    engine.block_manager.reset_prefix_cache()  # the previous workload's (or warm-up's) prompts must not hit
+    book_s0, steps_s0 = (book.seconds if book else 0.0), sum(engine.step_seconds.values())
     contexts = [[] for _ in programs]
     prompts_seen, total, cached = set(), 0, 0
     t0 = time.perf_counter()
@@ -98,8 +142,12 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]]) -> dict:
             prompts_seen.update(tuple(p[:k]) for k in range(1, len(p) + 1))
             contexts[i] = contexts[i] + seq.output_token_ids
     seconds = time.perf_counter() - t0
-    return {"programs": len(programs), "seconds": seconds, "programs/s": len(programs) / seconds,
-            "prompt tokens": total, "hit rate": cached / total, "optimal hit rate": 1 - len(prompts_seen) / total}
+    row = {"programs": len(programs), "seconds": seconds, "programs/s": len(programs) / seconds,
+           "prompt tokens": total, "hit rate": cached / total, "optimal hit rate": 1 - len(prompts_seen) / total}
+    if book is not None:
+        step_s = sum(engine.step_seconds.values()) - steps_s0
+        row["bookkeeping %"] = 100 * (book.seconds - book_s0) / max(step_s, 1e-9)
+    return row
 
 
 def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
@@ -122,28 +170,36 @@ def run(cfg: DictConfig) -> dict:
     engine_args = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if v is not None}
     if quick:  # < 1 min on a 2-core CPU: a tenth of the tokens, an eighth of the programs
         engine_args.update(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
-    rows, json_rows = [], []
+    shapes = {}
     for name in cfg.workloads:
         shape = dict(cfg.shapes[name])
         if quick:
             shape = {k: (max(1, v // 8) if k == "programs" else v if k in ("turns", "steps", "branches", "depth",
                      "groups") else max(2, v // 10)) for k, v in shape.items()}
-        programs = make_programs(name, shape, random.Random(cfg.seed), 4000)
-        systems = [("nano_sglang", lambda: SGLEngine(EngineConfig(model=model, **engine_args),
-                                                    CacheAwareConfig(cfg.policy))),
-                   ("nano_vllm, prefix caching off", lambda: LLMEngine(EngineConfig(
-                       model=model, **engine_args, enable_prefix_caching=False))),
-                   ("nano_vllm, prefix caching on", lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
-        results = []
-        for system, make in systems:
-            engine = make()
-            run_programs(engine, programs[:1])  # warm-up (also fills the cache with one program: all alike)
-            engine = make()
-            results.append({"workload": name, "system": system, **run_programs(engine, programs)})
+        shapes[name] = make_programs(name, shape, random.Random(cfg.seed), 4000)
+    systems = [("nano_sglang", lambda: SGLEngine(EngineConfig(model=model, **engine_args),
+                                                CacheAwareConfig(cfg.policy))),
+               ("nano_vllm, prefix caching off", lambda: LLMEngine(EngineConfig(
+                   model=model, **engine_args, enable_prefix_caching=False))),
+               ("nano_vllm, prefix caching on", lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
+    by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
+    for system, make in systems:
+        engine = make()
+        book = bookkeeping_of(engine)
+        for name, programs in shapes.items():
+            run_programs(engine, programs[:1])  # warm-up: this workload's shapes compile / capture nothing new
+            by_workload[name].append({"workload": name, "system": system, **run_programs(engine, programs, book)})
+        del engine, book
+        gc.collect()  # free this engine's KV cache before the next one sizes its own from free memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    rows, json_rows = [], []
+    for results in by_workload.values():
         for r in results:
             r["vs vllm off"] = r["programs/s"] / results[1]["programs/s"]
             r["vs vllm on"] = r["programs/s"] / results[2]["programs/s"]
-            r["% of optimal hits"] = 100 * r["hit rate"] / max(r["optimal hit rate"], 1e-9)
+            r["% of optimal hits"] = (100 * r["hit rate"] / r["optimal hit rate"] if r["optimal hit rate"] > 0
+                                      else None)
         rows += results
     if cfg.json_programs:
         engine = SGLEngine(EngineConfig(model=model, **engine_args))

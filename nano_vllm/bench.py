@@ -32,7 +32,7 @@ from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run
 from nano_vllm.metrics import summarize
 from nano_vllm.sampling_params import SamplingParams
 from shared.accounting import kv_cache_bytes, matmul_param_count, param_count
-from shared.bench import measure_copy_bandwidth, measure_matmul_flops, print_table, write_json
+from shared.bench import KernelCompiles, measure_copy_bandwidth, measure_matmul_flops, print_table, write_json
 from shared.config import ModelConfig, resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
@@ -87,10 +87,13 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     sync()
     warm_steps, warm_times = llm.engine.num_steps, dict(llm.engine.step_seconds)
     warm_prepare = llm.engine.model_runner.prepare_seconds
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs], use_tqdm=bool(cfg.progress))
-    sync()
-    seconds = time.perf_counter() - t0
+    with KernelCompiles() as compiles:  # any Triton compilation inside the timed run is a bench defect
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs],
+                            use_tqdm=bool(cfg.progress))
+        sync()
+        seconds = time.perf_counter() - t0
+    print(f"timed run: {compiles.summary()}", flush=True)
     tokens = sum(len(o.token_ids) for o in outs)
     engine = llm.engine
     steps = max(engine.num_steps - warm_steps, 1)
@@ -100,7 +103,9 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
           + "  (execute includes prepare, the launches and the wait for the sampled tokens)", flush=True)
     row = {"system": "nano_vllm", "requests": len(reqs), "output tokens": tokens, "seconds": seconds,
            "output tok/s": tokens / seconds, "steps": steps,
-           "preemptions": llm.engine.scheduler.num_preemptions}
+           "preemptions": llm.engine.scheduler.num_preemptions,
+           "kernels built while timed": len(compiles.names) if compiles.available else None}
+    row["_kernel_variants"] = compiles.reprs  # full signatures, for bench.json (not printed: "_" prefix)
     row["ms/step"] = 1e3 * seconds / steps
     row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
     return row, llm

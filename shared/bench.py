@@ -123,6 +123,52 @@ def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> fl
     return union_seconds(spans) / 1e6  # the profiler's clock is in microseconds
 
 
+class KernelCompiles:
+    """Context manager: the Triton kernel variants first built in this process while it is active.
+
+    Triton compiles (or loads from its disk cache) one variant per new specialisation — argument dtypes,
+    divisibility by 16, constexprs — the first time a kernel meets it. A bench wraps its timed region in
+    this to show whether compilation leaked into it (`names`: one kernel name per variant; `reprs`: the
+    full signature, to see which argument made it new). Uses `triton.knobs.runtime.jit_cache_hook`; off
+    where Triton has no such hook (`available` False)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.reprs: list[str] = []
+        self.available = False
+
+    def __enter__(self) -> KernelCompiles:
+        try:
+            from triton import knobs
+            self._runtime = knobs.runtime
+            self._previous = knobs.runtime.jit_cache_hook
+        except (ImportError, AttributeError):
+            return self
+        self.available = True
+        self._runtime.jit_cache_hook = self._hook
+        return self
+
+    def _hook(self, *args: Any, **kwargs: Any) -> bool | None:
+        fn = kwargs.get("fn")
+        self.names.append(getattr(fn, "name", str(fn)))
+        self.reprs.append(str(kwargs.get("repr", "")))
+        previous = self._previous
+        return previous(*args, **kwargs) if previous is not None else None  # None: compile as usual
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.available:
+            self._runtime.jit_cache_hook = self._previous
+
+    def summary(self) -> str:
+        if not self.available:
+            return "kernel variants built: unknown (no Triton jit_cache_hook)"
+        counts: dict[str, int] = {}
+        for n in self.names:
+            counts[n] = counts.get(n, 0) + 1
+        detail = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+        return f"Triton kernel variants first built here: {len(self.names)}" + (f" ({detail})" if detail else "")
+
+
 def mfu(flops_per_second: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s as a fraction of a peak (e.g. measured matmul FLOP/s)."""
     if peak_flops <= 0:
@@ -172,8 +218,9 @@ def _fmt(v: Any) -> str:
 
 
 def format_table(rows: list[dict], title: str | None = None) -> str:
-    """Rows of dicts as an aligned text table: columns in first-seen key order, numbers right-aligned."""
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    """Rows of dicts as an aligned text table: columns in first-seen key order, numbers right-aligned; keys
+    starting with "_" are for the JSON record only."""
+    cols = list(dict.fromkeys(k for r in rows for k in r if not k.startswith("_")))
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
     numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
