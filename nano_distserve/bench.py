@@ -14,6 +14,7 @@ into the Hydra run directory.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import statistics
@@ -184,6 +185,26 @@ def format_measured_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt: list[int], keep: SamplingParams,
+                        before: int, after: int) -> tuple[list, int]:
+    """Step `engine` through the decodes' prefills (untraced), `before` decode-only steps, the long prompt's
+    prefill and `after` more steps; returns the step log and the index where the long prompt joined."""
+    sched, runner, log = engine.scheduler, engine.model_runner, []
+    for p in prompts:
+        engine.add_request(p, keep)
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        _execute(sched, runner, [])  # the decodes' own prefills, not traced
+    for _ in range(before):
+        _execute(sched, runner, log)
+    engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    joined = len(log)
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        _execute(sched, runner, log)
+    for _ in range(after):
+        _execute(sched, runner, log)
+    return log, joined
+
+
 def run_interference(cfg: dict) -> dict:
     """§2.1 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
     while one `prefill_tokens`-token prompt joins them; once with plain colocation (the whole prompt in one
@@ -206,20 +227,12 @@ def run_interference(cfg: dict) -> dict:
         engine = LLMEngine(EngineConfig(**{**c["engine"], "max_num_batched_tokens": budget,
                                            "max_num_seqs": max(decodes + 1, 2), "max_model_len": max_len,
                                            "enable_chunked_prefill": policy == "chunked"}))
-        sched, runner, log = engine.scheduler, engine.model_runner, []
-        for p in prompts:
-            engine.add_request(p, keep)
-        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-            _execute(sched, runner, [])  # the decodes' own prefills, not traced
-        for _ in range(before):
-            _execute(sched, runner, log)
-        engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        joined = len(log)
-        while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-            _execute(sched, runner, log)
-        for _ in range(after):
-            _execute(sched, runner, log)
+        log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
         engine.shutdown()
+        del engine
+        gc.collect()  # the next policy's engine sizes its KV cache from free memory: this one must be gone
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         base = statistics.median(r.seconds for r in log[:joined])
         with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
         rows.append({"policy": policy, "decode-only step ms": 1e3 * base,
