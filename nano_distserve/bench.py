@@ -36,6 +36,7 @@ from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import percentile, slo_attainment, summarize
 from nano_vllm.sampling_params import SamplingParams
+from shared.bench import KernelCompiles
 from shared.bench import format_table as shared_format_table
 from shared.config import resolve_model_config
 from shared.dist import run_distributed
@@ -190,8 +191,7 @@ def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt
     """Step `engine` through the decodes' prefills (untraced), `before` decode-only steps, the long prompt's
     prefill and `after` more steps; returns the step log and the index where the long prompt joined."""
     sched, runner, log = engine.scheduler, engine.model_runner, []
-    for p in prompts:
-        engine.add_request(p, keep)
+    seqs = [engine.add_request(p, keep) for p in prompts]
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
         _execute(sched, runner, [])  # the decodes' own prefills, not traced
     for _ in range(before):
@@ -202,6 +202,8 @@ def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt
         _execute(sched, runner, log)
     for _ in range(after):
         _execute(sched, runner, log)
+    for seq in seqs:  # the decodes run to max_len otherwise: end them, their blocks go back to the pool
+        engine.abort_request(seq.request_id)
     return log, joined
 
 
@@ -226,8 +228,12 @@ def run_interference(cfg: dict) -> dict:
         budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
         engine = LLMEngine(EngineConfig(**{**c["engine"], "max_num_batched_tokens": budget,
                                            "max_num_seqs": max(decodes + 1, 2), "max_model_len": max_len,
-                                           "enable_chunked_prefill": policy == "chunked"}))
-        log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
+                                           "enable_chunked_prefill": policy == "chunked",
+                                           "enable_prefix_caching": False}))  # traced twice: no hits
+        # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
+        _interference_trace(engine, prompts, long_prompt, keep, before, after)
+        with KernelCompiles() as compiles:
+            log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
         engine.shutdown()
         del engine
         gc.collect()  # the next policy's engine sizes its KV cache from free memory: this one must be gone
@@ -239,7 +245,8 @@ def run_interference(cfg: dict) -> dict:
                      "steps carrying the prefill": len(with_prefill),
                      "slowest such step ms": 1e3 * max(r.seconds for r in with_prefill),
                      "TPOT slowdown (slowest / decode-only)": max(r.seconds for r in with_prefill) / base,
-                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:joined + len(with_prefill)])})
+                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:joined + len(with_prefill)]),
+                     "kernels built while traced": len(compiles.names) if compiles.available else None})
         traces[policy] = [dataclasses.asdict(r) for r in log]
     return {"mode": "interference", "settings": dict(c), "rows": rows, "traces": traces}
 
