@@ -25,7 +25,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nano_distserve.disagg import DisaggConfig, run_disaggregated
+from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
 from nano_distserve.goodput import report, to_metrics
 from nano_distserve.instance import _execute
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
@@ -135,11 +135,12 @@ def run_measured(cfg: dict) -> dict:
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]
-    dis = [run_disaggregated(DisaggConfig(engine=dict(m["engine"])), requests, a, m["timeout_s"]) for a in arrivals]
+    dis_all = run_disaggregated_rounds(DisaggConfig(engine=dict(m["engine"])), requests, arrivals, m["timeout_s"])
+    dis = dis_all["rounds"]
     measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
-    transfers = [t for d in dis for t in d["transfer_times"]]
-    decode_steps = [s for d in dis for s in d["decode_steps"]]
-    model = LatencyModel.fit([s for d in dis for s in d["prefill_steps"]] + decode_steps)
+    transfers = dis_all["transfer_times"]
+    decode_steps = dis_all["decode_steps"]
+    model = LatencyModel.fit(dis_all["prefill_steps"] + decode_steps)
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
                      kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
                      transfer_latency=percentile(transfers, 50))  # measured pull time stands in for bytes/bw
@@ -162,7 +163,7 @@ def run_measured(cfg: dict) -> dict:
     rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
             "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
-            "latency_fit": dataclasses.asdict(model), "num_steps_fitted": sum(len(d["prefill_steps"]) for d in dis)
+            "latency_fit": dataclasses.asdict(model), "num_steps_fitted": len(dis_all["prefill_steps"])
             + len(decode_steps),
             "transfer": {"count": len(transfers), **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99)}},
             "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50)}
@@ -231,7 +232,9 @@ def run_interference(cfg: dict) -> dict:
                                            "enable_chunked_prefill": policy == "chunked",
                                            "enable_prefix_caching": False}))  # traced twice: no hits
         # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
-        _interference_trace(engine, prompts, long_prompt, keep, before, after)
+        with KernelCompiles() as first:
+            _interference_trace(engine, prompts, long_prompt, keep, before, after)
+        print(f"{policy}, untimed first pass: {first.summary()}", flush=True)
         with KernelCompiles() as compiles:
             log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
         engine.shutdown()

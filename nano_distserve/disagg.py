@@ -8,6 +8,7 @@ with one GPU each) or call `instance_main` under torchrun. Every rank builds an 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -67,8 +68,10 @@ def _store(rank: int) -> dist.TCPStore:
                          wait_for_workers=True)
 
 
-def instance_main(cfg: DisaggConfig, requests: list[Request], arrivals: list[float]) -> dict:
-    """Body of every rank: rank 0 routes and prefills, ranks 1.. decode. Returns what the rank measured."""
+def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]]) -> dict:
+    """Body of every rank: rank 0 routes and prefills, ranks 1.. decode. Serves `requests` once per round of
+    arrival times (one round per rate: engines, NCCL and Triton kernels are set up once); a short warm-up
+    request goes through first and is left out of every log. Returns what the rank measured."""
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _store(rank)
     is_prefill = rank == 0
@@ -104,35 +107,64 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], arrivals: list[flo
                           keep_sent=cfg.keep_kv)
     decode_blocks = min(info[n]["num_blocks"] for n in names[1:])
     router = Router(pre, engine.max_model_len, decode_blocks, engine.config.block_size)
-    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    t0, nxt = time.perf_counter(), 0
-    while nxt < len(order) or len(pre.completed) < len(requests):
-        now = time.perf_counter()
-        while nxt < len(order) and t0 + arrivals[order[nxt]] <= now:
-            i = order[nxt]
-            router.submit(str(i), requests[i], t0 + arrivals[i])
-            nxt += 1
-        pre.step()
-        if not pre.scheduler.has_unfinished():
-            time.sleep(1e-4)
+
+    def serve(tag: str, reqs: list[Request], arrivals: list[float]) -> tuple[list[Completion], float]:
+        order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+        ids = [f"{tag}{i}" for i in range(len(reqs))]
+        t0, nxt = time.perf_counter(), 0
+        while nxt < len(order) or any(i not in pre.completed for i in ids):
+            now = time.perf_counter()
+            while nxt < len(order) and t0 + arrivals[order[nxt]] <= now:
+                i = order[nxt]
+                router.submit(ids[i], reqs[i], t0 + arrivals[i])
+                nxt += 1
+            pre.step()
+            if not pre.scheduler.has_unfinished():
+                time.sleep(1e-4)
+        return [pre.completed[i] for i in ids], time.perf_counter() - t0
+
+    warm = dataclasses.replace(requests[0], sampling_params=dataclasses.replace(requests[0].sampling_params,
+                                                                                max_tokens=2))
+    serve("warmup:", [warm], [0.0])
+    for r in range(1, world):
+        transport.send(r, {"type": "reset_logs"})
+    pre.step_log.clear()
+    out = []
+    for k, arrivals in enumerate(rounds):
+        completions, duration = serve(f"{k}:", requests, arrivals)
+        for c in completions:  # request ids as the caller numbers them
+            c.request_id = c.request_id.split(":", 1)[1]
+        out.append({"completions": completions, "duration": duration})
     for r in range(1, world):
         transport.send(r, {"type": "stop"})
     dist.barrier()
-    return {"role": "prefill", "completions": list(pre.completed.values()), "sent": pre.sent, "steps": pre.step_log,
-            "duration": time.perf_counter() - t0}
+    return {"role": "prefill", "rounds": out, "sent": pre.sent, "steps": pre.step_log}
+
+
+def run_disaggregated_rounds(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]],
+                             timeout_s: float = 300.0) -> dict:
+    """Spawn 1 prefill + `num_decode` decode ranks (gloo on CPU, NCCL on GPUs) and serve `requests`
+    open-loop once per list of arrival times in `rounds` (seconds from the round's start), one after the
+    other on the same instances. Returns {"rounds": [{"completions": [Completion, ...] in request order,
+    "duration"}, ...], "transfer_times", "prefill_steps", "decode_steps", "sent", "received"} (the logs
+    pooled over rounds, the warm-up request left out; sent / received keyed "<round>:<request index>")."""
+    backend = "nccl" if torch.cuda.device_count() > cfg.num_decode else "gloo"
+    results = run_distributed(instance_main, 1 + cfg.num_decode, cfg, requests, rounds, backend=backend,
+                              timeout_s=timeout_s)
+    pre, decs = results[0], results[1:]
+    received = {k: v for d in decs for k, v in d["received"].items() if not k.startswith("warmup:")}
+    sent = {k: v for k, v in pre["sent"].items() if not k.startswith("warmup:")}
+    return {"rounds": pre["rounds"], "transfer_times": [t for d in decs for t in d["transfer_times"]],
+            "prefill_steps": pre["steps"], "decode_steps": [s for d in decs for s in d["steps"]],
+            "sent": sent, "received": received}
 
 
 def run_disaggregated(cfg: DisaggConfig, requests: list[Request], arrivals: list[float],
                       timeout_s: float = 300.0) -> dict:
-    """Spawn 1 prefill + `num_decode` decode ranks (gloo on CPU, NCCL on GPUs) and serve `requests`
-    open-loop at `arrivals` (seconds). Returns {"completions": [Completion, ...] in request order,
+    """One round of `run_disaggregated_rounds`: {"completions": [Completion, ...] in request order,
     "duration", "transfer_times", "prefill_steps", "decode_steps", "sent", "received"}."""
-    backend = "nccl" if torch.cuda.device_count() > cfg.num_decode else "gloo"
-    results = run_distributed(instance_main, 1 + cfg.num_decode, cfg, requests, arrivals, backend=backend,
-                              timeout_s=timeout_s)
-    pre, decs = results[0], results[1:]
-    by_id: dict[str, Completion] = {c.request_id: c for c in pre["completions"]}
-    received = {k: v for d in decs for k, v in d["received"].items()}
-    return {"completions": [by_id[str(i)] for i in range(len(requests))], "duration": pre["duration"],
-            "transfer_times": [t for d in decs for t in d["transfer_times"]], "prefill_steps": pre["steps"],
-            "decode_steps": [s for d in decs for s in d["steps"]], "sent": pre["sent"], "received": received}
+    res = run_disaggregated_rounds(cfg, requests, [arrivals], timeout_s)
+    (one,) = res.pop("rounds")
+    for key in ("sent", "received"):  # "0:<id>" -> "<id>": one round, no ambiguity
+        res[key] = {k.split(":", 1)[1]: v for k, v in res[key].items()}
+    return {**one, **res}

@@ -303,6 +303,9 @@ class DecodeInstance:
             self.queue[rid] = _Pending(msg)
         elif kind == "stop":
             self.stopped = True
+        elif kind == "reset_logs":  # the router's warm-up is over: its first transfer and steps are not data
+            self.transfer_times.clear()
+            self.step_log.clear()
         elif kind == "sent":
             p = self.queue.get(rid)
             if p is not None and p.seq is not None:
