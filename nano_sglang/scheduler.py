@@ -42,7 +42,9 @@ class CacheAwareConfig:
     policy: str = "lpm"
     defer_threshold: int | None = 32  # tokens; None: no deferral
     max_wait_steps: int = 128  # aging bound
-    lpm_max_queue: int = 1024  # longer queues fall back to fcfs (matching every request costs time)
+    # Longer queues fall back to fcfs: matching every waiting request at every step costs host time that
+    # grows with the queue (SGLang's scheduler switches LPM off above 128 waiting requests, too).
+    lpm_max_queue: int = 128
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -6,7 +6,8 @@ Systems (all train shared.model with AdamW, global-norm clipping and the same da
   fsdp2           torch `fully_shard` per block + root, MixedPrecisionPolicy(bf16, bf16) (ZeRO-3 à la torch)
   zero0..zero3    nano_zero.ZeroEngine
 
-Reported per system: tokens/s (global) and per GPU, peak memory per GPU (CUDA), model-state memory by
+Reported per system: tokens/s (global) and per GPU, peak memory per GPU (CUDA: the allocator's peak while
+the system is built and trained, minus what was allocated before it was built), model-state memory by
 §3.1's formula, and for ours the measured ledger. `baseline_json=<a 1-GPU run's bench.json>` adds the
 scaling efficiency tok/s(N) / (N · tok/s(1)). Writes `bench.json` in the Hydra run directory.
 On CPU, `quick=true` is a smoke run (tiny model, fp32, a few steps): numbers from gloo mean nothing
@@ -113,11 +114,25 @@ def _formula_bytes(name: str, psi: int, world: int, dtype: torch.dtype) -> float
     return (4 + 4 + 8) * psi / world  # fsdp2: fp32 sharded params, grads and moments
 
 
+def _live_engines() -> str:
+    """Which engines of earlier systems are still alive, and what refers to them (a leak's diagnosis)."""
+    from nano_zero.zero import ZeroDataParallel
+
+    live = [o for o in gc.get_objects() if isinstance(o, (ZeroDataParallel, TorchPeer))]
+    return f"{len(live)} engine(s) alive" + "".join(
+        f"; {type(o).__name__} referred to by {sorted({type(r).__name__ for r in gc.get_referrers(o)})}" for o in live)
+
+
 def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    before = 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)  # what earlier systems left behind (should be ~0)
+        if before > 2**28 and rank == 0:
+            print(f"warning: {before / 2**30:.2f} GiB still allocated before {name} is built: {_live_engines()}",
+                  flush=True)
     engine = (ZeroEngine(model_config, cfg, int(name[-1]), device=device) if name.startswith("zero")
               and name != "zero_optimizer" else TorchPeer(name, model_config, cfg, device))
     data = TokenBatches.from_corpus("train", batch_size=cfg.global_batch_size // world, seq_len=cfg.seq_len,
@@ -135,7 +150,8 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
     tokens = cfg.global_batch_size * cfg.seq_len
     peak = None
     if device.type == "cuda":
-        t = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+        # this system's own peak: the allocator's peak minus what was allocated before it was built
+        t = torch.tensor(float(torch.cuda.max_memory_allocated(device) - before), device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         peak = t.item() / 2**30
     psi = param_count(model_config)
