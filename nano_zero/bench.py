@@ -116,11 +116,12 @@ def _formula_bytes(name: str, psi: int, world: int, dtype: torch.dtype) -> float
 
 def _live_engines() -> str:
     """Which engines of earlier systems are still alive, and what refers to them (a leak's diagnosis)."""
+    from nano_zero.flat import FlatUnit
     from nano_zero.zero import ZeroDataParallel
 
-    live = [o for o in gc.get_objects() if isinstance(o, (ZeroDataParallel, TorchPeer))]
-    return f"{len(live)} engine(s) alive" + "".join(
-        f"; {type(o).__name__} referred to by {sorted({type(r).__name__ for r in gc.get_referrers(o)})}" for o in live)
+    live = [o for o in gc.get_objects() if type(o) in (ZeroDataParallel, TorchPeer, FlatUnit)]
+    return f"{len(live)} engine(s) or unit(s) alive" + "".join(
+        f"; {type(o).__name__} referred to by {sorted({type(r).__name__ for r in gc.get_referrers(o)})}" for o in live[:3])
 
 
 def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int) -> dict:

@@ -88,7 +88,7 @@ class ZeroDataParallel(Stage3Mixin, nn.Module):
         if stage >= 2:
             for u in self.units:
                 for s in u.slots:
-                    s.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad, u))
+                    s.param.register_post_accumulate_grad_hook(weak_hook(self._on_param_grad))
         if stage == 2:
             module.register_forward_pre_hook(lambda m, a: self._ensure_grad_buckets())
         if stage == 3:
@@ -226,6 +226,11 @@ class ZeroDataParallel(Stage3Mixin, nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        # The hook finds the unit here rather than holding it: the unit holds the parameter, and a hook
+        # (kept by autograd in C++) holding the unit would keep every buffer alive after the engine died.
+        self._on_grad(self._unit_of[id(param)], param)
 
     def _on_grad(self, u: FlatUnit, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook (stages 2, 3): when a unit's last gradient lands, reduce-scatter it."""

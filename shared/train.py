@@ -164,7 +164,8 @@ def weak_hook(method: Callable, *bound: Any) -> Callable:
     Why: autograd keeps tensor hooks (e.g. `register_post_accumulate_grad_hook`) in C++, where Python's
     garbage collector cannot see them, so param -> hook -> wrapper -> module -> param is a cycle nobody
     frees: every ZeRO / data-parallel wrapper built in a process (a bench trying several systems) would
-    keep its buffers on the GPU forever. Once the object is gone the hook does nothing."""
+    keep its buffers on the GPU forever. Once the object is gone the hook does nothing. `bound` is held
+    strongly: it must not lead back to the hooked tensor (pass lookup keys, not objects that hold it)."""
     ref = weakref.WeakMethod(method)
 
     def hook(*args: Any) -> Any:

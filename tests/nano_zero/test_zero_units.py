@@ -88,8 +88,8 @@ def test_world1_every_stage_equals_local_engine(dtype):
 
 def test_deleted_engine_frees_its_buffers():
     """Autograd keeps post-accumulate-grad hooks in C++, out of the garbage collector's sight: a hook holding
-    the wrapper strongly made every stage-2/3 engine immortal (the bench's next system then measured both
-    engines' memory). Each stage's engine must die with its last reference."""
+    the wrapper (or a unit, which holds the parameter) made every stage-2/3 engine's buffers immortal (the
+    bench's next system then measured both). Each stage's engine and buffers must die with its last reference."""
     cfg = TrainConfig(global_batch_size=4, micro_batch_size=2, seq_len=16, dtype="fp32")
     (x, y), = _batches(1)
     for stage in range(4):
@@ -99,6 +99,8 @@ def test_deleted_engine_frees_its_buffers():
         del engine
         gc.collect()
         assert ref() is None, f"stage {stage}: ZeroDataParallel still referenced after del + gc"
+        units = [o for o in gc.get_objects() if type(o) is FlatUnit]  # type(): no attribute access
+        assert not units, f"stage {stage}: {len(units)} FlatUnit(s) (and their buffers) outlived the engine"
 
 
 def test_init_like_build_model_is_the_same_draw():
