@@ -233,3 +233,14 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale
         capacity = k_cache.shape[1]
     check_lengths_fit(cache_seqlens, "cache_seqlens", capacity, is_cumulative=False)
     return check_scale(softmax_scale, head_dim), cache_seqlens
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). `triton.cdiv` also works inside kernels and costs microseconds per host call;
+    an eager decoder step launches a few hundred kernels, and on a fast GPU their Python is the step."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side `triton.next_power_of_2` without its per-call overhead (see `cdiv`)."""
+    return 1 << (max(n, 1) - 1).bit_length()

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import NO_WINDOW
+from .checks import NO_WINDOW, cdiv, next_pow2
 from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles
 
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
@@ -137,7 +137,7 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
     target = DECODE_TUNING["waves"] * sms
     if programs >= target:
         return 1
-    longest = triton.cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
+    longest = cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
     return max(1, min(target // programs, longest, 128))
 
 
@@ -165,14 +165,14 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # no sync: bound, not max
-    block_m = max(16, min(64, triton.next_power_of_2(group * seqlen_q)))  # tl.dot wants >= 16 rows
-    row_blocks = triton.cdiv(group * seqlen_q, block_m)
+    block_m = max(16, min(64, next_pow2(group * seqlen_q)))  # tl.dot wants >= 16 rows
+    row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * heads_k * row_blocks
     block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, paged, programs)
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
-    split_len = triton.cdiv(triton.cdiv(max(capacity, 1), num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max(capacity, 1), split_len)  # drop slices that would start past the capacity
+    split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
+    num_splits = cdiv(max(capacity, 1), split_len)  # drop slices that would start past the capacity
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, seqlen_q, heads_q, dtype=torch.float32, device=q.device)
     if num_splits == 1:  # write the final output directly; no combine
@@ -203,6 +203,6 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
             lse,
             num_splits,
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=next_pow2(num_splits),
         )
     return out, lse.transpose(1, 2)

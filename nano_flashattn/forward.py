@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import cdiv
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 log-sum-exp back to natural log
 LOG2E_C, LN2_C = tl.constexpr(LOG2E), tl.constexpr(LN2)  # the same, as compile-time constants for kernels
@@ -225,7 +227,7 @@ def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqle
     block_m, block_n, num_warps, num_stages = config or fwd_config(head_dim, q.dtype, q.device)
     paged = block_table is not None
     page_size = k.shape[1] if paged else 1
-    grid = (triton.cdiv(seqlen_q, block_m), heads_q, batch)
+    grid = (cdiv(seqlen_q, block_m), heads_q, batch)
     _fwd_kernel[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
         seqlen_q, seqlen_k, heads_q // heads_k, scale * LOG2E, window_left, window_right,

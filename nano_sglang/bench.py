@@ -203,7 +203,7 @@ def run(cfg: DictConfig) -> dict:
                    model=model, **engine_args, enable_prefix_caching=False))),
                ("nano_vllm, prefix caching on", lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
     by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
-    for system, make in systems:
+    for system, make in systems if shapes else []:  # workloads=[]: the JSON part only
         engine = make()
         book = bookkeeping_of(engine)
         for name, programs in shapes.items():
@@ -227,7 +227,8 @@ def run(cfg: DictConfig) -> dict:
         run_json(engine, 2, True)  # warm-up: FSM compile and token masks
         json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
         json_rows[1]["speedup"] = json_rows[1]["programs/s"] / json_rows[0]["programs/s"]
-    print_table(rows, title=f"nano_sglang bench: {model}{' (quick CPU version)' if quick else ''}")
+    if rows:
+        print_table(rows, title=f"nano_sglang bench: {model}{' (quick CPU version)' if quick else ''}")
     if json_rows:
         print_table(json_rows, title="JSON decoding (regex FSM from a JSON schema)")
     record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy,

@@ -16,10 +16,13 @@ the weight multiply.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_rms_norm_args
 
 # Rows wider than this would not fit one program's registers; no Llama/Qwen hidden size comes close.
@@ -97,13 +100,14 @@ def _rms_norm_bwd_kernel(
 _FWD_ELEMS, _BWD_ELEMS, _WARPS_PER_SM = 2048, 1024, 16
 
 
+@functools.lru_cache(maxsize=64)
 def _launch_config(n_cols: int, elems: int) -> tuple[int, int, int]:
     """(BLOCK, ROWS per program, num_warps). Short rows are packed several to a program so each
     program still moves a few KB; 16 elements per thread keeps loads 16-byte vectorised without
     spilling the fp32 row held in registers."""
     if n_cols > MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden {n_cols} > {MAX_HIDDEN} does not fit one program")
-    block = triton.next_power_of_2(n_cols)
+    block = next_pow2(n_cols)
     rows = max(1, min(64, elems // block))
     return block, rows, max(1, min(16, rows * block // 512))
 
@@ -132,7 +136,7 @@ def _rms_norm_fwd(x2d, weight, r2d, eps):
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
     if n_rows:
         r = r2d if r2d is not None else x2d  # unused pointer when HAS_RESIDUAL is False
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+        _rms_norm_fwd_kernel[(cdiv(n_rows, rows),)](
             x2d, r, weight, y, s, rstd,
             x2d.stride(0), r.stride(0), y.stride(0), s.stride(0),
             n_rows, n_cols, eps,
@@ -145,7 +149,7 @@ def _rms_norm_bwd(dy2d, ds2d, s2d, weight, rstd):
     n_rows, n_cols = s2d.shape
     block, rows, num_warps = _launch_config(n_cols, _BWD_ELEMS)
     dx = torch.empty((n_rows, n_cols), dtype=s2d.dtype, device=s2d.device)
-    n_prog = _num_programs(s2d.device, triton.cdiv(n_rows, rows), num_warps)
+    n_prog = _num_programs(s2d.device, cdiv(n_rows, rows), num_warps)
     dw_partial = torch.empty((n_prog, n_cols), dtype=torch.float32, device=s2d.device)
     if n_rows:
         ds = ds2d if ds2d is not None else dy2d
@@ -160,13 +164,18 @@ def _rms_norm_bwd(dy2d, ds2d, s2d, weight, rstd):
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
+def _forward(x, weight, residual, eps):
+    n_cols = x.shape[-1]
+    r2d = _as_rows(residual, n_cols) if residual is not None else None
+    weight = weight.contiguous()  # the kernels index it with unit stride
+    return (*_rms_norm_fwd(_as_rows(x, n_cols), weight, r2d, eps), weight)
+
+
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps):
-        shape, n_cols = x.shape, x.shape[-1]
-        r2d = _as_rows(residual, n_cols) if residual is not None else None
-        weight = weight.contiguous()  # the kernels index it with unit stride
-        y, s, rstd = _rms_norm_fwd(_as_rows(x, n_cols), weight, r2d, eps)
+        shape = x.shape
+        y, s, rstd, weight = _forward(x, weight, residual, eps)
         ctx.save_for_backward(s, weight, rstd)
         ctx.shape, ctx.has_residual = shape, residual is not None
         # Unused outputs arrive in backward as None instead of zero tensors we would have to read.
@@ -195,4 +204,7 @@ def rms_norm_triton(
     `fused_add_rms_norm`, out of place). Gradients reaching `y` and `s` are summed into dx = dresidual.
     """
     check_rms_norm_args(x, weight, residual)
+    if not needs_grad(x, weight, residual):  # inference: no autograd node, no saved tensors
+        y, s, _, _ = _forward(x, weight, residual, float(eps))
+        return y.view(x.shape) if residual is None else (y.view(x.shape), s.view(x.shape))
     return _RMSNormFn.apply(x, weight, residual, float(eps))

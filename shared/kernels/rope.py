@@ -9,10 +9,13 @@ negated. cos/sin are (tokens, D/2), shared by all heads of a token, so HBM traff
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_rope_args
 
 
@@ -50,9 +53,10 @@ def _tokens(t: torch.Tensor, lead: tuple[int, ...], last: tuple[int, ...]) -> to
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
 def _launch_config(half: int) -> tuple[int, int, int]:
     """(BLOCK_R rows, BLOCK_D, num_warps): ~2K rotated pairs per program (32 heads of 128)."""
-    block_d = triton.next_power_of_2(half)
+    block_d = next_pow2(half)
     return max(1, 2048 // block_d), block_d, 4
 
 
@@ -62,7 +66,7 @@ def _rope(x3d: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, neg_sin: 
     block_r, block_d, num_warps = _launch_config(dim // 2)
     n_rows = n_tok * n_heads
     if n_rows:
-        _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+        _rope_kernel[(cdiv(n_rows, block_r),)](
             x3d, cos2d, sin2d, out,
             x3d.stride(0), x3d.stride(1), cos2d.stride(0), sin2d.stride(0), out.stride(0), out.stride(1),
             n_rows, n_heads, dim // 2,
@@ -96,4 +100,8 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     contiguous tensor of x's shape and dtype; the rotation is computed in fp32.
     """
     check_rope_args(x, cos, sin)
+    if not needs_grad(x):  # inference: no autograd node, no saved tensors
+        lead, (n_heads, dim) = tuple(x.shape[:-2]), x.shape[-2:]
+        cos2d, sin2d = _tokens(cos, lead, (dim // 2,)), _tokens(sin, lead, (dim // 2,))
+        return _rope(_tokens(x, lead, (n_heads, dim)), cos2d, sin2d, neg_sin=False).view(x.shape)
     return _RoPEFn.apply(x, cos, sin)

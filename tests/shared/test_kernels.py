@@ -338,3 +338,22 @@ def test_gpu_silu_and_mul(seed, shape, dtype):
     for name, a, b, c in zip(["out", "dgate", "dup"], [out, *grad], [ref, *grad_ref], [ref64, *grad64]):
         check(a, b, c, name, seed)
     assert torch.equal(silu_and_mul(4 * g, u), out)
+
+
+def test_inference_path_equals_autograd_path():
+    """Without grad (inference) the wrappers skip torch.autograd.Function: the same kernels, so the same bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 64, generator=g).to(DEV)
+    w = torch.randn(64, generator=g).to(DEV)
+    res = torch.randn(6, 5, 64, generator=g).to(DEV)
+    cos, sin = torch.randn(6, 16, generator=g).to(DEV), torch.randn(6, 16, generator=g).to(DEV)
+    q = torch.randn(6, 3, 32, generator=g).to(DEV)
+    cases = [(lambda a: rms_norm_triton(a, w, 1e-6), x), (lambda a: rms_norm_triton(a, w, 1e-6, res)[0], x),
+             (lambda a: rms_norm_triton(a, w, 1e-6, res)[1], x), (lambda a: apply_rope_triton(a, cos, sin), q),
+             (lambda a: silu_and_mul_triton(a, res), x)]
+    for i, (fn, inp) in enumerate(cases):
+        with torch.no_grad():
+            fast = fn(inp)
+        slow = fn(inp.clone().requires_grad_(True))
+        assert slow.requires_grad and not fast.requires_grad, i
+        assert fast.shape == slow.shape and torch.equal(fast, slow.detach()), i
