@@ -183,7 +183,8 @@ def format_measured_table(result: dict) -> str:
                  f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
     f = result["latency_fit"]
     lines.append(f"simulator fitted to {result['num_steps_fitted']} measured steps: c0 {f['c0']:.2e} s, prefill "
-                 f"{f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, context {f['c_context']:.2e} s/token")
+                 f"{f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, context {f['c_context']:.2e} s/token, "
+                 f"prefill step {f['c_prefill_step']:.2e} s")
     return "\n".join(lines)
 
 

@@ -34,20 +34,30 @@ class LatencyModel:
     c_prefill: float = 5e-5
     c_decode: float = 1e-4
     c_context: float = 1e-7
+    # Fixed cost of a step that carries any prefill tokens. nano_vllm replays CUDA graphs for decode-only
+    # steps but runs prefill / mixed steps eagerly, and an eager step is host-bound: on an H200 with the
+    # qwen3-0.6b shape a 256- or 480-token chunk step takes ~21 ms against ~2.5 ms for 32 decodes
+    # (BENCHMARKS.md, nano_distserve) — a per-token slope alone cannot fit both.
+    c_prefill_step: float = 0.0
     tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
         t = self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_context * context_tokens
+        if prefill_tokens:
+            t += self.c_prefill_step
         return t / (tp * self.tp_efficiency ** (tp.bit_length() - 1))
 
     @classmethod
     def fit(cls, steps) -> LatencyModel:
         """Least squares over `StepRecord`s (prefill_tokens, decode_seqs, context_tokens, seconds);
-        negative coefficients (noise) are clamped to 0."""
-        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens] for s in steps], dtype=torch.float64)
+        negative coefficients (noise) are clamped to 0. Without both decode-only and prefill-carrying steps
+        the step constant and `c_prefill_step` cannot be told apart: the minimum-norm solution splits it."""
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0)]
+                          for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
-        coef = torch.linalg.lstsq(x, y).solution[:, 0].clamp(min=0).tolist()
-        return cls(*coef)
+        coef = torch.linalg.lstsq(x, y, driver="gelsd").solution[:, 0].clamp(min=0).tolist()
+        c0, c_prefill, c_decode, c_context, c_step = coef
+        return cls(c0=c0, c_prefill=c_prefill, c_decode=c_decode, c_context=c_context, c_prefill_step=c_step)
 
 
 @dataclass
