@@ -14,7 +14,6 @@ into the Hydra run directory.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import statistics
@@ -36,7 +35,7 @@ from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import percentile, slo_attainment, summarize
 from nano_vllm.sampling_params import SamplingParams
-from shared.bench import KernelCompiles
+from shared.bench import KernelCompiles, release_memory
 from shared.bench import format_table as shared_format_table
 from shared.config import resolve_model_config
 from shared.dist import run_distributed
@@ -240,9 +239,7 @@ def run_interference(cfg: dict) -> dict:
             log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
         engine.shutdown()
         del engine
-        gc.collect()  # the next policy's engine sizes its KV cache from free memory: this one must be gone
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()  # the next policy's engine sizes its KV cache from free memory: this one must be gone
         base = statistics.median(r.seconds for r in log[:joined])
         with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
         rows.append({"policy": policy, "decode-only step ms": 1e3 * base,

@@ -15,8 +15,9 @@ Every system runs all programs together, call by call (round j = every program's
 `ignore_eos`, so all systems see the same prompts. Reported per system: programs/s, prompt tokens, cache
 hit rate (prompt tokens served from the cache / all prompt tokens) and the analytic optimum
 1 − unique prompt tokens / total prompt tokens (unique = prompt tokens whose prefix appeared in no earlier
-prompt or earlier generated text: what an infinite cache computes; `optimal_hit_rate`); for nano_sglang also "bookkeeping %": wall time inside the radix tree (match,
-insert, lock, unlock, evict) and the cache-aware ordering of the waiting queue, over the engine's step time.
+prompt or earlier generated text: what an infinite cache computes; `optimal_hit_rate`); for nano_sglang
+also "bookkeeping %": wall time inside the radix tree (match, insert, lock, unlock, evict) and the
+cache-aware ordering of the waiting queue, over the engine's step time.
 
 Each system is one engine (built once, warmed up on one program, its prefix cache emptied before each
 workload) and is freed before the next is built, so every engine sizes its KV cache from the same memory.
@@ -24,7 +25,6 @@ workload) and is freed before the next is built, so every engine sizes its KV ca
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 from pathlib import Path
@@ -38,7 +38,7 @@ from nano_sglang.scheduler import CacheAwareConfig
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
-from shared.bench import print_table, write_json
+from shared.bench import print_table, release_memory, write_json
 from shared.hydra_utils import hydra_run_dir
 
 Call = tuple[list[int], int]  # (new prompt tokens, output tokens)
@@ -157,13 +157,13 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeepin
         for i, seq in seqs:
             total += seq.num_prompt_tokens
             cached += seq.num_cached_tokens
-            calls.append((seq, i))
+            calls.append(seq)
             contexts[i] = contexts[i] + seq.output_token_ids
     seconds = time.perf_counter() - t0
     row = {"programs": len(programs), "seconds": seconds, "programs/s": len(programs) / seconds,
            "prompt tokens": total, "hit rate": cached / total,
            "optimal hit rate": optimal_hit_rate([(list(s.prompt_token_ids), list(s.output_token_ids))
-                                                 for s, _ in calls])}
+                                                 for s in calls])}
     if book is not None:
         step_s = sum(engine.step_seconds.values()) - steps_s0
         row["bookkeeping %"] = 100 * (book.seconds - book_s0) / max(step_s, 1e-9)
@@ -210,9 +210,7 @@ def run(cfg: DictConfig) -> dict:
             run_programs(engine, programs[:1])  # warm-up: this workload's shapes compile / capture nothing new
             by_workload[name].append({"workload": name, "system": system, **run_programs(engine, programs, book)})
         del engine, book
-        gc.collect()  # free this engine's KV cache before the next one sizes its own from free memory
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()  # this engine's KV cache goes before the next one sizes its own from free memory
     rows, json_rows = [], []
     for results in by_workload.values():
         for r in results:

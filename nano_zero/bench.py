@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from nano_zero.engine import ZeroEngine
 from nano_zero.ledger import formula_for
 from shared.accounting import param_count
-from shared.bench import print_table, write_json
+from shared.bench import print_table, release_memory, write_json
 from shared.data import TokenBatches
 from shared.dist import destroy_distributed, init_distributed
 from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
@@ -127,8 +127,8 @@ def _live_engines() -> str:
 def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     before = 0
+    release_memory()  # the previous system's engine, if a reference cycle kept it past its `del`
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)  # what earlier systems left behind (should be ~0)
         if before > 2**28 and rank == 0:
@@ -167,7 +167,6 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
         row["model states GiB (ours, measured)"] = engine.memory_report().total / 2**30
         row["comm Ψ/step"] = engine.last_step_comm[0] / psi
     del engine
-    gc.collect()
     return row
 
 

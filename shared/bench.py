@@ -11,6 +11,7 @@ Every bench in the repo times with `benchmark`, states its physical limits with
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import socket
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -123,6 +125,14 @@ def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> fl
     return union_seconds(spans) / 1e6  # the profiler's clock is in microseconds
 
 
+def release_memory() -> None:
+    """Collect garbage and return cached CUDA blocks: call after dropping one system (an engine, a model)
+    and before building the next, which sizes its buffers (a KV cache) from the free memory it sees."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class KernelCompiles:
     """Context manager: the Triton kernel variants first built in this process while it is active.
 
@@ -162,10 +172,7 @@ class KernelCompiles:
     def summary(self) -> str:
         if not self.available:
             return "kernel variants built: unknown (no Triton jit_cache_hook)"
-        counts: dict[str, int] = {}
-        for n in self.names:
-            counts[n] = counts.get(n, 0) + 1
-        detail = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+        detail = ", ".join(f"{n} x{c}" for n, c in Counter(self.names).most_common())
         return f"Triton kernel variants first built here: {len(self.names)}" + (f" ({detail})" if detail else "")
 
 

@@ -1,22 +1,18 @@
 """Host-side helpers for launching the Triton kernels cheaply.
 
-Why not `triton.cdiv` / `triton.next_power_of_2`: in recent Triton they are wrapped to work inside kernels
-too and cost microseconds per host call; an eager model step launches a few hundred kernels, so the
-wrappers' Python time is the step's time on a fast GPU (nano_distserve's interference profile in
-BENCHMARKS.md: ~4.5 ms of GPU work in a ~30 ms eager step).
+`cdiv` / `next_pow2` are nano_flashattn's host-side replacements for `triton.cdiv` / `triton.next_power_of_2`,
+which in recent Triton also work inside kernels and cost microseconds per host call: an eager model step
+launches a few hundred kernels, so such Python is the step's time on a fast GPU (nano_distserve's
+interference profile in BENCHMARKS.md: ~4.5 ms of GPU work in a ~30 ms eager step).
 """
 
 from __future__ import annotations
 
 import torch
 
+from nano_flashattn.checks import cdiv, next_pow2
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
+__all__ = ["cdiv", "needs_grad", "next_pow2"]
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -75,14 +75,20 @@ def _rope(x3d: torch.Tensor, cos2d: torch.Tensor, sin2d: torch.Tensor, neg_sin: 
     return out
 
 
+def _forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rotated x, cos2d, sin2d): the token dims flattened, cos/sin expanded to them (backward reuses both)."""
+    lead, (n_heads, dim) = tuple(x.shape[:-2]), x.shape[-2:]
+    cos2d, sin2d = _tokens(cos, lead, (dim // 2,)), _tokens(sin, lead, (dim // 2,))
+    return _rope(_tokens(x, lead, (n_heads, dim)), cos2d, sin2d, neg_sin=False).view(x.shape), cos2d, sin2d
+
+
 class _RoPEFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
-        lead, (n_heads, dim) = tuple(x.shape[:-2]), x.shape[-2:]
-        cos2d, sin2d = _tokens(cos, lead, (dim // 2,)), _tokens(sin, lead, (dim // 2,))
+        out, cos2d, sin2d = _forward(x, cos, sin)
         ctx.save_for_backward(cos2d, sin2d)
         ctx.shape = x.shape
-        return _rope(_tokens(x, lead, (n_heads, dim)), cos2d, sin2d, neg_sin=False).view(x.shape)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -101,7 +107,5 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     """
     check_rope_args(x, cos, sin)
     if not needs_grad(x):  # inference: no autograd node, no saved tensors
-        lead, (n_heads, dim) = tuple(x.shape[:-2]), x.shape[-2:]
-        cos2d, sin2d = _tokens(cos, lead, (dim // 2,)), _tokens(sin, lead, (dim // 2,))
-        return _rope(_tokens(x, lead, (n_heads, dim)), cos2d, sin2d, neg_sin=False).view(x.shape)
+        return _forward(x, cos, sin)[0]
     return _RoPEFn.apply(x, cos, sin)
