@@ -25,6 +25,8 @@ workload) and is freed before the next is built, so every engine sizes its KV ca
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import time
 from pathlib import Path
@@ -175,12 +177,19 @@ def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
         "city": {"type": "string", "maxLength": 12}, "member": {"type": "boolean"}}}
     prompts = [f"Person {i} as JSON: " for i in range(n)]
-    steps0, t0 = engine.num_steps, time.perf_counter()
+    runner = engine.model_runner
+    steps0, eager0, t0 = engine.num_steps, runner.num_eager_steps, time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=128, seed=0), json_schema=schema,
                            jump_forward=jump_forward)
     seconds = time.perf_counter() - t0
+    valid = 0  # outputs that parse and carry exactly the schema's keys (a check of masks + jumps under graphs)
+    for o in outs:
+        with contextlib.suppress(ValueError):
+            valid += set(json.loads(o.text)) == set(schema["properties"])
     return {"system": f"nano_sglang JSON, jump-forward {'on' if jump_forward else 'off'}", "programs": n,
+            "valid %": 100 * valid / n,
             "seconds": seconds, "programs/s": n / seconds, "steps": engine.num_steps - steps0,
+            "eager steps": runner.num_eager_steps - eager0,
             "output tokens": sum(len(o.token_ids) for o in outs)}
 
 

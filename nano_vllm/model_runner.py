@@ -8,7 +8,9 @@
   cumulative lengths (§4.3: the step's sequences are packed into one batch, no padding).
 * Decode steps replay CUDA graphs captured for batch sizes 1, 2, 4, 8, 16, 32, ... max_num_seqs (the
   batch is padded up to the next captured size), which removes the per-kernel launch overhead that
-  dominates small decode batches; anything else runs eagerly.
+  dominates small decode batches. Other steps of up to `mixed_cudagraph_sizes[-1]` tokens replay a graph
+  captured at the next token count (padded tokens belong to no sequence; the batch is padded with empty
+  sequences up to max_num_seqs); anything else runs eagerly.
 * Samples on the device (nano_vllm.sampler) and returns the sampled token ids.
 
 Tensor parallelism (§4.6) shards the model with nano_vllm.tp; every rank runs this class, rank 0 also
@@ -17,9 +19,11 @@ samples.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,8 +82,10 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode steps, by batch size
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # other steps, by token count
         self.prepare_seconds = 0.0
+        self.num_eager_steps = 0  # steps that replayed no CUDA graph
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
 
@@ -185,7 +191,7 @@ class ModelRunner:
         if out.is_decode:
             return self._prepare_decode(out)
         ids, positions, slots, cu_q, cu_k, tables = [], [], [], [0], [0], []
-        any_cached = False
+        any_cached = False  # False: nothing before this step is cached, attention reads the new K/V directly
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start : start + n])
@@ -197,7 +203,7 @@ class ModelRunner:
             any_cached |= start > 0
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
         return {"ids": ids, "positions": positions, "slots": slots, "cu_q": cu_q, "cu_k": cu_k,
-                "tables": tables if any_cached or out.is_decode else None, "is_decode": out.is_decode,
+                "tables": tables, "paged": any_cached, "is_decode": out.is_decode,
                 "sample_rows": sample_rows, "copies": out.copies}
 
     def _prepare_decode(self, out: SchedulerOutput) -> dict[str, Any]:
@@ -215,7 +221,7 @@ class ModelRunner:
             tables.append(table)
         sample_rows = [i for i, s in enumerate(out.samples) if s]
         return {"ids": ids, "positions": positions, "slots": slots, "cu_q": list(range(len(ids) + 1)),
-                "cu_k": cu_k, "tables": tables, "is_decode": True, "sample_rows": sample_rows,
+                "cu_k": cu_k, "tables": tables, "paged": True, "is_decode": True, "sample_rows": sample_rows,
                 "copies": out.copies}
 
     @staticmethod
@@ -242,9 +248,13 @@ class ModelRunner:
         if not inputs["ids"]:
             return None
         batch = len(inputs["cu_q"]) - 1
+        mixed = None if inputs["is_decode"] else self._mixed_size(inputs)
         if inputs["is_decode"] and self.graphs and batch <= max(self.graphs):
             logits = self._replay_graph(inputs, batch)
+        elif mixed is not None:
+            return self._replay_mixed(inputs, mixed)
         else:
+            self.num_eager_steps += 1
             # The block tables and lengths come from the block manager and the host lists above: skip
             # nano_flashattn's value checks, which would sync with the GPU in every layer.
             with trusted_metadata():
@@ -261,7 +271,7 @@ class ModelRunner:
         ids = self._tensor(inputs["ids"], torch.long)
         positions = self._tensor(inputs["positions"], torch.long)
         slots = self._tensor(inputs["slots"], torch.long)
-        tables = self._block_table_tensor(inputs["tables"]) if inputs["tables"] is not None else None
+        tables = self._block_table_tensor(inputs["tables"]) if inputs["paged"] else None
         cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
         if inputs["is_decode"]:
             lens = self._tensor([k1 - k0 for k0, k1 in itertools.pairwise(cu_k)], torch.int32)
@@ -304,14 +314,43 @@ class ModelRunner:
         for bs in reversed(cudagraph_batch_sizes(max_bs)):
             ctx = AttentionContext(slot_mapping=self.g_slots[:bs], is_decode=True, context_lens=self.g_lens[:bs],
                                    block_tables=self.g_tables[:bs])
-            # Warm-up at this size first: Triton compiles (and caches) its kernels outside the capture.
-            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
-            self.graphs[bs] = self._capture(bs, ctx)
+            self.graphs[bs] = self._capture(functools.partial(self._decode_graph_body, bs, ctx))
+        sizes = self.config.mixed_cudagraph_sizes
+        if sizes:
+            # Mixed steps: token inputs padded to the captured count, cumulative lengths (queries, keys)
+            # padded to max_num_seqs + 1 with empty sequences, the rows to sample padded with row 0. The
+            # block tables and the logits are the decode graphs' buffers (one step runs at a time).
+            self.m_inputs = torch.zeros(3, sizes[-1], dtype=torch.long, device=dev)  # ids, positions, slots
+            self.m_cu = torch.zeros(2, max_bs + 1, dtype=torch.int32, device=dev)  # cu_seqlens_q, cu_seqlens_k
+            self.m_rows = torch.zeros(min(sizes[-1], max_bs), dtype=torch.long, device=dev)
+            self.hm_inputs = torch.zeros(3, sizes[-1], dtype=torch.long, pin_memory=pin)
+            self.hm_cu = torch.zeros(2, max_bs + 1, dtype=torch.int32, pin_memory=pin)
+            self.hm_rows = torch.zeros(min(sizes[-1], max_bs), dtype=torch.long, pin_memory=pin)
+            for n in reversed(sizes):
+                self.mixed_graphs[n] = self._capture(functools.partial(self._mixed_graph_body, n))
 
-    def _capture(self, bs: int, ctx: AttentionContext):
+    def _decode_graph_body(self, bs: int, ctx: AttentionContext) -> None:
+        self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
+
+    def _mixed_graph_body(self, n: int) -> None:
+        """A step of `n` packed tokens over max_num_seqs sequences (most of them empty), paged attention
+        through the block tables (everything a step attends to is in the cache once it has written its own
+        K/V), logits of min(n, max_num_seqs) rows. max_seqlen_q = n sizes the kernel's grid: tiles past a
+        sequence's length return at once."""
+        ids, positions, slots = self.m_inputs[:, :n]
+        ctx = AttentionContext(slot_mapping=slots, block_tables=self.g_tables, cu_seqlens_q=self.m_cu[0],
+                               cu_seqlens_k=self.m_cu[1], max_seqlen_q=n, max_seqlen_k=self.max_model_len)
+        with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
+            hidden = self.model.model(ids[None], positions[None], ctx)
+        rows = min(n, self.config.max_num_seqs)
+        self.g_logits[:rows] = self.model.compute_logits(hidden[0, self.m_rows[:rows]])
+
+    def _capture(self, body: Callable[[], None]):
+        """A CUDA graph of `body` (which reads the static inputs and writes `g_logits`), in the shared pool."""
+        body()  # warm-up first: Triton compiles (and caches) its kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self._graph_pool):
-            self.g_logits[:bs] = self._decode_logits(self.g_ids[:bs], self.g_positions[:bs], ctx)
+            body()
         self._graph_pool = self._graph_pool or graph.pool()
         torch.cuda.synchronize(self.device)
         return graph
@@ -333,6 +372,30 @@ class ModelRunner:
         self.g_tables[:bs, :width].copy_(self.h_tables[:bs, :width], non_blocking=True)
         self.graphs[bs].replay()
         return self.g_logits[:batch]
+
+    def _mixed_size(self, inputs: dict[str, Any]) -> int | None:
+        """The captured token count a non-decode step is padded to, or None (run it eagerly)."""
+        n, rows = len(inputs["ids"]), len(inputs["sample_rows"])
+        fits = [s for s in self.mixed_graphs if s >= n and min(s, self.config.max_num_seqs) >= rows]
+        return min(fits) if fits and len(inputs["cu_q"]) - 1 <= self.config.max_num_seqs else None
+
+    def _replay_mixed(self, inputs: dict[str, Any], size: int) -> torch.Tensor | None:
+        n, batch, rows = len(inputs["ids"]), len(inputs["cu_q"]) - 1, inputs["sample_rows"]
+        ins, cu, hr = self.hm_inputs.numpy(), self.hm_cu.numpy(), self.hm_rows.numpy()
+        ins[0, :n], ins[1, :n], ins[2, :n] = inputs["ids"], inputs["positions"], inputs["slots"]
+        ins[:2, n:size], ins[2, n:size] = 0, self.scratch_slot  # padded tokens: no sequence, K/V to scratch
+        cu[0, : batch + 1], cu[1, : batch + 1] = inputs["cu_q"], inputs["cu_k"]
+        cu[0, batch + 1 :], cu[1, batch + 1 :] = inputs["cu_q"][-1], inputs["cu_k"][-1]  # empty sequences
+        num_rows = min(size, self.config.max_num_seqs)
+        hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
+        width = max(len(t) for t in inputs["tables"])
+        self._fill_block_tables(self.h_tables[:batch, :width].numpy(), inputs["tables"])
+        self.m_inputs[:, :size].copy_(self.hm_inputs[:, :size], non_blocking=True)
+        self.m_cu.copy_(self.hm_cu, non_blocking=True)
+        self.m_rows[:num_rows].copy_(self.hm_rows[:num_rows], non_blocking=True)
+        self.g_tables[:batch, :width].copy_(self.h_tables[:batch, :width], non_blocking=True)
+        self.mixed_graphs[size].replay()
+        return self.g_logits[: len(rows)] if rows else None
 
     # ------------------------------------------------------------------ sampling
     def sample(self, logits: torch.Tensor, out: SchedulerOutput) -> list[int]:

@@ -1,24 +1,25 @@
-"""The CUDA-graph decode path's bookkeeping, on a CPU: static buffers, padding to the captured batch
-size, block-table columns left stale from earlier steps. A stand-in "graph" replays the same eager
-computation on the static buffers, so everything but the capture itself runs and is compared with
-transformers."""
+"""The CUDA-graph paths' bookkeeping, on a CPU: static buffers, padding to the captured batch size (decode)
+or token count (mixed steps: empty padding sequences, tokens of no sequence), block-table columns left
+stale from earlier steps. A stand-in "graph" replays the same eager computation on the static buffers, so
+everything but the capture itself runs and is compared with transformers."""
 
 from __future__ import annotations
 
+import pytest
 from vllm_checkpoints import random_prompts
 
-from nano_vllm import LLM, SamplingParams
+from nano_vllm import LLM, EngineConfig, SamplingParams
 from nano_vllm.model_runner import ModelRunner, cudagraph_batch_sizes
 
 
 class EagerReplay:
-    def __init__(self, runner: ModelRunner, bs: int, ctx):
-        self.runner, self.bs, self.ctx = runner, bs, ctx
-        self.replays = 0
+    """What a captured graph does on replay: run its body again on the static buffers."""
+
+    def __init__(self, body):
+        self.body, self.replays = body, 0
 
     def replay(self) -> None:
-        r = self.runner
-        r.g_logits[: self.bs] = r._decode_logits(r.g_ids[: self.bs], r.g_positions[: self.bs], self.ctx)
+        self.body()
         self.replays += 1
 
 
@@ -30,7 +31,7 @@ def test_batch_size_ladder():
 
 
 def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_capture", lambda self, bs, ctx: EagerReplay(self, bs, ctx))
+    monkeypatch.setattr(ModelRunner, "_capture", lambda self, body: EagerReplay(body))
     llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6)
     runner = llm.engine.model_runner
     runner.capture_cudagraphs()
@@ -43,3 +44,38 @@ def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy,
         assert o.token_ids == hf_greedy(qwen3_ckpt, p, n)
     used = {bs for bs, g in runner.graphs.items() if g.replays}
     assert used == {1, 2, 4, 6}, used
+
+
+def test_padded_mixed_step_graphs_match_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
+    """Every step replays a graph: prefill chunks, prefix-cache hits and decodes mixed with prefills in the
+    mixed graphs of 8 and 32 tokens (padded tokens, empty sequences up to max_num_seqs), decodes alone in
+    the decode graphs."""
+    monkeypatch.setattr(ModelRunner, "_capture", lambda self, body: EagerReplay(body))
+    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=32,
+              mixed_cudagraph_sizes=[32, 8, 8])
+    runner = llm.engine.model_runner
+    runner.capture_cudagraphs()
+    assert sorted(runner.mixed_graphs) == [8, 32]
+
+    def no_eager_step(inputs):
+        raise AssertionError(f"an eager step: {len(inputs['ids'])} tokens, decode={inputs['is_decode']}")
+
+    monkeypatch.setattr(runner, "_eager_inputs", no_eager_step)
+    base = random_prompts(31, [40, 3, 70, 9, 22])
+    prompts = [*base, [*base[0][:35], 5, 6, 7]]  # the last shares 2 full blocks with the first: a cache hit
+    max_tokens = [12, 30, 5, 20, 16, 9]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
+                        use_tqdm=False)
+    short = random_prompts(32, [5])[0]  # alone: a 5-token prefill in the graph of 8
+    outs += llm.generate([short], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    for p, n, o in zip([*prompts, short], [*max_tokens, 4], outs):
+        assert o.token_ids == hf_greedy(qwen3_ckpt, p, n)
+    assert {n for n, g in runner.mixed_graphs.items() if g.replays} == {8, 32}
+    assert sum(o.num_cached_tokens for o in outs) >= 32
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("sizes", [[0], [33], ["8"], 8])
+def test_mixed_cudagraph_sizes_are_checked(sizes):
+    with pytest.raises(ValueError, match="mixed_cudagraph_sizes"):
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, mixed_cudagraph_sizes=sizes)

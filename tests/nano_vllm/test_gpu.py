@@ -19,11 +19,14 @@ LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
 
 
 @pytest.mark.parametrize("eager", [False, True])
-@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}])
+@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+                                   {"max_num_batched_tokens": 64, "max_num_seqs": 4, "mixed_cudagraph_sizes": [16, 64]}])
 def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
     prompts = random_prompts(40, LENGTHS)
     llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager, **extra)
-    assert bool(llm.engine.model_runner.graphs) != eager
+    runner = llm.engine.model_runner
+    assert bool(runner.graphs) != eager and bool(runner.mixed_graphs) == bool(extra.get("mixed_cudagraph_sizes")
+                                                                             and not eager)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS],
                         use_tqdm=False)
     for p, n, o in zip(prompts, MAX_TOKENS, outs):
