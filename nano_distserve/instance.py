@@ -166,8 +166,8 @@ class PrefillInstance:
             if self.keep_sent:
                 self.sent[rid] = buf.clone()
             # The staging copy is the message, so the blocks are free for new prompts right away. The
-            # decode side posted its receive before asking, so the send completes without waiting on it;
-            # `sent` then tells it the bytes are there (gloo works only report completion from wait()).
+            # send is asynchronous (the decode side posts its receive right after asking); `sent` then
+            # tells it the bytes are on their way (gloo works only report completion from wait()).
             self.sending.append((self.transport.isend_kv(msg["src"], msg["tag"], buf), buf))
             self._free(rid)
             self.transport.send(msg["src"], {"type": "sent", "rid": rid})
@@ -259,10 +259,13 @@ class DecodeInstance:
             cache = self.runner.kv_cache
             shape = (*cache.shape[:2], len(seq.block_table), *cache.shape[3:])
             p.buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            p.work = self.transport.irecv_kv(m["src"], tag, p.buf)
             p.pulled_at = self.clock()
             self.leases.grant(rid, self.lease_ttl_s, lambda r=rid, s=seq: self._drop(r, s, "transfer_timeout"))
+            # Ask first, then post the receive: NCCL's first send/recv between two ranks sets up their
+            # connection and blocks until the peer makes its matching call, which the prefill side does
+            # only once it has this message (receive first deadlocked on the H200s; gloo never blocks here).
             self.transport.send(m["src"], {"type": "pull", "rid": rid, "tag": tag})
+            p.work = self.transport.irecv_kv(m["src"], tag, p.buf)
 
     def _drop(self, rid: str, seq: Sequence, reason: str) -> None:
         bm = self.block_manager
