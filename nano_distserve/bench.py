@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
 from nano_distserve.goodput import report, to_metrics
-from nano_distserve.instance import _execute
+from nano_distserve.instance import _execute, step_record
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
@@ -95,13 +95,15 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     engine = LLMEngine(EngineConfig(**args))
     run_engine_open_loop(engine, [Request([1] * 8, dataclasses.replace(requests[0].sampling_params, max_tokens=2))],
                          [0.0])
+    steps = []  # after the warm-up: what this replica's simulator model is fitted to
+    engine.step_observer = lambda out, seconds: steps.append(step_record(out, seconds))
     mine = list(range(rank, len(requests), world))
     per_rate = []
     for arrivals in arrivals_per_rate:
         metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
-    return {"per_rate": per_rate, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
+    return {"per_rate": per_rate, "steps": steps, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
             "kv_bytes_per_token": 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()}
 
 
@@ -126,20 +128,34 @@ def run_measured(cfg: dict) -> dict:
     arrivals = [poisson_arrivals(n, rate, seed, cfg.get("burstiness", 1.0)) for rate in rates]
     backend = "nccl" if torch.cuda.device_count() >= g else "gloo"
     budgets = {"colocated": m["engine"]["max_num_batched_tokens"], "colocated_chunked": m["chunk_tokens"]}
+    graph_sizes = list(m.get("mixed_cudagraph_sizes") or [])
+
+    def engine_args(budget: int, **extra) -> dict:
+        # Mixed-step CUDA graphs (nano_vllm), the same sizes for every system, up to each one's step budget.
+        return {**m["engine"], **extra, "max_num_batched_tokens": budget,
+                "mixed_cudagraph_sizes": [s for s in graph_sizes if s <= budget]}
+
     measured: dict[str, list] = {}
+    steps: dict[str, list] = {}  # each system's measured steps: its simulator model is fitted to them
     geometry = {}
     for name, chunked in (("colocated", False), ("colocated_chunked", True)):
-        args = {**m["engine"], "enable_chunked_prefill": chunked, "max_num_batched_tokens": budgets[name]}
+        args = engine_args(budgets[name], enable_chunked_prefill=chunked)
         res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]
-    dis_all = run_disaggregated_rounds(DisaggConfig(engine=dict(m["engine"])), requests, arrivals, m["timeout_s"])
+        steps[name] = [s for r in res for s in r["steps"]]
+    dis_all = run_disaggregated_rounds(DisaggConfig(engine=engine_args(budgets["colocated"])), requests, arrivals,
+                                       m["timeout_s"])
     dis = dis_all["rounds"]
     measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
-    transfers = dis_all["transfer_times"]
+    transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
     decode_steps = dis_all["decode_steps"]
-    model = LatencyModel.fit(dis_all["prefill_steps"] + decode_steps)
+    steps["disaggregated"] = dis_all["prefill_steps"] + decode_steps
+    # One step-latency model per system, fitted to that system's own steps (§3.3: the simulator is fitted
+    # to profiles of the engine it predicts): a colocated step that carries a long prompt and the decodes,
+    # a chunked step and a prefill-only step are different shapes of work.
+    models = {name: LatencyModel.fit(s) for name, s in steps.items()}
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
                      kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
                      transfer_latency=percentile(transfers, 50))  # measured pull time stands in for bytes/bw
@@ -153,18 +169,22 @@ def run_measured(cfg: dict) -> dict:
     rows = []
     for name, sc in sims.items():
         att = [slo_attainment(x, w.ttft_slo, w.tpot_slo) for x in measured[name]]
+        model = models[name]
         sim_att = [slo_attainment(simulate(sc, model, lengths, a), w.ttft_slo, w.tpot_slo) for a in arrivals]
         sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=seed)
         rows.append({"system": name, "gpus": sc.num_gpus, "attainment": att, "sim_attainment": sim_att,
                      "goodput_per_gpu": _grid_goodput(rates, att) / sc.num_gpus,
                      "sim_goodput_per_gpu": sim_goodput / sc.num_gpus,
+                     "latency_fit": dataclasses.asdict(model), "num_steps_fitted": len(steps[name]),
                      "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
     rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
             "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
-            "latency_fit": dataclasses.asdict(model), "num_steps_fitted": len(dis_all["prefill_steps"])
-            + len(decode_steps),
+            "latency_fit": dataclasses.asdict(models["disaggregated"]),
+            "num_steps_fitted": len(steps["disaggregated"]),
+            "mixed_cudagraph_sizes": graph_sizes,
             "transfer": {"count": len(transfers), **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99)}},
+            "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99)}},
             "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50)}
 
 
@@ -176,14 +196,17 @@ def format_measured_table(result: dict) -> str:
     for row in result["systems"]:
         lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>12.3f}|{row['sim_goodput_per_gpu']:<9.3f}  "
                      + "".join(f"{a:>11.2f}|{s:<4.2f}" for a, s in zip(row["attainment"], row["sim_attainment"])))
-    t = result["transfer"]
-    lines.append(f"KV transfer (pull -> in decode cache), {t['count']} transfers: P50 {t['p50_s'] * 1e3:.2f} ms, "
-                 f"P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms; "
+    t, tw = result["transfer"], result["transfer_wire"]
+    lines.append(f"KV transfer alone (export, send, receive, import; both sides ready), {tw['count']} requests' "
+                 f"prompts: P50 {tw['p50_s'] * 1e3:.2f} ms, P90 {tw['p90_s'] * 1e3:.2f} ms, P99 {tw['p99_s'] * 1e3:.2f} ms; "
                  f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
-    f = result["latency_fit"]
-    lines.append(f"simulator fitted to {result['num_steps_fitted']} measured steps: c0 {f['c0']:.2e} s, prefill "
-                 f"{f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, context {f['c_context']:.2e} s/token, "
-                 f"prefill step {f['c_prefill_step']:.2e} s")
+    lines.append(f"KV hand-off while serving (pull sent -> in decode cache), {t['count']} transfers: P50 "
+                 f"{t['p50_s'] * 1e3:.2f} ms, P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms")
+    for row in result["systems"]:
+        f = row["latency_fit"]
+        lines.append(f"{row['system']}: simulator fitted to its {row['num_steps_fitted']} measured steps: c0 "
+                     f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
+                     f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s")
     return "\n".join(lines)
 
 

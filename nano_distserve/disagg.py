@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from nano_distserve.instance import Completion, DecodeInstance, PrefillInstance
-from nano_distserve.kv_transfer import DistTransport, KVGeometry, handshake, register
+from nano_distserve.kv_transfer import (
+    DistTransport,
+    KVGeometry,
+    export_blocks,
+    handshake,
+    import_blocks,
+    register,
+)
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request
@@ -36,6 +43,7 @@ class DisaggConfig:
     lease_ttl_s: float = 30.0
     handshake_timeout_s: float = 60.0
     keep_kv: bool = False
+    wire_samples: int = 200  # after serving: time this many requests' KV transfers alone (see measure_wire)
 
 
 class Router:
@@ -93,9 +101,10 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
             dec.step()
             if not dec.has_work():
                 time.sleep(1e-4)
+        wire = measure_wire(runner.kv_cache, requests, engine.config.block_size, cfg.wire_samples)
         dist.barrier()  # rank 0 hosts the store: it must outlive every reader
         return {"role": "decode", "received": dec.received, "transfer_times": dec.transfer_times,
-                "steps": dec.step_log}
+                "steps": dec.step_log, "wire_times": wire}
     names = ["prefill0"] + [f"decode{r}" for r in range(1, world)]
     try:
         info = handshake(store, names, cfg.handshake_timeout_s)
@@ -137,8 +146,39 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
         out.append({"completions": completions, "duration": duration})
     for r in range(1, world):
         transport.send(r, {"type": "stop"})
+    measure_wire(runner.kv_cache, requests, engine.config.block_size, cfg.wire_samples)
     dist.barrier()
     return {"role": "prefill", "rounds": out, "sent": pre.sent, "steps": pre.step_log}
+
+
+def measure_wire(kv_cache: torch.Tensor, requests: list[Request], block_size: int, samples: int) -> list[float]:
+    """The KV transfer itself, with both sides ready (§4.4's claim: it takes less than a decode step): for
+    each of the first `samples` requests, its prompt's blocks exported, sent, received and imported into the
+    peer's cache, timed from a common barrier to the receiver's synchronize. Run after serving, when every
+    block is free (the copies land in blocks nobody owns). The serving log's `transfer_times` time the hand-
+    off instead: pull sent → blocks in the cache, which also waits for the prefill side's current step.
+    Every rank calls it (rank 0 sends to each decode rank in turn). Returns a decode rank's times (seconds);
+    rank 0 returns []."""
+    rank, times = dist.get_rank(), []
+    sync = torch.cuda.synchronize if kv_cache.is_cuda else (lambda: None)
+    num_blocks = kv_cache.shape[2] - 1  # the last block is the runner's scratch
+    for peer in range(1, dist.get_world_size()):
+        for i, req in enumerate(requests[:samples]):
+            ids = list(range(min(math.ceil(len(req.prompt) / block_size), num_blocks)))
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.isend(export_blocks(kv_cache, ids), peer, tag=1_000_000 + i).wait()
+            elif rank == peer:
+                shape = (*kv_cache.shape[:2], len(ids), *kv_cache.shape[3:])
+                buf = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+                dist.irecv(buf, 0, tag=1_000_000 + i).wait()
+                import_blocks(kv_cache, ids, buf)
+            sync()
+            if rank == peer:
+                times.append(time.perf_counter() - t0)
+    return times
 
 
 def run_disaggregated_rounds(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]],
@@ -155,6 +195,7 @@ def run_disaggregated_rounds(cfg: DisaggConfig, requests: list[Request], rounds:
     received = {k: v for d in decs for k, v in d["received"].items() if not k.startswith("warmup:")}
     sent = {k: v for k, v in pre["sent"].items() if not k.startswith("warmup:")}
     return {"rounds": pre["rounds"], "transfer_times": [t for d in decs for t in d["transfer_times"]],
+            "wire_times": [t for d in decs for t in d["wire_times"]],
             "prefill_steps": pre["steps"], "decode_steps": [s for d in decs for s in d["steps"]],
             "sent": sent, "received": received}
 

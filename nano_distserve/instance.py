@@ -55,7 +55,7 @@ class StepRecord:
     seconds: float
 
 
-def _record(out: SchedulerOutput, seconds: float) -> StepRecord:
+def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
     pre = sum(n for n in out.num_new_tokens if n > 1)
     dec = sum(1 for n in out.num_new_tokens if n == 1)
     ctx = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
@@ -74,7 +74,7 @@ def _execute(scheduler: Scheduler, runner, log: list[StepRecord]) -> tuple[Sched
         return out, []
     t0 = time.perf_counter()
     tokens = runner.execute(out)
-    log.append(_record(out, time.perf_counter() - t0))
+    log.append(step_record(out, time.perf_counter() - t0))
     finished = scheduler.postprocess(out, tokens)
     for seq in finished:
         runner.release(seq)

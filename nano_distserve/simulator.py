@@ -49,14 +49,23 @@ class LatencyModel:
 
     @classmethod
     def fit(cls, steps) -> LatencyModel:
-        """Least squares over `StepRecord`s (prefill_tokens, decode_seqs, context_tokens, seconds);
-        negative coefficients (noise) are clamped to 0. Without both decode-only and prefill-carrying steps
-        the step constant and `c_prefill_step` cannot be told apart: the minimum-norm solution splits it."""
+        """Non-negative least squares over `StepRecord`s (prefill_tokens, decode_seqs, context_tokens,
+        seconds): a coefficient the data would make negative (noise) is fixed at 0 and the others are fitted
+        again without it (clamping it afterwards would leave the rest fitted to a model with it). Without both
+        decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot be told apart:
+        the minimum-norm solution splits it."""
         x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0)]
                           for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
-        coef = torch.linalg.lstsq(x, y, driver="gelsd").solution[:, 0].clamp(min=0).tolist()
-        c0, c_prefill, c_decode, c_context, c_step = coef
+        scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of similar size: tokens are 1e3x seconds' terms
+        active, coef = list(range(x.shape[1])), torch.zeros(x.shape[1], dtype=torch.float64)
+        while active:
+            sol = torch.linalg.lstsq(x[:, active] / scale[active], y, driver="gelsd").solution[:, 0]
+            if (sol >= 0).all():
+                coef[active] = sol / scale[active]
+                break
+            active.pop(int(sol.argmin()))  # the most negative goes first, then refit
+        c0, c_prefill, c_decode, c_context, c_step = coef.tolist()
         return cls(c0=c0, c_prefill=c_prefill, c_decode=c_decode, c_context=c_context, c_prefill_step=c_step)
 
 
@@ -208,13 +217,11 @@ def _plan_step(inst: _Instance, cfg: SimConfig):
         return ([], inst.running[: cfg.max_num_seqs]) if inst.running else None
     chunked = inst.kind == "colocated" and cfg.policy == "chunked"
     dec = inst.running[: cfg.max_num_seqs] if inst.kind == "colocated" else []
+    # Colocated, as nano_vllm's scheduler: the running decodes go first (one token of budget each), then
+    # prompts fill what is left — in chunks (chunked), or whole and only if they fit (plain). Either way a
+    # prompt rides in the same step as the decodes, whose step it slows down (interference).
+    budget -= len(dec)
     pre: list = []
-    if chunked:
-        budget -= len(dec)
-    elif inst.kind == "colocated" and not _can_admit(inst, cfg):
-        return ([], dec) if dec else None
-    elif inst.kind == "colocated":
-        dec = []  # plain: a prefill step whenever a prompt can start; decodes wait (interference)
     for r in inst.waiting:
         if budget <= 0:
             break
@@ -225,10 +232,11 @@ def _plan_step(inst: _Instance, cfg: SimConfig):
             inst.kv_used += need
         n = r.prompt - r.prefilled
         if n > budget:
-            if not chunked and pre:
+            if not chunked and (pre or n <= cfg.max_num_batched_tokens):  # plain: whole prompts, in order
                 inst.kv_used -= r.prompt + (r.output if inst.kind == "colocated" else 0)
                 break
-            n = budget if chunked else n  # plain: a prompt over the budget runs alone
+            # chunked: what fits; plain: a prompt over the whole budget (which nano_vllm refuses to configure)
+            n = budget if chunked else n
         pre.append((r, n))
         budget -= n
     if inst.kind != "colocated":

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig
 from nano_vllm.model_runner import ModelRunner
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.scheduler import Scheduler, SchedulerConfig
+from nano_vllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nano_vllm.sequence import Sequence
 from nano_vllm.tokenizer import Tokenizer, get_engine_tokenizer
 from shared.config import ModelConfig, resolve_model_config
@@ -113,6 +114,9 @@ class LLMEngine:
         # Wall seconds per phase of step(), summed (the bench prints them per step): "execute" is the
         # runner's whole call — input preparation on the host, launches, then waiting for the sampled tokens.
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "postprocess": 0.0}
+        # Called after each step's forward with (SchedulerOutput, execute seconds): nano_distserve logs the
+        # step shapes and times its simulator is fitted to.
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
         if config.torch_device.type == "cuda":
             self._compile_kernels()
 
@@ -187,6 +191,8 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()
             raise
         t2 = time.perf_counter()
+        if self.step_observer is not None:
+            self.step_observer(out, t2 - t1)
         finished = self.scheduler.postprocess(out, tokens)
         for seq in finished:
             self.model_runner.release(seq)

@@ -27,9 +27,12 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
     t = result["transfer"]
     assert t["count"] == 2 * 4  # one pull per request per rate
     assert 0 < t["p50_s"] <= t["p90_s"] <= t["p99_s"] and not math.isnan(t["p99_s"])
-    assert result["latency_fit"]["c0"] + result["latency_fit"]["c_prefill"] > 0 and result["num_steps_fitted"] > 0
+    wire = result["transfer_wire"]  # each request's prompt blocks sent once more, alone, after serving
+    assert wire["count"] == 4 and 0 < wire["p50_s"] <= wire["p99_s"]
+    for row in result["systems"]:  # one step-latency model per system, fitted to its own steps
+        assert row["latency_fit"]["c0"] + row["latency_fit"]["c_prefill"] > 0 and row["num_steps_fitted"] > 0
     table = format_measured_table(result)
-    assert "KV transfer" in table and "meas|sim" in table
+    assert "KV transfer alone" in table and "hand-off" in table and "meas|sim" in table
 
 
 def test_interference_trace_plain_vs_chunked():
