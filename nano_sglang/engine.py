@@ -31,6 +31,11 @@ from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.sequence import Sequence
 
+# Token counts at which SGLEngine captures CUDA graphs for steps that are not pure decode (unless the config
+# names its own): jump-forward makes many small extend steps, and an eager step is host-bound (~28 ms
+# against ~9 ms for a graph step on the llama3-8b shape, BENCHMARKS.md).
+MIXED_CUDAGRAPH_SIZES = (64, 128, 256, 512)
+
 
 class SGLEngine(LLMEngine):
     model_runner_cls = SGLModelRunner
@@ -38,6 +43,9 @@ class SGLEngine(LLMEngine):
     def __init__(self, config: EngineConfig, policy: CacheAwareConfig | None = None):
         if config.tensor_parallel_size != 1:
             raise ValueError("nano_sglang runs on one device: tensor_parallel_size must be 1")
+        if config.mixed_cudagraph_sizes is None:
+            config = config.replace(mixed_cudagraph_sizes=tuple(
+                s for s in MIXED_CUDAGRAPH_SIZES if s <= config.max_num_batched_tokens))
         super().__init__(config)
         base = self.scheduler  # nano_vllm's, built by LLMEngine; keep its config and EOS ids
         self.block_manager = RadixBlockManager(self.model_runner.num_blocks, config.block_size,

@@ -30,6 +30,8 @@ class EngineConfig:
         extends such as nano_sglang's jump-forward, decodes mixed with either) are also captured as CUDA
         graphs; a step of up to the largest size is padded to the next one instead of running eagerly
         (vLLM's cudagraph capture sizes cover mixed steps the same way). Empty: such steps run eagerly.
+        None: the engine's default — empty for nano_vllm's LLMEngine, 64-512 for nano_sglang's SGLEngine
+        (jump-forward's extends).
     enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
@@ -47,7 +49,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
-    mixed_cudagraph_sizes: tuple[int, ...] = ()
+    mixed_cudagraph_sizes: tuple[int, ...] | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
@@ -70,7 +72,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         try:
-            sizes = tuple(self.mixed_cudagraph_sizes)
+            sizes = () if self.mixed_cudagraph_sizes is None else tuple(self.mixed_cudagraph_sizes)
         except TypeError:
             raise ValueError(f"mixed_cudagraph_sizes must be a sequence of ints, got "
                              f"{self.mixed_cudagraph_sizes!r}") from None
@@ -78,7 +80,8 @@ class EngineConfig:
                for v in sizes):
             raise ValueError(f"mixed_cudagraph_sizes must be ints in [1, max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})], got {self.mixed_cudagraph_sizes!r}")
-        self.mixed_cudagraph_sizes = tuple(sorted(set(sizes)))
+        if self.mixed_cudagraph_sizes is not None:
+            self.mixed_cudagraph_sizes = tuple(sorted(set(sizes)))
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16 (the paged kernels' page size), "
                              f"got {self.block_size}")

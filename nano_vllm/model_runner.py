@@ -315,7 +315,7 @@ class ModelRunner:
             ctx = AttentionContext(slot_mapping=self.g_slots[:bs], is_decode=True, context_lens=self.g_lens[:bs],
                                    block_tables=self.g_tables[:bs])
             self.graphs[bs] = self._capture(functools.partial(self._decode_graph_body, bs, ctx))
-        sizes = self.config.mixed_cudagraph_sizes
+        sizes = self.config.mixed_cudagraph_sizes or ()
         if sizes:
             # Mixed steps: token inputs padded to the captured count, cumulative lengths (queries, keys)
             # padded to max_num_seqs + 1 with empty sequences, the rows to sample padded with row 0. The
