@@ -167,11 +167,14 @@ class MegatronEngine:
                    if m.grad is not None and not (self.tied_copy and n == "lm_head.weight")
                    and (self.shards[n].dim is not None or g.tp_rank == 0)]
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative, so a sharded sum would
-        # not match an unsharded one: accumulate in fp64 there (CUDA's tree reductions are exact enough)
-        acc = torch.float64 if self.device.type == "cpu" else None
-        for t in counted:
-            total += torch.linalg.vector_norm(t, dtype=acc).double().pow(2)
+        if self.device.type == "cuda" and counted:
+            # one multi-tensor launch instead of ~4 per parameter (~1000 launches per step on the 1B shape)
+            total += torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
+        else:
+            # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative, so a sharded sum would
+            # not match an unsharded one: accumulate in fp64 there (CUDA's tree reductions are exact enough)
+            for t in counted:
+                total += torch.linalg.vector_norm(t, dtype=torch.float64).pow(2)
         if g.tp > 1:
             dist.all_reduce(total, group=g.tp_group)
         if g.pp > 1:

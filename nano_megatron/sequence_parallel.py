@@ -13,8 +13,12 @@ as plain tensor parallelism while the norm activations shrink by tp. The norm we
 s/tp tokens per rank, so their gradients are partial: the trainer all-reduces them over tp after the
 backward pass (`TPShard.partial_grad`, summed in `engine.MegatronEngine`).
 
-Activations are (batch, seq, hidden) here (shared.model's layout); the collectives work on dim 0, so
-the sequence is moved to the front around them.
+Activations are (batch, seq, hidden) here (shared.model's layout). Megatron keeps (seq, batch, hidden) so
+that a sequence shard is a contiguous dim-0 slice; here a rank's shard is a contiguous 1/tp of the
+flattened batch·seq tokens instead, viewed as (batch, seq/tp, hidden). The regions sequence parallelism
+covers (norms, residual adds) work token by token, so which tokens a rank holds does not matter, and the
+collectives then read and write contiguous memory: no transposes or copies around them (moving the
+sequence to the front cost ~15 activation-sized copies per layer and micro-batch).
 """
 
 from __future__ import annotations
@@ -26,25 +30,27 @@ from shared.dist import all_gather_single, reduce_scatter_single
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s/tp, h) shards → (b, s, h): the ranks' token blocks concatenated in rank order."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    front = x.movedim(1, 0).contiguous()
-    out = front.new_empty((front.shape[0] * world, *front.shape[1:]))
-    all_gather_single(out, front, group=group)
-    return out.movedim(0, 1)
+    b, s, h = x.shape
+    out = x.new_empty((world * b * s, h))
+    all_gather_single(out, x.contiguous().view(b * s, h), group=group)
+    return out.view(b, s * world, h)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s, h) partial sums → this rank's (b, s/tp, h) block of summed tokens."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    front = x.movedim(1, 0).contiguous()
-    if front.shape[0] % world:
-        raise ValueError(f"sequence length {front.shape[0]} is not divisible by tp={world}")
-    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, 1)
+    b, s, h = x.shape
+    if s % world:
+        raise ValueError(f"sequence length {s} is not divisible by tp={world}")
+    out = x.new_empty((b * s // world, h))
+    reduce_scatter_single(out, x.contiguous().view(b * s, h), group=group)
+    return out.view(b, s // world, h)
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
@@ -85,5 +91,9 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGrou
 
 
 def split_sequence(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's contiguous slice of dim 1 (what `reduce_scatter_to_sequence_parallel` keeps)."""
-    return x.chunk(world, dim=1)[rank]
+    """This rank's shard of a (b, s, h) tensor, as `reduce_scatter_to_sequence_parallel` keeps it: the
+    rank-th contiguous 1/world of the flattened b·s tokens, viewed as (b, s/world, h)."""
+    b, s, h = x.shape
+    if s % world:
+        raise ValueError(f"sequence length {s} is not divisible by tp={world}")
+    return x.reshape(b * s, h).chunk(world)[rank].view(b, s // world, h)
