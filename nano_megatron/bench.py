@@ -36,7 +36,7 @@ from nano_megatron.engine import MegatronEngine, ParallelConfig
 from nano_megatron.pipeline_parallel import busy_seconds
 from nano_megatron.schedules import bubble_fraction_formula
 from shared.accounting import flops_per_token, param_count
-from shared.bench import device_busy_seconds, measure_matmul_flops, print_table, write_json
+from shared.bench import device_activity_seconds, measure_matmul_flops, print_table, write_json
 from shared.config import ModelConfig
 from shared.dist import destroy_distributed, init_distributed
 from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
@@ -178,17 +178,24 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
     if device.type == "cuda":  # one more step under the profiler: is the GPU fed, or waiting on the host?
         dist.barrier()
         try:
-            busy = device_busy_seconds(lambda e=engine: e.train_step(batches[-1], cfg.lr), device)
+            busy = device_activity_seconds(lambda e=engine: e.train_step(batches[-1], cfg.lr), device)
         except Exception as e:  # a diagnostic must not cost the measurement
             print(f"GPU busy time not measured: {type(e).__name__}: {e}", flush=True)
     tokens = cfg.global_batch_size * cfg.seq_len
     row = {"system": system, "GPUs": world, "ms/step": seconds * 1e3, "tokens/s": tokens / seconds,
            "MFU %": 100 * flops_per_token(mcfg, cfg.seq_len) * tokens / seconds / (peak_flops * world)}
     if device.type == "cuda":  # every rank joins the reduction; -1 marks a rank that could not measure
-        t = torch.tensor(-1.0 if busy is None else busy / seconds, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        if t.item() >= 0:
-            row["GPU busy % (min rank)"] = 100 * t.item()
+        # per rank: busy, NCCL kernels, all other kernels, as fractions of the step; -1: not measured
+        keys = ("busy", "nccl", "other")
+        t = torch.tensor([-1.0] * 3 if busy is None else [busy[k] / seconds for k in keys], dtype=torch.float64,
+                         device=device)
+        low, high = t.clone(), t.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if low[0].item() >= 0:
+            row["GPU busy % (min rank)"] = 100 * low[0].item()
+            row["NCCL kernel % (max rank)"] = 100 * high[1].item()  # far above bytes / bandwidth: ranks wait
+            row["non-NCCL kernel % (min rank)"] = 100 * low[2].item()
     if device.type == "cuda":
         peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -111,6 +111,14 @@ def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> fl
     """Seconds during one call of `fn` in which the GPU ran at least one kernel or copy (any stream), from
     the profiler's device activity; None off CUDA. Beside the call's unprofiled wall time it tells whether
     the host keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall)."""
+    activity = device_activity_seconds(fn, device)
+    return None if activity is None else activity["busy"]
+
+
+def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device) -> dict[str, float] | None:
+    """`device_busy_seconds` split: {"busy": any kernel or copy, "nccl": NCCL kernels, "other": everything
+    but NCCL}, each the union of its spans, seconds; None off CUDA. A synchronous collective's kernel runs
+    while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks waiting on each other."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None
@@ -120,9 +128,12 @@ def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> fl
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(dev)
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA]
-    return union_seconds(spans) / 1e6  # the profiler's clock is in microseconds
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [(e.time_range.start, e.time_range.end) for e in events if "nccl" in e.name.lower()]
+    other = [(e.time_range.start, e.time_range.end) for e in events if "nccl" not in e.name.lower()]
+    # the profiler's clock is in microseconds
+    return {"busy": union_seconds(nccl + other) / 1e6, "nccl": union_seconds(nccl) / 1e6,
+            "other": union_seconds(other) / 1e6}
 
 
 def release_memory() -> None:
