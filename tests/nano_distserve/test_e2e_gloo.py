@@ -58,3 +58,23 @@ def test_disaggregated_greedy_equals_colocated_and_transformers_kv_bit_exact(ckp
     assert len(res["transfer_times"]) == 5 and res["decode_steps"] and res["prefill_steps"]
     row = report(res["completions"], ttft_slo=10.0, tpot_slo=10.0)
     assert row["requests"] == 5 and row["slo_attainment"] == 1.0 and row["token_gap_p99_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_disaggregated_on_two_gpus_nccl(ckpt):
+    """The same over NCCL, one GPU per instance, CUDA graphs on (NCCL's first send/recv between two ranks
+    blocks until the peer's matching call: a receive posted before asking once deadlocked here)."""
+    path, _ = ckpt
+    g = torch.Generator().manual_seed(1)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [Request(torch.randint(0, 4096, (n,), generator=g).tolist(), sp) for n in [5, 17, 33, 40, 3, 60]]
+    engine = dict(model=path, max_model_len=96, num_kv_blocks=32, dtype="float32")
+    cfg = DisaggConfig(engine=engine, keep_kv=True, lease_ttl_s=60.0)
+    res = run_disaggregated(cfg, requests, [0.0, 0.0, 0.01, 0.02, 0.02, 0.03], timeout_s=180)
+    colocated = LLM(path, device="cuda", **{k: v for k, v in engine.items() if k != "model"}).generate(
+        [r.prompt for r in requests], sp, use_tqdm=False)
+    assert [c.output_token_ids for c in res["completions"]] == [o.token_ids for o in colocated]
+    for rid, kv in res["sent"].items():
+        assert kv.is_cuda and torch.equal(res["received"][rid].to(kv.device), kv)
+    assert len(res["wire_times"]) == len(requests) and max(res["wire_times"]) < 1.0
