@@ -140,13 +140,17 @@ def run_measured(cfg: dict) -> dict:
     geometry = {}
     for name, chunked in (("colocated", False), ("colocated_chunked", True)):
         args = engine_args(budgets[name], enable_chunked_prefill=chunked)
+        t0 = time.perf_counter()
         res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
+        print(f"{name}: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]
         steps[name] = [s for r in res for s in r["steps"]]
+    t0 = time.perf_counter()
     dis_all = run_disaggregated_rounds(DisaggConfig(engine=engine_args(budgets["colocated"])), requests, arrivals,
                                        m["timeout_s"])
+    print(f"disaggregated: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
     dis = dis_all["rounds"]
     measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
     transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]

@@ -144,6 +144,9 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
         for c in completions:  # request ids as the caller numbers them
             c.request_id = c.request_id.split(":", 1)[1]
         out.append({"completions": completions, "duration": duration})
+        # progress, so that a run cut off by a time limit shows how far it got
+        print(f"disaggregated round {k + 1}/{len(rounds)}: {len(completions)} requests in {duration:.1f} s",
+              flush=True)
     for r in range(1, world):
         transport.send(r, {"type": "stop"})
     measure_wire(runner.kv_cache, requests, engine.config.block_size, cfg.wire_samples)
