@@ -245,7 +245,3 @@ def _plan_step(inst: _Instance, cfg: SimConfig):
                 inst.waiting.remove(r)
     return (pre, dec) if pre or dec else None
 
-
-def _can_admit(inst: _Instance, cfg: SimConfig) -> bool:
-    r = inst.waiting[0] if inst.waiting else None
-    return r is not None and (r.prefilled > 0 or inst.kv_used + r.prompt + r.output <= inst.kv_tokens)

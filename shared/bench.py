@@ -107,18 +107,13 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def device_busy_seconds(fn: Callable[[], Any], device: str | torch.device) -> float | None:
-    """Seconds during one call of `fn` in which the GPU ran at least one kernel or copy (any stream), from
-    the profiler's device activity; None off CUDA. Beside the call's unprofiled wall time it tells whether
-    the host keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall)."""
-    activity = device_activity_seconds(fn, device)
-    return None if activity is None else activity["busy"]
-
-
 def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device) -> dict[str, float] | None:
-    """`device_busy_seconds` split: {"busy": any kernel or copy, "nccl": NCCL kernels, "other": everything
-    but NCCL}, each the union of its spans, seconds; None off CUDA. A synchronous collective's kernel runs
-    while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks waiting on each other."""
+    """Seconds during one call of `fn` in which the GPU ran something, from the profiler's device activity:
+    {"busy": any kernel or copy (any stream), "nccl": NCCL kernels, "other": everything but NCCL}, each the
+    union of its spans; None off CUDA. Beside the call's unprofiled wall time, "busy" tells whether the host
+    keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall); a synchronous
+    collective's kernel runs while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks
+    waiting on each other."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None

@@ -72,3 +72,15 @@ def test_simulation_only_bench_runs_fast():
     assert {r["system"] for r in result["systems"]} == {"colocated", "colocated_chunked", "disaggregated"}
     assert all(len(r["attainment"]) == 2 and r["goodput_per_gpu"] > 0 for r in result["systems"])
     assert "planner" in format_table(result)
+
+
+def test_plain_colocation_runs_decodes_in_the_prompt_step_as_nano_vllm_does():
+    """nano_vllm's scheduler without chunking still schedules the running decodes first and a whole prompt
+    beside them: the decoding request gets a token in the prompt's step (which that prompt slows down)."""
+    model = LatencyModel(0.01, 1e-4, 1e-4, 0.0)
+    out = simulate(SimConfig(mode="colocated", policy="plain", max_num_batched_tokens=2048), model,
+                   [(16, 50), (1000, 2)], [0.0, 0.2])
+    first = model.step_time(16, 0, 0)
+    decode, mixed, both = model.step_time(0, 1, 0), model.step_time(1000, 1, 0), model.step_time(0, 2, 0)
+    # 49 tokens after the first: one in the prompt's step, one beside the prompt's second token, 47 alone
+    assert out[0].finish_time == pytest.approx(first + 47 * decode + mixed + both)

@@ -111,9 +111,9 @@ def test_cli_quick_runs(tmp_path):
 
 
 def test_union_seconds_counts_overlaps_once():
-    from shared.bench import device_busy_seconds, union_seconds
+    from shared.bench import device_activity_seconds, union_seconds
 
     assert union_seconds([]) == 0.0
     assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0  # [0, 3] and [5, 6]
     assert union_seconds([(4, 5), (0, 10)]) == 10.0  # a kernel inside another stream's span
-    assert device_busy_seconds(lambda: None, "cpu") is None
+    assert device_activity_seconds(lambda: None, "cpu") is None
