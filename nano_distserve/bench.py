@@ -24,7 +24,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
+from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds, warmup_requests
 from nano_distserve.goodput import report, to_metrics
 from nano_distserve.instance import _execute, step_record
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
@@ -87,14 +87,15 @@ def format_table(result: dict) -> str:
 
 def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_rate: list[list[float]]) -> dict:
     """Body of one colocated replica (one device, rank r of n): at each rate it serves requests r, r+n, ...
-    open-loop (round-robin dispatch) after a warm-up request, so first-call overheads stay out of TTFT."""
+    open-loop (round-robin dispatch) after a warm-up burst (`warmup_requests`), so kernel compiles stay out
+    of TTFT."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     args = dict(engine_args)
     if torch.cuda.is_available():
         args["device"] = f"cuda:{torch.cuda.current_device()}"
     engine = LLMEngine(EngineConfig(**args))
-    run_engine_open_loop(engine, [Request([1] * 8, dataclasses.replace(requests[0].sampling_params, max_tokens=2))],
-                         [0.0])
+    warm = warmup_requests(requests)
+    run_engine_open_loop(engine, warm, [0.0] * len(warm))
     steps = []  # after the warm-up: what this replica's simulator model is fitted to
     engine.step_observer = lambda out, seconds: steps.append(step_record(out, seconds))
     mine = list(range(rank, len(requests), world))

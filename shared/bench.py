@@ -107,13 +107,15 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device) -> dict[str, float] | None:
+def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device,
+                            top_kernels: int = 0) -> dict[str, float] | None:
     """Seconds during one call of `fn` in which the GPU ran something, from the profiler's device activity:
     {"busy": any kernel or copy (any stream), "nccl": NCCL kernels, "other": everything but NCCL}, each the
     union of its spans; None off CUDA. Beside the call's unprofiled wall time, "busy" tells whether the host
     keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall); a synchronous
     collective's kernel runs while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks
-    waiting on each other."""
+    waiting on each other. `top_kernels` > 0 also prints that many kernels by total device time (name,
+    calls, total ms): where the device time goes."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None
@@ -126,6 +128,14 @@ def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device) -
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     nccl = [(e.time_range.start, e.time_range.end) for e in events if "nccl" in e.name.lower()]
     other = [(e.time_range.start, e.time_range.end) for e in events if "nccl" not in e.name.lower()]
+    if top_kernels > 0:
+        totals: dict[str, list[float]] = {}
+        for e in events:
+            t = totals.setdefault(e.name, [0, 0.0])
+            t[0] += 1
+            t[1] += (e.time_range.end - e.time_range.start) / 1e3
+        for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
+            print(f"  {ms:9.2f} ms {calls:6d} calls  {name[:110]}", flush=True)
     # the profiler's clock is in microseconds
     return {"busy": union_seconds(nccl + other) / 1e6, "nccl": union_seconds(nccl) / 1e6,
             "other": union_seconds(other) / 1e6}
