@@ -99,12 +99,14 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     steps = []  # after the warm-up: what this replica's simulator model is fitted to
     engine.step_observer = lambda out, seconds: steps.append(step_record(out, seconds))
     mine = list(range(rank, len(requests), world))
-    per_rate = []
+    per_rate, compiles = [], []
     for arrivals in arrivals_per_rate:
-        metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
+        with KernelCompiles() as built:  # a compile inside a rate stalls its requests for ~1 s: report it
+            metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
+        compiles.append(built.summary())
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
-    return {"per_rate": per_rate, "steps": steps, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
+    return {"per_rate": per_rate, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
             "kv_bytes_per_token": 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()}
 
 
@@ -144,6 +146,9 @@ def run_measured(cfg: dict) -> dict:
         t0 = time.perf_counter()
         res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
         print(f"{name}: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
+        for rate, built in zip(rates, res[0]["compiles"]):
+            if "built here: 0" not in built:
+                print(f"  {name} @ {rate:g} req/s, replica 0: {built}", flush=True)
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]
@@ -156,11 +161,14 @@ def run_measured(cfg: dict) -> dict:
     measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
     transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
     decode_steps = dis_all["decode_steps"]
-    steps["disaggregated"] = dis_all["prefill_steps"] + decode_steps
-    # One step-latency model per system, fitted to that system's own steps (§3.3: the simulator is fitted
-    # to profiles of the engine it predicts): a colocated step that carries a long prompt and the decodes,
-    # a chunked step and a prefill-only step are different shapes of work.
+    steps["disaggregated"] = dis_all["prefill_steps"]
+    # One step-latency model per system — and per role for disaggregation — fitted to its own steps (§3.3:
+    # the simulator is fitted to profiles of the engine it predicts): a colocated step that carries a long
+    # prompt and the decodes, a chunked step, a prefill-only step and a decode instance's iteration (which
+    # also receives K/V) are different shapes of work. Step times are whole iterations (schedule, forward,
+    # postprocess, an instance's messages and K/V imports): what a waiting request waits for.
     models = {name: LatencyModel.fit(s) for name, s in steps.items()}
+    decode_model = LatencyModel.fit(decode_steps)
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
                      kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
                      transfer_latency=percentile(transfers, 50))  # measured pull time stands in for bytes/bw
@@ -175,12 +183,16 @@ def run_measured(cfg: dict) -> dict:
     for name, sc in sims.items():
         att = [slo_attainment(x, w.ttft_slo, w.tpot_slo) for x in measured[name]]
         model = models[name]
-        sim_att = [slo_attainment(simulate(sc, model, lengths, a), w.ttft_slo, w.tpot_slo) for a in arrivals]
-        sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=seed)
+        dm = decode_model if name == "disaggregated" else None
+        sim_att = [slo_attainment(simulate(sc, model, lengths, a, dm), w.ttft_slo, w.tpot_slo) for a in arrivals]
+        sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=seed,
+                                        decode_model=dm)
         rows.append({"system": name, "gpus": sc.num_gpus, "attainment": att, "sim_attainment": sim_att,
                      "goodput_per_gpu": _grid_goodput(rates, att) / sc.num_gpus,
                      "sim_goodput_per_gpu": sim_goodput / sc.num_gpus,
                      "latency_fit": dataclasses.asdict(model), "num_steps_fitted": len(steps[name]),
+                     **({"decode_latency_fit": dataclasses.asdict(dm), "num_decode_steps_fitted": len(decode_steps)}
+                        if dm is not None else {}),
                      "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
     rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
@@ -209,9 +221,14 @@ def format_measured_table(result: dict) -> str:
                  f"{t['p50_s'] * 1e3:.2f} ms, P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms")
     for row in result["systems"]:
         f = row["latency_fit"]
-        lines.append(f"{row['system']}: simulator fitted to its {row['num_steps_fitted']} measured steps: c0 "
-                     f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
-                     f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s")
+        fits = [("", row["num_steps_fitted"], f)]
+        if "decode_latency_fit" in row:
+            fits = [(" prefill instance", row["num_steps_fitted"], f),
+                    (" decode instance", row["num_decode_steps_fitted"], row["decode_latency_fit"])]
+        for role, count, f in fits:
+            lines.append(f"{row['system']}{role}: simulator fitted to its {count} measured steps: c0 "
+                         f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
+                         f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s")
     return "\n".join(lines)
 
 

@@ -56,9 +56,11 @@ class StepRecord:
 
 
 def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
+    """The record of a step, taken after its postprocess (which advanced each sequence's computed tokens
+    by its chunk: what the step's attention read, its own tokens included)."""
     pre = sum(n for n in out.num_new_tokens if n > 1)
     dec = sum(1 for n in out.num_new_tokens if n == 1)
-    ctx = sum(s.num_computed_tokens + n for s, n in zip(out.seqs, out.num_new_tokens))
+    ctx = sum(s.num_computed_tokens for s in out.seqs)
     return StepRecord(pre, dec, ctx, seconds)
 
 
@@ -67,17 +69,21 @@ def _completion(seq: Sequence) -> Completion:
                       list(seq.token_times), seq.finish_time or time.perf_counter(), seq.finish_reason)
 
 
-def _execute(scheduler: Scheduler, runner, log: list[StepRecord]) -> tuple[SchedulerOutput, list[Sequence]]:
-    """One nano_vllm step (schedule, forward + sample, postprocess), timed."""
+def _execute(scheduler: Scheduler, runner, log: list[StepRecord],
+             t_start: float | None = None) -> tuple[SchedulerOutput, list[Sequence]]:
+    """One nano_vllm step (schedule, forward + sample, postprocess), logged with its wall time from
+    `t_start` (default: the schedule call) to the end of postprocess. An instance passes the start of its
+    whole iteration, so the time it spends polling, admitting and importing K/V between forwards is in the
+    step time its simulator model is fitted to: requests wait for it too (their TPOT counts it)."""
+    t0 = time.perf_counter() if t_start is None else t_start
     out = scheduler.schedule()
     if not out.seqs:
         return out, []
-    t0 = time.perf_counter()
     tokens = runner.execute(out)
-    log.append(step_record(out, time.perf_counter() - t0))
     finished = scheduler.postprocess(out, tokens)
     for seq in finished:
         runner.release(seq)
+    log.append(step_record(out, time.perf_counter() - t0))
     return out, finished
 
 
@@ -129,13 +135,14 @@ class PrefillInstance:
             self._complete(_completion(seq))
 
     def step(self) -> None:
+        t_start = time.perf_counter()
         for msg in self.transport.poll():
             self._handle(msg)
         self.leases.expire()  # nobody pulled in time: the decode side is gone or stuck
         self.sending = [(w, buf) for w, buf in self.sending if not w.is_completed()]
         if not self.scheduler.has_unfinished():
             return
-        out, finished = _execute(self.scheduler, self.runner, self.step_log)
+        out, finished = _execute(self.scheduler, self.runner, self.step_log, t_start)
         for seq in finished:  # EOS or max_tokens reached at the first token
             self._complete(_completion(seq))
         for seq, sampled in zip(out.seqs, out.samples):
@@ -219,6 +226,7 @@ class DecodeInstance:
         return self.scheduler.has_unfinished() or bool(self.queue)
 
     def step(self) -> None:
+        t_start = time.perf_counter()
         for msg in self.transport.poll():
             self._handle(msg)
         self.leases.expire()
@@ -226,7 +234,7 @@ class DecodeInstance:
         self._receive()
         self._renew()
         if self.scheduler.has_unfinished():
-            _, finished = _execute(self.scheduler, self.runner, self.step_log)
+            _, finished = _execute(self.scheduler, self.runner, self.step_log, t_start)
             for seq in finished:
                 self._report("finished", _completion(seq))
 

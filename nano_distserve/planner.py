@@ -95,9 +95,11 @@ def phase_goodputs(model: LatencyModel, base: SimConfig, lengths: list[tuple[int
 
 
 def colocated_goodput(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]], ttft_slo: float,
-                      tpot_slo: float, max_rate: float = 1000.0, target: float = 0.9, seed: int = 0) -> float:
-    """Goodput of `base` (any mode) under both SLOs, by simulation and bisection."""
+                      tpot_slo: float, max_rate: float = 1000.0, target: float = 0.9, seed: int = 0,
+                      decode_model: LatencyModel | None = None) -> float:
+    """Goodput of `base` (any mode) under both SLOs, by simulation and bisection (`decode_model`: see
+    `simulate`)."""
     def att(rate: float) -> float:
-        m = simulate(base, model, lengths, poisson_arrivals(len(lengths), rate, seed=seed))
+        m = simulate(base, model, lengths, poisson_arrivals(len(lengths), rate, seed=seed), decode_model)
         return slo_attainment(m, ttft_slo, tpot_slo)
     return find_goodput(att, max_rate / 1e4, max_rate, target)

@@ -120,8 +120,10 @@ class _Instance:
 
 
 def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]],
-             arrivals: list[float]) -> list[RequestMetrics]:
-    """Serve (prompt_len, output_len) requests arriving at `arrivals`; returns nano_vllm RequestMetrics."""
+             arrivals: list[float], decode_model: LatencyModel | None = None) -> list[RequestMetrics]:
+    """Serve (prompt_len, output_len) requests arriving at `arrivals`; returns nano_vllm RequestMetrics.
+    `decode_model` (default `model`) times a disaggregated decode instance's steps: its iteration also
+    receives and imports K/V, work a prefill instance's steps do not have, so each role gets its own fit."""
     reqs = [_Req(i, a, p, max(o, 1)) for i, ((p, o), a) in enumerate(zip(requests, arrivals))]
     if cfg.mode == "colocated":
         fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_instances)]
@@ -151,7 +153,8 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
             return
         pre, dec = batch
         ctx = sum(r.prefilled for r, _ in pre) + sum(n for r, n in pre) + sum(r.prompt + r.generated for r in dec)
-        t = model.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp)
+        m = decode_model if inst.kind == "decode" and decode_model is not None else model
+        t = m.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp)
         inst.busy = True
         push(now + t, "step", inst, pre, dec)
 

@@ -114,8 +114,8 @@ class LLMEngine:
         # Wall seconds per phase of step(), summed (the bench prints them per step): "execute" is the
         # runner's whole call — input preparation on the host, launches, then waiting for the sampled tokens.
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "postprocess": 0.0}
-        # Called after each step's forward with (SchedulerOutput, execute seconds): nano_distserve logs the
-        # step shapes and times its simulator is fitted to.
+        # Called at the end of each step with (SchedulerOutput, the step's wall seconds: schedule, execute and
+        # postprocess): nano_distserve logs the step shapes and times its simulator is fitted to.
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
         if config.torch_device.type == "cuda":
             self._compile_kernels()
@@ -191,16 +191,17 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()
             raise
         t2 = time.perf_counter()
-        if self.step_observer is not None:
-            self.step_observer(out, t2 - t1)
         finished = self.scheduler.postprocess(out, tokens)
         for seq in finished:
             self.model_runner.release(seq)
         self.num_steps += 1
+        t3 = time.perf_counter()
         times = self.step_seconds
         times["schedule"] += t1 - t0
         times["execute"] += t2 - t1
-        times["postprocess"] += time.perf_counter() - t2
+        times["postprocess"] += t3 - t2
+        if self.step_observer is not None:
+            self.step_observer(out, t3 - t0)
         return [s for s, f in zip(out.seqs, out.samples) if f], finished
 
     def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
