@@ -94,8 +94,7 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     if torch.cuda.is_available():
         args["device"] = f"cuda:{torch.cuda.current_device()}"
     engine = LLMEngine(EngineConfig(**args))
-    warm = warmup_requests(requests)
-    run_engine_open_loop(engine, warm, [0.0] * len(warm))
+    run_engine_open_loop(engine, *warmup_requests(requests))
     steps = []  # after the warm-up: what this replica's simulator model is fitted to
     engine.step_observer = lambda out, seconds: steps.append(step_record(out, seconds))
     mine = list(range(rank, len(requests), world))
@@ -103,7 +102,7 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     for arrivals in arrivals_per_rate:
         with KernelCompiles() as built:  # a compile inside a rate stalls its requests for ~1 s: report it
             metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
-        compiles.append(built.summary())
+        compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs))
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
     return {"per_rate": per_rate, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
@@ -148,7 +147,7 @@ def run_measured(cfg: dict) -> dict:
         print(f"{name}: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
         for rate, built in zip(rates, res[0]["compiles"]):
             if "built here: 0" not in built:
-                print(f"  {name} @ {rate:g} req/s, replica 0: {built}", flush=True)
+                print(f"  {name} @ {rate:g} req/s, replica 0: {built[:400]}", flush=True)
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]

@@ -31,13 +31,16 @@ from nano_vllm.loadgen import Request
 from shared.dist import find_free_port, run_distributed
 
 
-def warmup_requests(requests: list[Request], count: int = 4, max_tokens: int = 4) -> list[Request]:
-    """The workload's first `count` requests, cut to `max_tokens` outputs, to serve untimed before a measurement:
-    arriving together they run the step shapes the measurement will (multi-sequence prefill, chunk
-    continuations, mixed and decode CUDA graphs), so Triton compiles each kernel variant (~1 s apiece on an
-    H200) before the clock starts, not inside the first rate's TTFTs."""
-    return [dataclasses.replace(r, sampling_params=dataclasses.replace(
+def warmup_requests(requests: list[Request], count: int = 4, max_tokens: int = 16,
+                    gap_s: float = 0.02) -> tuple[list[Request], list[float]]:
+    """The workload's first `count` requests, cut to `max_tokens` outputs, and their arrival times, to serve
+    untimed before a measurement: two arrive together and the rest `gap_s` apart while those decode, so the
+    warm-up runs the step shapes the measurement will (multi-sequence prefill, a prompt joining running
+    decodes, chunk continuations, mixed and decode CUDA graphs) and Triton compiles each kernel variant
+    (~1 s apiece on an H200) before the clock starts, not inside the first rate's TTFTs."""
+    warm = [dataclasses.replace(r, sampling_params=dataclasses.replace(
         r.sampling_params, max_tokens=min(max_tokens, r.sampling_params.max_tokens))) for r in requests[:count]]
+    return warm, [max(0, i - 1) * gap_s for i in range(len(warm))]
 
 
 @dataclass
@@ -141,8 +144,7 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
                 time.sleep(1e-4)
         return [pre.completed[i] for i in ids], time.perf_counter() - t0
 
-    warm = warmup_requests(requests)
-    serve("warmup:", warm, [0.0] * len(warm))
+    serve("warmup:", *warmup_requests(requests))
     for r in range(1, world):
         transport.send(r, {"type": "reset_logs"})
     pre.step_log.clear()

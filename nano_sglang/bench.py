@@ -27,6 +27,7 @@ same memory.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import random
 import time
@@ -93,12 +94,13 @@ class Bookkeeping:
 
     def __init__(self) -> None:
         self.seconds, self._depth = 0.0, 0
+        self.by_name: dict[str, float] = {}  # the same seconds, by the outermost method
 
     def wrap(self, obj: object, names: list[str]) -> None:
         for name in names:
-            setattr(obj, name, self._timed(getattr(obj, name)))
+            setattr(obj, name, self._timed(getattr(obj, name), name))
 
-    def _timed(self, fn):
+    def _timed(self, fn, name: str):
         def timed(*args, **kwargs):
             self._depth += 1
             t0 = time.perf_counter()
@@ -107,7 +109,9 @@ class Bookkeeping:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    self.seconds += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.seconds += dt
+                    self.by_name[name] = self.by_name.get(name, 0.0) + dt
         return timed
 
 
@@ -143,7 +147,9 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeepin
     """All programs together, call by call; returns programs/s, hit rate and the analytic optimum (computed
     after the timed region)."""
     engine.block_manager.reset_prefix_cache()  # the previous workload's (or warm-up's) prompts must not hit
+    gc.collect()  # the previous run's garbage is not this run's time (a collection inside it lands anywhere)
     book_s0, steps_s0 = (book.seconds if book else 0.0), sum(engine.step_seconds.values())
+    by_name0 = dict(book.by_name) if book else {}
     contexts = [[] for _ in programs]
     calls, total, cached = [], 0, 0
     t0 = time.perf_counter()
@@ -170,6 +176,7 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeepin
     if book is not None:
         step_s = sum(engine.step_seconds.values()) - steps_s0
         row["bookkeeping %"] = 100 * (book.seconds - book_s0) / max(step_s, 1e-9)
+        row["bookkeeping ms by method"] = {k: round(1e3 * (v - by_name0.get(k, 0.0)), 3) for k, v in book.by_name.items()}
     return row
 
 
@@ -239,7 +246,12 @@ def run(cfg: DictConfig) -> dict:
         json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
         json_rows[1]["speedup"] = json_rows[1]["programs/s"] / json_rows[0]["programs/s"]
     if rows:
-        print_table(rows, title=f"nano_sglang bench: {model}{' (quick CPU version)' if quick else ''}")
+        key = "bookkeeping ms by method"
+        print_table([{k: v for k, v in r.items() if k != key} for r in rows],
+                    title=f"nano_sglang bench: {model}{' (quick CPU version)' if quick else ''}")
+        for r in rows:
+            if key in r:
+                print(f"{r['workload']}: bookkeeping ms by method: {r[key]}", flush=True)
     if json_rows:
         print_table(json_rows, title="JSON decoding (regex FSM from a JSON schema)")
     record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy,
