@@ -14,6 +14,7 @@ into the Hydra run directory.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import statistics
@@ -201,7 +202,11 @@ def run_measured(cfg: dict) -> dict:
             "mixed_cudagraph_sizes": graph_sizes,
             "transfer": {"count": len(transfers), **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99)}},
             "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99)}},
-            "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50)}
+            "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50),
+            # every fitted step, [prefill tokens, decode seqs, context tokens, seconds]: main() writes them to
+            # steps.json.gz beside bench.json, to refit or re-simulate offline
+            "step_logs": {**{name: [dataclasses.astuple(x) for x in st] for name, st in steps.items()},
+                          "disaggregated_decode": [dataclasses.astuple(x) for x in decode_steps]}}
 
 
 def format_measured_table(result: dict) -> str:
@@ -318,6 +323,10 @@ def main(cfg: DictConfig) -> None:
         print(f"workload {result['workload']['name']}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
               f"{result['workload']['tpot_slo']:g} s; joint SLO attainment at each rate (req/s):")
     out = Path(hydra_run_dir()) / "bench.json"
+    step_logs = result.pop("step_logs", None)
+    if step_logs is not None:
+        with gzip.open(out.with_name("steps.json.gz"), "wt") as f:
+            json.dump(step_logs, f)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} ({result['seconds']:.1f} s)")
     print(fmt(result))
