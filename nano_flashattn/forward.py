@@ -122,9 +122,11 @@ def seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.con
         return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
 
 
-# Lengths and the block table's row stride (the widest block table of an engine step) change from call to
-# call; Triton would compile a variant per "multiple of 16" / "equals 1" pattern of each, mid-serving.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_bt"])
+# Lengths, the block table's row stride (the widest block table of an engine step) and the LSE's head stride
+# (= the step's token count) change from call to call; Triton would compile a variant per "multiple of 16" /
+# "equals 1" pattern of each, mid-serving (a ~1 s stall: an H200 serving run built one inside a timed rate).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_bt",
+                               "stride_lse_h"])
 def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
                 seqlen_q, seqlen_k, group, qk_scale, window_left, window_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_bt, stride_lse_h,

@@ -62,3 +62,20 @@ def test_tensor_parallel_nccl(tmp_path, hf_greedy):
             assert o.token_ids == hf_greedy(ckpt, p, 20)
     finally:
         llm.shutdown()
+
+
+def test_no_kernel_compiles_mid_serving_for_new_token_counts(ckpt):
+    """Eager steps whose token counts differ only in Triton's "multiple of 16" / "equals 1" pattern must reuse
+    the compiled kernels (a new variant stalls serving ~1 s; integer arguments that vary per step are
+    declared do_not_specialize)."""
+    from shared.bench import KernelCompiles
+
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(random_prompts(41, [17]), one, use_tqdm=False)  # warm-up: one prefill of 17 tokens
+    with KernelCompiles() as built:
+        for lengths in ([32], [16, 48], [2], [21, 7, 3]):  # 32, 64, 2, 31 tokens per step
+            llm.generate(random_prompts(42 + len(lengths), lengths), one, use_tqdm=False)
+    if not built.available:
+        pytest.skip("this Triton has no jit_cache_hook")
+    assert built.names == [], built.summary()
