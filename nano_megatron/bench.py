@@ -5,6 +5,8 @@ Systems (each a full training step: forward, backward, gradient reduction, clipp
 master weights of a bf16 model — LocalEngine's recipe):
   tp          MegatronEngine, tp = N
   tp_sp       MegatronEngine, tp = N with sequence parallelism
+  tp_serial, tp_sp_serial   the same two without overlapping the backward tp collectives with the dW
+              GEMMs (`parallel.tp_comm_overlap=false`): what the overlap buys, in the same run
   dtensor_tp  torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel on q,k,v,o and the
               MLP, vocab-sharded embedding and LM head, `loss_parallel`), tp = N
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
@@ -43,7 +45,7 @@ from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
 from shared.model import build_model
 from shared.train import StepResult, TrainConfig, clip_coefficient, decays, micro_batches_of
 
-SYSTEMS = ("tp", "tp_sp", "dtensor_tp", "pp_1f1b", "pp_gpipe")
+SYSTEMS = ("tp", "tp_sp", "tp_serial", "tp_sp_serial", "dtensor_tp", "pp_1f1b", "pp_gpipe")
 DATASHEET_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16: what published MFUs are quoted against
 
 
@@ -147,6 +149,8 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
         engine = DTensorTP(mcfg, cfg, device)
     else:
         p = {"tp": dict(tp=world), "tp_sp": dict(tp=world, sequence_parallel=True),
+             "tp_serial": dict(tp=world, tp_comm_overlap=False),
+             "tp_sp_serial": dict(tp=world, sequence_parallel=True, tp_comm_overlap=False),
              "pp_1f1b": dict(pp=world), "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
         engine = MegatronEngine(mcfg, ParallelConfig(**p), cfg, device=device)
     batches = _batches(mcfg, cfg, int(bench.warmup) + int(bench.steps), 0, 1)

@@ -40,6 +40,7 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = True  # overlap each block's backward tp collective with its dW GEMMs
     schedule: str = "1f1b"  # "gpipe" | "1f1b"
     activation_checkpointing: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
@@ -95,7 +96,8 @@ class MegatronEngine:
         model = model if model is not None else build_model(model_config, self.device, seed=cfg.seed)
         model = model.to(self.device)
         split_into_stage(model, grid)
-        self.shards: dict[str, TPShard] = apply_tensor_parallel(model, grid, parallel.sequence_parallel)
+        self.shards: dict[str, TPShard] = apply_tensor_parallel(model, grid, parallel.sequence_parallel,
+                                                                   parallel.tp_comm_overlap)
         self.model = model
         # names/params of this rank (named_parameters drops the second name of a tied matrix)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -55,6 +55,10 @@ TWO_RANK_CASES = {
     "pp2-1f1b": dict(parallel=dict(pp=2)),
     "pp2-gpipe": dict(parallel=dict(pp=2, schedule="gpipe")),
     "dp2": dict(parallel=dict(dp=2, bucket_mb=0.01)),  # several buckets
+    # tp cases overlap each block's backward collective with its dW GEMMs (tp_comm_overlap, the default):
+    # also under activation checkpointing (recomputed saved weights), and the serial path stays checked
+    "tp2-ckpt": dict(parallel=dict(tp=2, activation_checkpointing=True)),
+    "tp2-sp-serial": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=False)),
 }
 FOUR_RANK_CASES = {
     "tp2-pp2": dict(parallel=dict(tp=2, pp=2)),
