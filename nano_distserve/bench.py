@@ -171,7 +171,9 @@ def run_measured(cfg: dict) -> dict:
     decode_model = LatencyModel.fit(decode_steps)
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
                      kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
-                     transfer_latency=percentile(transfers, 50))  # measured pull time stands in for bytes/bw
+                     # the measured transfer alone stands in for bytes / bandwidth; the wait for the prefill
+                     # instance's step in flight is simulated (`SimConfig.pull_at_step_boundary`)
+                     transfer_latency=percentile(wire or transfers, 50))
     sims = {
         "colocated": dataclasses.replace(base, mode="colocated", policy="plain", num_instances=g,
                                          max_num_batched_tokens=budgets["colocated"]),

@@ -10,7 +10,8 @@ and Appendix A: the placement search needs attainment at many rates, far too man
   admitted (conservative: no preemption is modelled). A disaggregated prefill instance keeps a request's
   prompt K/V until the decode instance has pulled it, so a full decode side backs up into the prefill side.
 * KV transfer: prompt tokens x `kv_bytes_per_token` / `bandwidth` + `transfer_latency`, overlapped with
-  compute (a separate link), starting when the decode instance admits the request (pull).
+  compute (a separate link), starting when the decode instance admits the request (pull) — or, as the real
+  instances do, when the prefill instance ends the step it was running then (`pull_at_step_boundary`).
 * Scheduling: colocated "plain" (vLLM before chunked prefill: a prefill step whenever prompts wait, which
   stalls every decode — the interference of §2.2) or "chunked" (Sarathi: decodes first, prompt chunks fill
   the token budget); disaggregated: prefill-only and decode-only instances, requests to the least-loaded.
@@ -85,6 +86,9 @@ class SimConfig:
     kv_bytes_per_token: float = 2 * 40 * 5120 * 2  # K and V, layers, hidden, bf16 (a 13B-class model)
     bandwidth: float = 25e9  # bytes/s between a prefill and a decode instance
     transfer_latency: float = 1e-4
+    # A prefill instance answers pulls between its steps (nano_distserve's instance loop: poll, then step),
+    # so a pull that finds it running a step waits for that step to end. False: pulls start at once.
+    pull_at_step_boundary: bool = True
 
     @property
     def num_gpus(self) -> int:
@@ -114,6 +118,7 @@ class _Instance:
     running: list = field(default_factory=list)
     kv_used: int = 0
     busy: bool = False
+    pulls: list = field(default_factory=list)  # prefill side: pulls waiting for the step in flight to end
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -158,12 +163,18 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
         inst.busy = True
         push(now + t, "step", inst, pre, dec)
 
+    def pull(inst: _Instance, r: _Req, src: _Instance, now: float) -> None:
+        push(now + cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth, "pulled", inst, r, src)
+
     def admit_decode(inst: _Instance, now: float) -> None:
         """Backpressure: pull the oldest waiting request only when its whole reservation fits."""
         while inst.waiting and inst.kv_used + inst.waiting[0][0].prompt + inst.waiting[0][0].output <= inst.kv_tokens:
             r, src = inst.waiting.popleft()
             inst.kv_used += r.prompt + r.output
-            push(now + cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth, "pulled", inst, r, src)
+            if cfg.pull_at_step_boundary and src.busy:
+                src.pulls.append((inst, r))
+            else:
+                pull(inst, r, src, now)
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -187,6 +198,7 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
                     r.finish = now
                     inst.running.remove(r)
                     inst.kv_used -= r.prompt + r.output
+            handed = []
             for r, n in pre:
                 r.prefilled += n
                 if r.prefilled < r.prompt:
@@ -203,12 +215,19 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
                     r.finish = now
                     inst.kv_used -= r.prompt
                 else:
-                    target = min(decodes, key=_Instance.load)
-                    target.waiting.append((r, inst))
-                    admit_decode(target, now)
+                    handed.append(r)
+            for dec_inst, r in inst.pulls:  # pulls that waited for this step: served now, between steps
+                pull(dec_inst, r, inst, now)
+            inst.pulls.clear()
             if inst.kind == "decode":
                 admit_decode(inst, now)
             start(inst, now)
+            # The hand-offs' pulls come back after the instance may have started its next step (the decode
+            # side hears of them only now): with work waiting, they wait for that step too.
+            for r in handed:
+                target = min(decodes, key=_Instance.load)
+                target.waiting.append((r, inst))
+                admit_decode(target, now)
     return [RequestMetrics(str(r.rid), r.arrival, r.first_token, r.finish if r.finish is not None else r.arrival,
                            r.prompt, r.output) for r in reqs]
 

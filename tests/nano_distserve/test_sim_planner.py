@@ -3,6 +3,7 @@ latency fit, and the simulation-only bench (< 1 minute on CPU)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,19 @@ def test_plain_colocation_stalls_decodes_and_disaggregation_does_not():
     plain = simulate(SimConfig(mode="colocated", policy="plain"), model, reqs, arrivals)
     disagg = simulate(SimConfig(mode="disaggregated"), model, reqs, arrivals)
     assert plain[0].tpot > 1.5 * disagg[0].tpot  # §2.2 interference
+
+
+def test_a_pull_waits_for_the_prefill_step_in_flight():
+    # A (100-token prompt) is prefilled by 0.1 s; B (1000 tokens) arrived meanwhile, so the prefill instance
+    # starts B's 1 s step at once, and A's pull — heard only after that — is served when it ends (the real
+    # instance polls for pulls between steps). A's second token then comes after 1.1 s, not ~0.1 s.
+    model = LatencyModel(c0=0.0, c_prefill=1e-3, c_decode=0.0, c_context=0.0)
+    reqs, arrivals = [(100, 2), (1000, 2)], [0.0, 0.05]
+    waits = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf), model, reqs, arrivals)
+    at_once = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf, pull_at_step_boundary=False), model, reqs, arrivals)
+    assert waits[0].first_token_time == pytest.approx(0.1) == at_once[0].first_token_time
+    assert waits[0].finish_time == pytest.approx(1.1 + 1e-3)
+    assert at_once[0].finish_time == pytest.approx(0.1 + 1e-3)
 
 
 def test_decode_memory_backs_up_into_prefill_and_finishes():
