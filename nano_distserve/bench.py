@@ -103,7 +103,8 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     for arrivals in arrivals_per_rate:
         with KernelCompiles() as built:  # a compile inside a rate stalls its requests for ~1 s: report it
             metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
-        compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs))
+        # what was built, argument signatures included ("" when nothing was)
+        compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs) if built.names else "")
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
     return {"per_rate": per_rate, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
@@ -147,7 +148,7 @@ def run_measured(cfg: dict) -> dict:
         res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
         print(f"{name}: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
         for rate, built in zip(rates, res[0]["compiles"]):
-            if "built here: 0" not in built:
+            if built:
                 print(f"  {name} @ {rate:g} req/s, replica 0: {built[:400]}", flush=True)
         geometry = {k: res[0][k] for k in ("kv_tokens", "kv_bytes_per_token")}
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))

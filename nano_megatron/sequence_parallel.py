@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shared.dist import all_gather_single, reduce_scatter_single
 
 
-def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(b, s/tp, h) shards → (b, s, h): the ranks' token blocks concatenated in rank order."""
     world = dist.get_world_size(group)
     if world == 1:
@@ -40,17 +40,26 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.view(b, s * world, h)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """(b, s, h) partial sums → this rank's (b, s/tp, h) block of summed tokens."""
+def start_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
+    """(b, s, h) partial sums → this rank's (b, s/tp, h) block of summed tokens, launched asynchronously:
+    returns the output and the collective's work (None when tp = 1), to wait on before reading it."""
     world = dist.get_world_size(group)
     if world == 1:
-        return x
+        return x, None
     b, s, h = x.shape
     if s % world:
         raise ValueError(f"sequence length {s} is not divisible by tp={world}")
     out = x.new_empty((b * s // world, h))
-    reduce_scatter_single(out, x.contiguous().view(b * s, h), group=group)
-    return out.view(b, s // world, h)
+    work = reduce_scatter_single(out, x.contiguous().view(b * s, h), group=group, async_op=True)
+    return out.view(b, s // world, h), work
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`start_reduce_scatter_seq`, waited for."""
+    out, work = start_reduce_scatter_seq(x, group)
+    if work is not None:
+        work.wait()
+    return out
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
@@ -60,11 +69,11 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _all_gather_seq(x, group)
+        return all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return reduce_scatter_seq(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -73,11 +82,11 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather_seq(grad, ctx.group), None
+        return all_gather_seq(grad, ctx.group), None
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

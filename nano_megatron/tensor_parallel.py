@@ -34,11 +34,11 @@ from torch import nn
 
 from nano_megatron.grid import ParallelGrid
 from nano_megatron.sequence_parallel import (
-    _all_gather_seq,
+    all_gather_seq,
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
+    start_reduce_scatter_seq,
 )
-from shared.dist import reduce_scatter_single
 from shared.model import CausalLM
 
 
@@ -121,18 +121,14 @@ class _BlockEntry(torch.autograd.Function):
                 *weights: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.sequence_parallel, ctx.stash = group, sequence_parallel, stash
         ctx.weight_ids = [id(w) for w in weights]
-        return _all_gather_seq(x, group) if sequence_parallel else x.view_as(x)
+        return all_gather_seq(x, group) if sequence_parallel else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
         if ctx.sequence_parallel:
-            b, s, h = grad.shape
-            world = dist.get_world_size(ctx.group)
-            dx = grad.new_empty((b, s // world, h))
-            work = reduce_scatter_single(dx.view(-1, h), grad.view(-1, h), group=ctx.group, async_op=True)
+            dx, work = start_reduce_scatter_seq(grad, ctx.group)
         else:
-            dx = grad
+            dx = grad.contiguous()
             work = dist.all_reduce(dx, group=ctx.group, async_op=True)
         dws = []
         for wid in ctx.weight_ids:  # while the collective runs
@@ -142,7 +138,8 @@ class _BlockEntry(torch.autograd.Function):
                 continue
             dy, x = pending
             dws.append(dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
-        work.wait()
+        if work is not None:
+            work.wait()
         return (dx, None, None, None, *dws)
 
 
@@ -183,8 +180,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(_shard(linear.bias.detach(), 0, grid.tp_rank, grid.tp, padded_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stash = getattr(x, "_tp_wgrad_stash", None)  # set by the block's entry when it overlaps (below)
-        if stash is None or not torch.is_grad_enabled():
+        stash = getattr(x, "_tp_wgrad_stash", None)  # set by the block's entry when it overlaps (above)
+        if stash is None:
             return F.linear(x, self.weight, self.bias)
         return _LinearDeferredWgrad.apply(x, self.weight, self.bias, stash)
 

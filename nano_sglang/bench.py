@@ -93,8 +93,12 @@ class Bookkeeping:
     another timed one is counted once), installed on the instances, not the classes."""
 
     def __init__(self) -> None:
-        self.seconds, self._depth = 0.0, 0
-        self.by_name: dict[str, float] = {}  # the same seconds, by the outermost method
+        self._depth = 0
+        self.by_name: dict[str, float] = {}  # seconds, by the outermost method
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_name.values())
 
     def wrap(self, obj: object, names: list[str]) -> None:
         for name in names:
@@ -109,9 +113,7 @@ class Bookkeeping:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    dt = time.perf_counter() - t0
-                    self.seconds += dt
-                    self.by_name[name] = self.by_name.get(name, 0.0) + dt
+                    self.by_name[name] = self.by_name.get(name, 0.0) + time.perf_counter() - t0
         return timed
 
 
