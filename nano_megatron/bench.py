@@ -183,7 +183,8 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
         dist.barrier()
         try:
             busy = device_activity_seconds(lambda e=engine: e.train_step(batches[-1], cfg.lr), device,
-                                          int(bench.get("top_kernels", 0)) if dist.get_rank() == 0 else 0)
+                                          *((int(bench.get("top_kernels", 0)), int(bench.get("idle_ops", 0)))
+                                            if dist.get_rank() == 0 else (0, 0)))
         except Exception as e:  # a diagnostic must not cost the measurement
             print(f"GPU busy time not measured: {type(e).__name__}: {e}", flush=True)
     tokens = cfg.global_batch_size * cfg.seq_len

@@ -108,21 +108,24 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
 
 
 def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device,
-                            top_kernels: int = 0) -> dict[str, float] | None:
+                            top_kernels: int = 0, idle_ops: int = 0) -> dict[str, float] | None:
     """Seconds during one call of `fn` in which the GPU ran something, from the profiler's device activity:
     {"busy": any kernel or copy (any stream), "nccl": NCCL kernels, "other": everything but NCCL}, each the
     union of its spans; None off CUDA. Beside the call's unprofiled wall time, "busy" tells whether the host
     keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall); a synchronous
     collective's kernel runs while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks
     waiting on each other. `top_kernels` > 0 also prints that many kernels by total device time (name,
-    calls, total ms): where the device time goes."""
+    calls, total ms): where the device time goes. `idle_ops` > 0 also records the host's ops and prints
+    that many host ops by the GPU idle time spent inside them (the innermost op running when the GPU went
+    idle): what the GPU waits for (host profiling slows the host, so read it as a ranking)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle_ops > 0 else [])
+    with profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize(dev)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -136,9 +139,39 @@ def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device,
             t[1] += (e.time_range.end - e.time_range.start) / 1e3
         for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
             print(f"  {ms:9.2f} ms {calls:6d} calls  {name[:110]}", flush=True)
+    if idle_ops > 0:
+        _print_idle_ops(events, [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU],
+                        idle_ops)
     # the profiler's clock is in microseconds
     return {"busy": union_seconds(nccl + other) / 1e6, "nccl": union_seconds(nccl) / 1e6,
             "other": union_seconds(other) / 1e6}
+
+
+def _print_idle_ops(gpu_events: list, cpu_events: list, top: int, min_gap_us: float = 20.0) -> None:
+    """Gaps between the GPU's activity spans, each charged to the innermost host op that contains the
+    gap's start (host ops nest by time on one thread); prints the `top` ops by idle time they cover."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in gpu_events)
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a - end > min_gap_us:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    host = sorted(((e.time_range.start, e.time_range.end, e.name) for e in cpu_events), key=lambda t: (t[0], -t[1]))
+    totals: dict[str, list[float]] = {}
+    for g0, g1 in gaps:
+        inner = None
+        for a, b, name in host:  # few thousand ops per step: a scan per gap is fast enough
+            if a > g0:
+                break
+            if b >= g0 and (inner is None or b - a <= inner[1] - inner[0]):
+                inner = (a, b, name)
+        t = totals.setdefault(inner[2] if inner else "(no host op)", [0, 0.0])
+        t[0] += 1
+        t[1] += (g1 - g0) / 1e3
+    idle = sum(g1 - g0 for g0, g1 in gaps) / 1e3
+    print(f"  GPU idle {idle:.2f} ms in {len(gaps)} gaps > {min_gap_us:.0f} us; by innermost host op:", flush=True)
+    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {ms:9.2f} ms {n:6d} gaps  {name[:110]}", flush=True)
 
 
 def release_memory() -> None:

@@ -117,3 +117,20 @@ def test_union_seconds_counts_overlaps_once():
     assert union_seconds([(0, 2), (1, 3), (5, 6)]) == 4.0  # [0, 3] and [5, 6]
     assert union_seconds([(4, 5), (0, 10)]) == 10.0  # a kernel inside another stream's span
     assert device_activity_seconds(lambda: None, "cpu") is None
+
+
+def test_idle_ops_charges_each_gpu_gap_to_the_innermost_host_op(capsys):
+    from types import SimpleNamespace
+
+    from shared.bench import _print_idle_ops
+
+    def ev(a, b, name="kernel"):
+        return SimpleNamespace(time_range=SimpleNamespace(start=a, end=b), name=name)
+
+    # GPU busy [0,10] [100,110] [300,310]; gaps 10→100 (inside "wait") and 110→300 (inside "step" only)
+    gpu = [ev(0, 10), ev(100, 110), ev(300, 310)]
+    host = [ev(0, 400, "step"), ev(5, 95, "wait"), ev(102, 108, "launch")]
+    _print_idle_ops(gpu, host, top=5)
+    out = capsys.readouterr().out
+    assert "GPU idle 0.28 ms in 2 gaps" in out
+    assert "0.09 ms      1 gaps  wait" in out and "0.19 ms      1 gaps  step" in out
