@@ -198,6 +198,8 @@ def run_measured(cfg: dict) -> dict:
                         if dm is not None else {}),
                      "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
     rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
+    # where the disaggregated TTFT goes, per rate: P50 of each part (router, queue, messages, forward), seconds
+    rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v} for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
             "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
             "latency_fit": dataclasses.asdict(models["disaggregated"]),
@@ -226,6 +228,10 @@ def format_measured_table(result: dict) -> str:
                  f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
     lines.append(f"KV hand-off while serving (pull sent -> in decode cache), {t['count']} transfers: P50 "
                  f"{t['p50_s'] * 1e3:.2f} ms, P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms")
+    for row in result["systems"]:
+        for rate, parts in zip(rates, row.get("ttft_parts_p50", [])):
+            lines.append(f"{row['system']} @ {rate:g} req/s, TTFT parts P50 (ms): "
+                         + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
     for row in result["systems"]:
         f = row["latency_fit"]
         fits = [("", row["num_steps_fitted"], f)]

@@ -125,7 +125,7 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
         raise
     store.set("handshake", "ok")
     pre = PrefillInstance(engine.scheduler, runner, transport, list(range(1, world)), cfg.lease_ttl_s,
-                          keep_sent=cfg.keep_kv)
+                          keep_sent=cfg.keep_kv, keep_ttft_parts=True)
     decode_blocks = min(info[n]["num_blocks"] for n in names[1:])
     router = Router(pre, engine.max_model_len, decode_blocks, engine.config.block_size)
 
@@ -150,10 +150,18 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
     pre.step_log.clear()
     out = []
     for k, arrivals in enumerate(rounds):
+        pre.ttft_parts.clear()
         completions, duration = serve(f"{k}:", requests, arrivals)
+        # TTFT = (added − arrival) + (iteration start − added) + (forward start − iteration start) + forward
+        parts = {name: [] for name in ("router", "queue", "messages", "forward")}
+        for c in completions:
+            if c.request_id in pre.ttft_parts and c.token_times:
+                added, it, fw = pre.ttft_parts[c.request_id]
+                for name, v in zip(parts, (added - c.arrival_time, it - added, fw - it, c.token_times[0] - fw)):
+                    parts[name].append(v)
         for c in completions:  # request ids as the caller numbers them
             c.request_id = c.request_id.split(":", 1)[1]
-        out.append({"completions": completions, "duration": duration})
+        out.append({"completions": completions, "duration": duration, "ttft_parts": parts})
         # progress, so that a run cut off by a time limit shows how far it got
         print(f"disaggregated round {k + 1}/{len(rounds)}: {len(completions)} requests in {duration:.1f} s",
               flush=True)

@@ -92,7 +92,7 @@ class PrefillInstance:
 
     def __init__(self, scheduler: Scheduler, runner, transport: Transport, decode_ranks: list[int],
                  lease_ttl_s: float = 10.0, clock: Callable[[], float] = time.perf_counter,
-                 keep_sent: bool = False):
+                 keep_sent: bool = False, keep_ttft_parts: bool = False):
         self.scheduler, self.runner, self.transport = scheduler, runner, transport
         self.decode_ranks = decode_ranks
         self.lease_ttl_s, self.clock = lease_ttl_s, clock
@@ -106,14 +106,22 @@ class PrefillInstance:
         self.keep_sent = keep_sent
         self.step_log: list[StepRecord] = []
         self._next_decode = 0
+        # with keep_ttft_parts, rid -> (added, start of the iteration that prefilled it, start of that
+        # iteration's forward): where a request's TTFT goes besides its forward (bench diagnostics)
+        self.ttft_parts: dict[str, tuple[float, float, float]] = {}
+        self.keep_ttft_parts = keep_ttft_parts
+        self._added: dict[str, float] = {}
 
     def add_request(self, request_id: str, prompt: list[int], sp: SamplingParams, arrival_time: float) -> None:
+        if self.keep_ttft_parts:
+            self._added[request_id] = self.clock()
         self.scheduler.add(Sequence(prompt, sp, request_id, arrival_time))
 
     def _complete(self, c: Completion) -> None:
         self.completed.setdefault(c.request_id, c)
 
     def abort(self, request_id: str) -> None:
+        self._added.pop(request_id, None)
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             self.runner.release(seq)
@@ -142,7 +150,11 @@ class PrefillInstance:
         self.sending = [(w, buf) for w, buf in self.sending if not w.is_completed()]
         if not self.scheduler.has_unfinished():
             return
+        t_forward = time.perf_counter()
         out, finished = _execute(self.scheduler, self.runner, self.step_log, t_start)
+        for seq, sampled in zip(out.seqs, out.samples):
+            if sampled and seq.request_id in self._added:
+                self.ttft_parts[seq.request_id] = (self._added.pop(seq.request_id), t_start, t_forward)
         for seq in finished:  # EOS or max_tokens reached at the first token
             self._complete(_completion(seq))
         for seq, sampled in zip(out.seqs, out.samples):

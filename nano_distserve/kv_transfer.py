@@ -180,7 +180,13 @@ class DistTransport:
 
     def isend_kv(self, dst: int, tag: int, tensor: torch.Tensor) -> Work:
         work = dist.isend(tensor, dst, tag=tag)
-        work.wait()  # the receive is already posted (pull protocol), so this only waits for the bytes
+        if not tensor.is_cuda:
+            # gloo reports completion only from wait(); the receive is already posted (pull protocol), so
+            # this waits for the bytes alone
+            work.wait()
+        # NCCL: no wait. It would make this GPU's stream wait for the send, which starts only when the
+        # peer's receive kernel does — after the decode step in flight there. The sender keeps the staging
+        # buffer until is_completed() (an event query) says the bytes are gone.
         return work
 
     def irecv_kv(self, src: int, tag: int, tensor: torch.Tensor) -> Work:

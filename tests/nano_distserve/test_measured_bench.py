@@ -31,8 +31,12 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
     assert wire["count"] == 4 and 0 < wire["p50_s"] <= wire["p99_s"]
     for row in result["systems"]:  # one step-latency model per system, fitted to its own steps
         assert row["latency_fit"]["c0"] + row["latency_fit"]["c_prefill"] > 0 and row["num_steps_fitted"] > 0
+    parts = result["systems"][-1]["ttft_parts_p50"]  # where each rate's disaggregated TTFT went
+    assert len(parts) == 2 and all(set(p) == {"router", "queue", "messages", "forward"} for p in parts)
+    assert all(p["forward"] > 0 and p["queue"] >= 0 for p in parts)
     table = format_measured_table(result)
     assert "KV transfer alone" in table and "hand-off" in table and "meas|sim" in table
+    assert "TTFT parts P50" in table
 
 
 def test_interference_trace_plain_vs_chunked():
