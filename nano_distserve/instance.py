@@ -152,13 +152,14 @@ class PrefillInstance:
             return
         t_forward = time.perf_counter()
         out, finished = _execute(self.scheduler, self.runner, self.step_log, t_start)
-        for seq, sampled in zip(out.seqs, out.samples):
-            if sampled and seq.request_id in self._added:
-                self.ttft_parts[seq.request_id] = (self._added.pop(seq.request_id), t_start, t_forward)
         for seq in finished:  # EOS or max_tokens reached at the first token
             self._complete(_completion(seq))
         for seq, sampled in zip(out.seqs, out.samples):
-            if sampled and seq.status is SequenceStatus.RUNNING:
+            if not sampled:  # a prompt chunk that is not the last
+                continue
+            if seq.request_id in self._added:
+                self.ttft_parts[seq.request_id] = (self._added.pop(seq.request_id), t_start, t_forward)
+            if seq.status is SequenceStatus.RUNNING:
                 self._hand_off(seq)
 
     def _hand_off(self, seq: Sequence) -> None:

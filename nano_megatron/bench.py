@@ -181,10 +181,11 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
     busy = None
     if device.type == "cuda":  # one more step under the profiler: is the GPU fed, or waiting on the host?
         dist.barrier()
+        rank0 = dist.get_rank() == 0  # only rank 0 prints the optional kernel and idle-op listings
         try:
             busy = device_activity_seconds(lambda e=engine: e.train_step(batches[-1], cfg.lr), device,
-                                          *((int(bench.get("top_kernels", 0)), int(bench.get("idle_ops", 0)))
-                                            if dist.get_rank() == 0 else (0, 0)))
+                                          top_kernels=int(bench.get("top_kernels", 0)) if rank0 else 0,
+                                          idle_ops=int(bench.get("idle_ops", 0)) if rank0 else 0)
         except Exception as e:  # a diagnostic must not cost the measurement
             print(f"GPU busy time not measured: {type(e).__name__}: {e}", flush=True)
     tokens = cfg.global_batch_size * cfg.seq_len
