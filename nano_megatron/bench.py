@@ -7,11 +7,14 @@ master weights of a bf16 model — LocalEngine's recipe):
   tp_sp       MegatronEngine, tp = N with sequence parallelism
   tp_serial, tp_sp_serial   the same two without overlapping the backward tp collectives with the dW
               GEMMs (`parallel.tp_comm_overlap=false`): what the overlap buys, in the same run
+  tp_graph, tp_sp_graph     tp / tp_sp with the whole step captured once in a CUDA graph and replayed
+              (`parallel.cuda_graph=true`): what the host's launches and jitter cost
   dtensor_tp  torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel on q,k,v,o and the
               MLP, vocab-sharded embedding and LM head, `loss_parallel`), tp = N
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
   pp_gpipe    the same with GPipe
-Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
+A 1-GPU baseline's "tp" rows (tp, tp_graph) are the same single-GPU model; scaling efficiency is measured
+against the faster of them. Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
 `peak_tflops` per GPU), on GPUs the share of a step's wall time the GPU was running kernels (one extra
 profiled step; well under 100% means the host's launches are the bottleneck), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
 forward/backward kernels) / (step time of the slowest stage), per stage, next to (p−1)/(m+p−1).
@@ -45,7 +48,8 @@ from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
 from shared.model import build_model
 from shared.train import StepResult, TrainConfig, clip_coefficient, decays, micro_batches_of
 
-SYSTEMS = ("tp", "tp_sp", "tp_serial", "tp_sp_serial", "dtensor_tp", "pp_1f1b", "pp_gpipe")
+SYSTEMS = ("tp", "tp_sp", "tp_serial", "tp_sp_serial", "tp_graph", "tp_sp_graph", "dtensor_tp", "pp_1f1b",
+           "pp_gpipe")
 DATASHEET_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16: what published MFUs are quoted against
 
 
@@ -151,9 +155,16 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
         p = {"tp": dict(tp=world), "tp_sp": dict(tp=world, sequence_parallel=True),
              "tp_serial": dict(tp=world, tp_comm_overlap=False),
              "tp_sp_serial": dict(tp=world, sequence_parallel=True, tp_comm_overlap=False),
+             "tp_graph": dict(tp=world, cuda_graph=True),
+             "tp_sp_graph": dict(tp=world, sequence_parallel=True, cuda_graph=True),
              "pp_1f1b": dict(pp=world), "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
         engine = MegatronEngine(mcfg, ParallelConfig(**p), cfg, device=device)
-    batches = _batches(mcfg, cfg, int(bench.warmup) + int(bench.steps), 0, 1)
+    warmup = int(bench.warmup)
+    if system.endswith("_graph"):  # a graphed engine warms up and captures in its first calls: untimed
+        warmup = max(warmup, MegatronEngine.GRAPH_WARMUP_STEPS + 1)
+    # on the device before the clock starts: a pageable host-to-device copy would stall the host mid-step
+    batches = [[(x.to(device), y.to(device)) for x, y in mb]
+               for mb in _batches(mcfg, cfg, warmup + int(bench.steps), 0, 1)]
     times, bubbles = [], []
     for i, mb in enumerate(batches):
         dist.barrier()
@@ -161,7 +172,7 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
         t0 = time.perf_counter()
         engine.train_step(mb, cfg.lr)
         _sync(device)
-        if i >= int(bench.warmup):
+        if i >= warmup:
             times.append(time.perf_counter() - t0)
     if system.startswith("pp"):
         # The bubble of the schedule alone (forward_backward, no optimizer step): this stage's time in
@@ -258,7 +269,8 @@ def run(cfg: DictConfig) -> dict:
         if cfg.baseline_json:
             base = json.loads(Path(cfg.baseline_json).read_text())
             ref = {r["system"]: r["tokens/s"] for r in base["rows"]}
-            ref_tp = ref.get("tp")
+            # the strongest single-GPU run of the same model (eager or graphed)
+            ref_tp = max((ref[s] for s in ("tp", "tp_graph") if s in ref), default=None)
             for r in rows:
                 if ref_tp:
                     r["scaling eff %"] = 100 * r["tokens/s"] / (env.world_size * ref_tp)

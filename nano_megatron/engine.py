@@ -15,6 +15,7 @@ One step (`train_step`), on every rank of the (dp, pp, tp) grid:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class ParallelConfig:
     schedule: str = "1f1b"  # "gpipe" | "1f1b"
     activation_checkpointing: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
+    # capture the whole training step (forward, backward, collectives, clipping, AdamW) in one CUDA graph
+    # and replay it (Megatron-Core's full-iteration CUDA graph): no host launch costs or host jitter
+    # between kernels. CUDA only; pp = dp = 1; one batch shape per engine.
+    cuda_graph: bool = False
 
 
 def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig, world_size: int) -> None:
@@ -71,6 +76,9 @@ def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConf
         raise ValueError(f"unknown pipeline schedule {parallel.schedule!r}; choose from {SCHEDULES}")
     if parallel.bucket_mb <= 0:
         raise ValueError(f"parallel.bucket_mb must be > 0, got {parallel.bucket_mb}")
+    if parallel.cuda_graph and (pp > 1 or parallel.dp > 1):
+        raise ValueError(f"parallel.cuda_graph supports tensor (and sequence) parallelism only: pp and dp must "
+                         f"be 1, got pp={pp}, dp={parallel.dp}")
 
 
 def _default_device() -> torch.device:
@@ -91,6 +99,8 @@ class MegatronEngine:
         validate(model_config, parallel, cfg, dist.get_world_size())
         self.model_config, self.parallel, self.cfg = model_config, parallel, cfg
         self.device = torch.device(device) if device is not None else _default_device()
+        if parallel.cuda_graph and self.device.type != "cuda":  # raised on every rank, before any collective
+            raise ValueError(f"parallel.cuda_graph needs a CUDA device (the NCCL backend), got {self.device}")
         self.grid = grid = ParallelGrid(GridShape(parallel.tp, parallel.pp, parallel.dp))
         self.dp_rank, self.dp_world_size = grid.dp_rank, grid.dp
         model = model if model is not None else build_model(model_config, self.device, seed=cfg.seed)
@@ -114,13 +124,19 @@ class MegatronEngine:
                   {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
         # fused on GPU (one kernel for all tensors); per-tensor on CPU, exactly LocalEngine's arithmetic
         impl = {"fused": True} if self.device.type == "cuda" else {"foreach": False}
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        lr: float | torch.Tensor = cfg.lr
+        if parallel.cuda_graph:  # a replayed graph reads the learning rate from device memory
+            lr = self._lr = torch.tensor(cfg.lr, dtype=torch.float32, device=self.device)
+            impl["capturable"] = True
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
         self.vocab_start = 0
         if model.lm_head is not None:
             self.vocab_start = grid.tp_rank * model.lm_head.weight.shape[0] if grid.tp > 1 else 0
         self._num_tokens = 1
         self._seq_len = cfg.seq_len
         self.pipeline_timeline: list | None = None  # set to [] to record the next step's actions
+        self._graph: torch.cuda.CUDAGraph | None = None  # parallel.cuda_graph: the captured step
+        self._graph_calls = 0
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,6 +150,10 @@ class MegatronEngine:
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Gradients of the global-batch mean loss, fully reduced (dp, tied copies, tp-partial);
         returns that loss (the same value on every rank)."""
+        return float(self._forward_backward(micro_batches))
+
+    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`forward_backward` with the loss left on the device (no host synchronisation)."""
         g = self.grid
         mb, seq = micro_batches[0][0].shape
         self._seq_len = seq
@@ -158,7 +178,7 @@ class MegatronEngine:
         # the loss lives on the last stage; tp ranks hold copies, dp ranks hold parts
         loss = loss.float() if (g.is_last_stage and g.tp_rank == 0) else torch.zeros((), device=self.device)
         dist.all_reduce(loss)
-        return float(loss)
+        return loss
 
     def _grad_norm(self) -> torch.Tensor:
         """Global L2 norm, counting every parameter of the full model once: sharded ones on every tp
@@ -184,24 +204,80 @@ class MegatronEngine:
         return total.sqrt()
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        loss = self.forward_backward(micro_batches)
+        if self.parallel.cuda_graph:
+            return self._graphed_step(micro_batches, lr)
+        loss, norm = self._step(micro_batches, lr)
+        return StepResult(loss=float(loss), grad_norm=float(norm))
+
+    def _step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (loss, grad norm) as device tensors. `lr=None` (the CUDA-graph
+        path): the learning rate is read from `self._lr` and clipping never consults the host, so the
+        whole step can be captured."""
+        loss = self._forward_backward(micro_batches)
         if self.master is not self.params:
             for m, p in zip(self.master, self.params):
                 m.grad = p.grad.float()
         norm = self._grad_norm()
-        coef = clip_coefficient(norm, self.cfg.grad_clip)
         grads = [m.grad for m in self.master]
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if lr is None:
+            if self.cfg.grad_clip > 0:  # clip_coefficient on the device: × exactly 1.0 below the threshold
+                coef = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float()
+                torch._foreach_mul_(grads, coef)
+        else:
+            coef = clip_coefficient(norm, self.cfg.grad_clip)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.step()
         if self.master is not self.params:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
             for m in self.master:
                 m.grad = None
-        return StepResult(loss=loss, grad_norm=float(norm))
+        return loss, norm
+
+    # Eager steps before the capture: AdamW's state, Triton's autotuned kernels, cuBLAS workspaces and NCCL
+    # communicators must all exist before a graph records addresses (torch.cuda.graph's documented recipe).
+    GRAPH_WARMUP_STEPS = 2
+
+    def _graphed_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+        """parallel.cuda_graph: the first `GRAPH_WARMUP_STEPS` steps run eagerly on a side stream, the next
+        is captured into one CUDA graph (every kernel and NCCL collective of the step, with their
+        cross-stream dependencies), and every step from then on copies its batch into the graph's static
+        input buffers, writes the learning rate, and replays it: one host call per step."""
+        shapes = [(tuple(x.shape), tuple(y.shape)) for x, y in micro_batches]
+        if self._graph_calls == 0:
+            self._graph_shapes = shapes
+            self._static = [(x.to(self.device, copy=True), y.to(self.device, copy=True)) for x, y in micro_batches]
+            self._graph_stream = torch.cuda.Stream(self.device)
+        elif shapes != self._graph_shapes:
+            raise ValueError(f"parallel.cuda_graph replays one batch shape: captured {self._graph_shapes}, "
+                             f"got {shapes}")
+        for (sx, sy), (x, y) in zip(self._static, micro_batches):
+            sx.copy_(x)
+            sy.copy_(y)
+        self._lr.fill_(lr)
+        self._graph_calls += 1
+        stream = self._graph_stream
+        if self._graph is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._graph_calls <= self.GRAPH_WARMUP_STEPS:
+                with torch.cuda.stream(stream), warnings.catch_warnings():
+                    # AdamW(capturable=True) warns when it runs outside a graph: here it is meant to
+                    warnings.filterwarnings("ignore", message=".*capturable=True.*")
+                    self._out = self._step(self._static, None)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                return StepResult(loss=float(self._out[0]), grad_norm=float(self._out[1]))
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: NCCL's watchdog thread may query events while this thread captures
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self._out = self._step(self._static, None)
+            self._graph = graph
+        self._graph.replay()
+        return StepResult(loss=float(self._out[0]), grad_norm=float(self._out[1]))
 
     # ------------------------------------------------------------------ weights in and out
     def _owner_stage(self, name: str) -> int:

@@ -25,7 +25,11 @@ CASES = {
     "pp2-1f1b": dict(parallel=dict(pp=2)),
     "pp2-gpipe": dict(parallel=dict(pp=2, schedule="gpipe")),
     "dp2": dict(parallel=dict(dp=2, bucket_mb=0.01)),
+    # the whole step captured in a CUDA graph at step 3 (2 eager warm-up steps), replayed for steps 3-5
+    "tp2-graph": dict(parallel=dict(tp=2, cuda_graph=True)),
+    "tp2-sp-graph": dict(parallel=dict(tp=2, sequence_parallel=True, cuda_graph=True)),
 }
+
 TOL = 1e-4
 
 
@@ -61,3 +65,4 @@ def test_nccl_two_ranks_equal_single_gpu():
         assert results[1][name][0] == pytest.approx(losses, abs=1e-6), name  # every rank reports the loss
         err = max_abs_diff(state, ref_state)
         assert err < TOL, f"{name}: parameters differ from the single GPU by {err:.2e}"
+

@@ -85,6 +85,9 @@ BAD_INPUTS = {  # name -> (case, expected message fragment), checked on 2 ranks
     "sp_seq": (dict(parallel=dict(tp=2, sequence_parallel=True), train=dict(seq_len=15)),
                "sequence parallelism needs seq_len (15) divisible by tp=2"),
     "schedule": (dict(parallel=dict(pp=2, schedule="zigzag")), "unknown pipeline schedule 'zigzag'"),
+    "graph_pp": (dict(parallel=dict(pp=2, cuda_graph=True)),
+                 "parallel.cuda_graph supports tensor (and sequence) parallelism only: pp and dp must be 1, got pp=2"),
+    "graph_cpu": (dict(parallel=dict(tp=2, cuda_graph=True)), "parallel.cuda_graph needs a CUDA device"),
 }
 
 
