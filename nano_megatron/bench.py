@@ -5,15 +5,15 @@ Systems (each a full training step: forward, backward, gradient reduction, clipp
 master weights of a bf16 model — LocalEngine's recipe):
   tp          MegatronEngine, tp = N
   tp_sp       MegatronEngine, tp = N with sequence parallelism
-  tp_serial, tp_sp_serial   the same two without overlapping the backward tp collectives with the dW
-              GEMMs (`parallel.tp_comm_overlap=false`): what the overlap buys, in the same run
-  tp_graph, tp_sp_graph     tp / tp_sp with the whole step captured once in a CUDA graph and replayed
-              (`parallel.cuda_graph=true`): what the host's launches and jitter cost
+  tp[_sp][_serial][_graph][_pairs]   tp / tp_sp with options, in any combination: `_serial` does not overlap
+              the backward tp collectives with the dW GEMMs (`parallel.tp_comm_overlap=false`); `_graph`
+              captures the whole step once in a CUDA graph and replays it (`parallel.cuda_graph=true`);
+              `_pairs` runs micro-batches two at a time on two streams (`parallel.overlap_micro_batches=true`)
   dtensor_tp  torch DTensor `parallelize_module` (ColwiseParallel / RowwiseParallel on q,k,v,o and the
               MLP, vocab-sharded embedding and LM head, `loss_parallel`), tp = N
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
   pp_gpipe    the same with GPipe
-A 1-GPU baseline's "tp" rows (tp, tp_graph) are the same single-GPU model; scaling efficiency is measured
+A 1-GPU baseline's tp rows (tp, tp_graph, ...) are the same single-GPU model; scaling efficiency is measured
 against the faster of them. Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
 `peak_tflops` per GPU), on GPUs the share of a step's wall time the GPU was running kernels (one extra
 profiled step; well under 100% means the host's launches are the bottleneck), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
@@ -48,8 +48,19 @@ from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
 from shared.model import build_model
 from shared.train import StepResult, TrainConfig, clip_coefficient, decays, micro_batches_of
 
-SYSTEMS = ("tp", "tp_sp", "tp_serial", "tp_sp_serial", "tp_graph", "tp_sp_graph", "dtensor_tp", "pp_1f1b",
-           "pp_gpipe")
+SYSTEMS = ("tp", "tp_sp", "tp_serial", "tp_sp_serial", "tp_graph", "tp_sp_graph", "tp_sp_graph_pairs",
+           "dtensor_tp", "pp_1f1b", "pp_gpipe")  # the named rows; any tp[_sp][_serial][_graph][_pairs] is accepted
+TP_OPTIONS = {"sp": "sequence_parallel", "serial": "tp_comm_overlap", "graph": "cuda_graph",
+              "pairs": "overlap_micro_batches"}
+
+
+def tp_parallel_config(system: str, world: int) -> dict | None:
+    """ParallelConfig fields of a tp[_option...] system name (None: not such a name)."""
+    base, *options = system.split("_")
+    if base != "tp" or len(set(options)) != len(options) or not set(options) <= set(TP_OPTIONS):
+        return None
+    fields = {TP_OPTIONS[o]: o != "serial" for o in options}
+    return {"tp": world, **fields}
 DATASHEET_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16: what published MFUs are quoted against
 
 
@@ -152,15 +163,11 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
     if system == "dtensor_tp":
         engine = DTensorTP(mcfg, cfg, device)
     else:
-        p = {"tp": dict(tp=world), "tp_sp": dict(tp=world, sequence_parallel=True),
-             "tp_serial": dict(tp=world, tp_comm_overlap=False),
-             "tp_sp_serial": dict(tp=world, sequence_parallel=True, tp_comm_overlap=False),
-             "tp_graph": dict(tp=world, cuda_graph=True),
-             "tp_sp_graph": dict(tp=world, sequence_parallel=True, cuda_graph=True),
-             "pp_1f1b": dict(pp=world), "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
+        p = tp_parallel_config(system, world) or {"pp_1f1b": dict(pp=world),
+                                                  "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
         engine = MegatronEngine(mcfg, ParallelConfig(**p), cfg, device=device)
     warmup = int(bench.warmup)
-    if system.endswith("_graph"):  # a graphed engine warms up and captures in its first calls: untimed
+    if "_graph" in system:  # a graphed engine warms up and captures in its first calls: untimed
         warmup = max(warmup, MegatronEngine.GRAPH_WARMUP_STEPS + 1)
     # on the device before the clock starts: a pageable host-to-device copy would stall the host mid-step
     batches = [[(x.to(device), y.to(device)) for x, y in mb]
@@ -253,9 +260,10 @@ def run(cfg: DictConfig) -> dict:
         if quick:
             bench.warmup, bench.steps, bench.pp_micro_batches = 1, 2, 4
         systems = list(cfg.systems)
-        unknown = sorted(set(systems) - set(SYSTEMS))
+        unknown = sorted(s for s in set(systems) - set(SYSTEMS) if tp_parallel_config(s, 1) is None)
         if unknown:
-            raise ValueError(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+            raise ValueError(f"unknown systems {unknown}; choose from {list(SYSTEMS)} or any "
+                             "tp[_sp][_serial][_graph][_pairs]")
         if env.world_size == 1:
             systems = [s for s in systems if not s.startswith("pp")]  # one stage: nothing to measure
         cuda = env.device.type == "cuda"
@@ -270,7 +278,7 @@ def run(cfg: DictConfig) -> dict:
             base = json.loads(Path(cfg.baseline_json).read_text())
             ref = {r["system"]: r["tokens/s"] for r in base["rows"]}
             # the strongest single-GPU run of the same model (eager or graphed)
-            ref_tp = max((ref[s] for s in ("tp", "tp_graph") if s in ref), default=None)
+            ref_tp = max((v for s, v in ref.items() if tp_parallel_config(s, 1) is not None), default=None)
             for r in rows:
                 if ref_tp:
                     r["scaling eff %"] = 100 * r["tokens/s"] / (env.world_size * ref_tp)

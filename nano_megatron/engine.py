@@ -15,6 +15,7 @@ One step (`train_step`), on every rank of the (dp, pp, tp) grid:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,12 @@ import torch.distributed as dist
 
 from nano_megatron.data_parallel import BucketedGradReducer
 from nano_megatron.grid import GridShape, ParallelGrid
-from nano_megatron.pipeline_parallel import PipelineSchedule, split_into_stage, stage_forward
+from nano_megatron.pipeline_parallel import (
+    PipelineSchedule,
+    split_into_stage,
+    stage_forward,
+    stage_forward_interleaved,
+)
 from nano_megatron.schedules import SCHEDULES
 from nano_megatron.tensor_parallel import TPShard, apply_tensor_parallel, vocab_parallel_cross_entropy
 from shared.config import ModelConfig
@@ -49,6 +55,10 @@ class ParallelConfig:
     # and replay it (Megatron-Core's full-iteration CUDA graph): no host launch costs or host jitter
     # between kernels. CUDA only; pp = dp = 1; one batch shape per engine.
     cuda_graph: bool = False
+    # pp = 1: run the micro-batches two at a time, each on its own CUDA stream and interleaved layer by layer,
+    # so one's tensor-parallel collectives overlap the other's GEMMs (Domino, arXiv 2409.15241); forward and
+    # backward alike. Keeps two micro-batches' activations alive instead of one.
+    overlap_micro_batches: bool = False
 
 
 def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig, world_size: int) -> None:
@@ -76,6 +86,15 @@ def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConf
         raise ValueError(f"unknown pipeline schedule {parallel.schedule!r}; choose from {SCHEDULES}")
     if parallel.bucket_mb <= 0:
         raise ValueError(f"parallel.bucket_mb must be > 0, got {parallel.bucket_mb}")
+    if parallel.overlap_micro_batches:
+        if pp > 1:
+            raise ValueError(f"parallel.overlap_micro_batches needs pp=1 (the pipeline schedules order micro-batches "
+                             f"themselves), got pp={pp}")
+        per_rank = cfg.global_batch_size // (cfg.micro_batch_size * parallel.dp)
+        if per_rank % 2:
+            raise ValueError(f"parallel.overlap_micro_batches runs micro-batches in pairs: global_batch_size "
+                             f"({cfg.global_batch_size}) / (micro_batch_size ({cfg.micro_batch_size}) x dp "
+                             f"({parallel.dp})) = {per_rank} must be even")
     if parallel.cuda_graph and (pp > 1 or parallel.dp > 1):
         raise ValueError(f"parallel.cuda_graph supports tensor (and sequence) parallelism only: pp and dp must "
                          f"be 1, got pp={pp}, dp={parallel.dp}")
@@ -136,6 +155,9 @@ class MegatronEngine:
         self._seq_len = cfg.seq_len
         self.pipeline_timeline: list | None = None  # set to [] to record the next step's actions
         self._graph: torch.cuda.CUDAGraph | None = None  # parallel.cuda_graph: the captured step
+        self._streams: list[torch.cuda.Stream | None] = [None, None]  # overlap_micro_batches (None: CPU)
+        if parallel.overlap_micro_batches and self.device.type == "cuda":
+            self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
         self._graph_calls = 0
 
     # ------------------------------------------------------------------ one step
@@ -163,8 +185,11 @@ class MegatronEngine:
         schedule = PipelineSchedule(g, self.parallel.schedule, self._forward, self._loss,
                                     (2, mb, local_seq, self.model_config.hidden_size), dtype, self.device)
         self.reducer.zero_grad()
-        loss = schedule.run(micro_batches, before_last_backward=self.reducer.arm,
-                            timeline=self.pipeline_timeline)
+        if self.parallel.overlap_micro_batches:
+            loss = self._run_in_pairs(micro_batches)
+        else:
+            loss = schedule.run(micro_batches, before_last_backward=self.reducer.arm,
+                                timeline=self.pipeline_timeline)
         self.reducer.finish()
         if self.tied_copy:  # the embedding (first stage) and LM head (last stage) are one matrix
             name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"
@@ -179,6 +204,34 @@ class MegatronEngine:
         loss = loss.float() if (g.is_last_stage and g.tp_rank == 0) else torch.zeros((), device=self.device)
         dist.all_reduce(loss)
         return loss
+
+    def _run_in_pairs(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """parallel.overlap_micro_batches: forward two micro-batches at once (`stage_forward_interleaved`, one
+        stream each), then one backward pass over both losses; returns the summed loss (pp = 1)."""
+        streams = self._streams
+        current = torch.cuda.current_stream(self.device) if streams[0] is not None else None
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(0, len(micro_batches), 2):
+            pair = micro_batches[k:k + 2]
+            for stream in streams:  # inputs, zeroed gradients and the previous pair's work come first
+                if stream is not None:
+                    stream.wait_stream(current)
+            outs = stage_forward_interleaved(self.model, [x.to(self.device) for x, _ in pair], self._seq_len,
+                                             streams, self.parallel.activation_checkpointing)
+            losses = []
+            for out, (_, y), stream in zip(outs, pair, streams):
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    losses.append(self._loss(out, y.to(self.device)))
+            if k + 2 == len(micro_batches):
+                self.reducer.arm()
+            # each backward op runs on its forward op's stream; a weight's two gradients meet in autograd's
+            # input buffer (stream-synchronised) and are accumulated once
+            torch.autograd.backward(losses)
+            for stream in streams:
+                if stream is not None:
+                    current.wait_stream(stream)
+            loss_sum += losses[0].detach() + losses[1].detach()
+        return loss_sum
 
     def _grad_norm(self) -> torch.Tensor:
         """Global L2 norm, counting every parameter of the full model once: sharded ones on every tp

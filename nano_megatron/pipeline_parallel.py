@@ -19,6 +19,7 @@ group"), so the copies stay identical.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -69,23 +70,50 @@ def stage_forward(model: CausalLM, inputs: torch.Tensor, seq_len: int,
     (2, b, s, h) → (2, b, s, h) in the middle, → logits on the last stage (s is s/tp under sequence
     parallelism). With activation checkpointing each layer keeps only its inputs and is recomputed
     in the backward pass (Chen et al. 2016; the "full recomputation" of 2205.05198 §5)."""
+    return stage_forward_interleaved(model, [inputs], seq_len, [None], activation_checkpointing)[0]
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_len: int,
+                              streams: list[torch.cuda.Stream | None], activation_checkpointing: bool = False
+                              ) -> list[torch.Tensor]:
+    """`stage_forward` of several micro-batches at once, micro-batch i's kernels on `streams[i]` (None: the
+    current stream), issued layer by layer in turn: on a GPU one micro-batch's tensor-parallel collectives
+    then overlap the other's GEMMs (Domino, Wang et al. 2024, arXiv 2409.15241 §4: independent batch
+    slices hide each other's communication). Autograd runs each backward op on its forward op's stream, so
+    the backward passes interleave the same way. The caller makes the streams wait for the current one
+    first and the current one wait for them afterwards."""
     inner = model.model
-    if inner.embed_tokens is not None:
-        h, residual = inner.embed_tokens(inputs), None
-    else:
-        h, residual = inputs.unbind(0)
-    batch = h.shape[0]
-    positions = torch.arange(seq_len, device=h.device).expand(batch, seq_len)
-    cos, sin = inner.rope_cos_sin(positions)
+    states = []
+    for x, stream in zip(inputs, streams):
+        with _on(stream):
+            if inner.embed_tokens is not None:
+                h, residual = inner.embed_tokens(x), None
+            else:
+                h, residual = x.unbind(0)
+            batch = h.shape[0]
+            positions = torch.arange(seq_len, device=h.device).expand(batch, seq_len)
+            states.append([h, residual, *inner.rope_cos_sin(positions)])
     for layer in inner.layers.values():
-        if activation_checkpointing:
-            h, residual = checkpoint(layer, h, residual, cos, sin, None, use_reentrant=False)
-        else:
-            h, residual = layer(h, residual, cos, sin, None)
-    if model.lm_head is None:
-        return torch.stack([h, residual])
-    h, _ = inner.norm(h, residual)
-    return model.lm_head(h)
+        for state, stream in zip(states, streams):
+            with _on(stream):
+                h, residual, cos, sin = state
+                if activation_checkpointing:
+                    state[:2] = checkpoint(layer, h, residual, cos, sin, None, use_reentrant=False)
+                else:
+                    state[:2] = layer(h, residual, cos, sin, None)
+    outs = []
+    for (h, residual, _, _), stream in zip(states, streams):
+        with _on(stream):
+            if model.lm_head is None:
+                outs.append(torch.stack([h, residual]))
+            else:
+                h, _ = inner.norm(h, residual)
+                outs.append(model.lm_head(h))
+    return outs
 
 
 class PipelineSchedule:

@@ -59,6 +59,8 @@ TWO_RANK_CASES = {
     # also under activation checkpointing (recomputed saved weights), and the serial path stays checked
     "tp2-ckpt": dict(parallel=dict(tp=2, activation_checkpointing=True)),
     "tp2-sp-serial": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=False)),
+    # micro-batches two at a time, interleaved layer by layer (on a GPU each on its own stream)
+    "tp2-sp-pairs": dict(parallel=dict(tp=2, sequence_parallel=True, overlap_micro_batches=True)),
 }
 FOUR_RANK_CASES = {
     "tp2-pp2": dict(parallel=dict(tp=2, pp=2)),
@@ -68,6 +70,8 @@ FOUR_RANK_CASES = {
                                                activation_checkpointing=True)),
     "tp2-pp2-sp-untied": dict(parallel=dict(tp=2, pp=2, sequence_parallel=True),
                               model=dict(tie_word_embeddings=False)),
+    "tp2-dp2-pairs-ckpt": dict(parallel=dict(tp=2, dp=2, bucket_mb=0.01, overlap_micro_batches=True,
+                                             activation_checkpointing=True), train=dict(micro_batch_size=1)),
 }
 # Micro-batch invariance: global batch 4 as 1, 2 or 4 micro-batches (micro-batch size 4, 2, 1).
 MICRO_SIZES = (4, 2, 1)
@@ -88,6 +92,9 @@ BAD_INPUTS = {  # name -> (case, expected message fragment), checked on 2 ranks
     "graph_pp": (dict(parallel=dict(pp=2, cuda_graph=True)),
                  "parallel.cuda_graph supports tensor (and sequence) parallelism only: pp and dp must be 1, got pp=2"),
     "graph_cpu": (dict(parallel=dict(tp=2, cuda_graph=True)), "parallel.cuda_graph needs a CUDA device"),
+    "pairs_odd": (dict(parallel=dict(tp=2, overlap_micro_batches=True), train=dict(micro_batch_size=4)),
+                  "micro_batch_size (4) x dp (1)) = 1 must be even"),
+    "pairs_pp": (dict(parallel=dict(pp=2, overlap_micro_batches=True)), "parallel.overlap_micro_batches needs pp=1"),
 }
 
 
