@@ -158,6 +158,11 @@ class MegatronEngine:
         self._streams: list[torch.cuda.Stream | None] = [None, None]  # overlap_micro_batches (None: CPU)
         if parallel.overlap_micro_batches and self.device.type == "cuda":
             self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
+            # a weight's gradient from the second stream meets its AccumulateGrad (created on the first) by
+            # design; autograd synchronises the streams and warns about it every step unless told not to
+            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+            if quiet is not None:
+                quiet(False)
         self._graph_calls = 0
 
     # ------------------------------------------------------------------ one step
