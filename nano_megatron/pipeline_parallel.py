@@ -98,13 +98,22 @@ def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_l
             positions = torch.arange(seq_len, device=h.device).expand(batch, seq_len)
             states.append([h, residual, *inner.rope_cos_sin(positions)])
     for layer in inner.layers.values():
+        if activation_checkpointing or len(states) == 1:  # whole layers (checkpointing recomputes whole ones)
+            for state, stream in zip(states, streams):
+                with _on(stream):
+                    if activation_checkpointing:
+                        state[:2] = checkpoint(layer, *state, None, use_reentrant=False)
+                    else:
+                        state[:2] = layer(*state, None)
+            continue
+        # half layers in turn: micro-batch 0's attention, 1's attention, 0's MLP, ... so the collectives
+        # (one per half, issued in this order on one NCCL stream) alternate between the micro-batches
         for state, stream in zip(states, streams):
             with _on(stream):
-                h, residual, cos, sin = state
-                if activation_checkpointing:
-                    state[:2] = checkpoint(layer, h, residual, cos, sin, None, use_reentrant=False)
-                else:
-                    state[:2] = layer(h, residual, cos, sin, None)
+                state[:2] = layer.attention_half(*state, None)
+        for state, stream in zip(states, streams):
+            with _on(stream):
+                state[:2] = layer.mlp_half(*state[:2])
     outs = []
     for (h, residual, _, _), stream in zip(states, streams):
         with _on(stream):

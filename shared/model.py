@@ -165,13 +165,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm fuses "add the branch, then normalise"
-        # into one pass over memory (x + f(x) followed by RMSNorm of the sum).
+        return self.mlp_half(*self.attention_half(h, residual, cos, sin, ctx))
+
+    # The two halves of forward, separately callable (nano_megatron interleaves two micro-batches at this
+    # granularity). The residual stream is carried separately so each norm fuses "add the branch, then
+    # normalise" into one pass over memory (x + f(x) followed by RMSNorm of the sum).
+    def attention_half(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, ctx)
+        return self.self_attn(h, cos, sin, ctx), residual
+
+    def mlp_half(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
