@@ -121,6 +121,9 @@ def _grid_goodput(rates: list[float], attainment: list[float], target: float = 0
     return best
 
 
+MEASURED_SYSTEMS = ("colocated", "colocated_chunked", "disaggregated")
+
+
 def run_measured(cfg: dict) -> dict:
     """The measured bench (`cfg["measured"]` of bench.yaml): real colocated (plain, chunked) and 1P+1D
     disaggregated serving at each rate, the simulator fitted to the measured steps beside each number."""
@@ -133,6 +136,16 @@ def run_measured(cfg: dict) -> dict:
     backend = "nccl" if torch.cuda.device_count() >= g else "gloo"
     budgets = {"colocated": m["engine"]["max_num_batched_tokens"], "colocated_chunked": m["chunk_tokens"]}
     graph_sizes = list(m.get("mixed_cudagraph_sizes") or [])
+    names = list(MEASURED_SYSTEMS if m.get("systems") is None else m["systems"])
+    unknown = sorted(set(names) - set(MEASURED_SYSTEMS))
+    if unknown or not names:
+        raise ValueError(f"measured.systems must name some of {list(MEASURED_SYSTEMS)}, got {names}")
+    if names == ["disaggregated"]:
+        raise ValueError("measured.systems: add a colocated system — the simulator takes the KV cache geometry "
+                         "from a colocated run")
+    if "disaggregated" in names and g != 2:
+        raise ValueError(f"the disaggregated system is 1 prefill + 1 decode GPU: num_gpus must be 2 to compare "
+                         f"on equal devices, got {g}")
 
     def engine_args(budget: int, **extra) -> dict:
         # Mixed-step CUDA graphs (nano_vllm), the same sizes for every system, up to each one's step budget.
@@ -143,6 +156,8 @@ def run_measured(cfg: dict) -> dict:
     steps: dict[str, list] = {}  # each system's measured steps: its simulator model is fitted to them
     geometry = {}
     for name, chunked in (("colocated", False), ("colocated_chunked", True)):
+        if name not in names:
+            continue
         args = engine_args(budgets[name], enable_chunked_prefill=chunked)
         t0 = time.perf_counter()
         res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
@@ -154,27 +169,29 @@ def run_measured(cfg: dict) -> dict:
         measured[name] = [sorted((x for r in res for x in r["per_rate"][k]), key=lambda x: int(x.request_id))
                           for k in range(len(rates))]
         steps[name] = [s for r in res for s in r["steps"]]
-    t0 = time.perf_counter()
-    dis_all = run_disaggregated_rounds(DisaggConfig(engine=engine_args(budgets["colocated"])), requests, arrivals,
-                                       m["timeout_s"])
-    print(f"disaggregated: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
-    dis = dis_all["rounds"]
-    measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
-    transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
-    decode_steps = dis_all["decode_steps"]
-    steps["disaggregated"] = dis_all["prefill_steps"]
+    dis, transfers, wire, decode_steps = [], [], [], []
+    if "disaggregated" in names:
+        t0 = time.perf_counter()
+        dis_all = run_disaggregated_rounds(DisaggConfig(engine=engine_args(budgets["colocated"])), requests,
+                                           arrivals, m["timeout_s"])
+        print(f"disaggregated: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
+        dis = dis_all["rounds"]
+        measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
+        transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
+        decode_steps = dis_all["decode_steps"]
+        steps["disaggregated"] = dis_all["prefill_steps"]
     # One step-latency model per system — and per role for disaggregation — fitted to its own steps (§3.3:
     # the simulator is fitted to profiles of the engine it predicts): a colocated step that carries a long
     # prompt and the decodes, a chunked step, a prefill-only step and a decode instance's iteration (which
     # also receives K/V) are different shapes of work. Step times are whole iterations (schedule, forward,
     # postprocess, an instance's messages and K/V imports): what a waiting request waits for.
     models = {name: LatencyModel.fit(s) for name, s in steps.items()}
-    decode_model = LatencyModel.fit(decode_steps)
+    decode_model = LatencyModel.fit(decode_steps) if decode_steps else None
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
                      kv_bytes_per_token=geometry["kv_bytes_per_token"], bandwidth=math.inf,
                      # the measured transfer alone stands in for bytes / bandwidth; the wait for the prefill
                      # instance's step in flight is simulated (`SimConfig.pull_at_step_boundary`)
-                     transfer_latency=percentile(wire or transfers, 50))
+                     transfer_latency=percentile(wire or transfers, 50) if (wire or transfers) else 0.0)
     sims = {
         "colocated": dataclasses.replace(base, mode="colocated", policy="plain", num_instances=g,
                                          max_num_batched_tokens=budgets["colocated"]),
@@ -184,6 +201,8 @@ def run_measured(cfg: dict) -> dict:
     }
     rows = []
     for name, sc in sims.items():
+        if name not in names:
+            continue
         att = [slo_attainment(x, w.ttft_slo, w.tpot_slo) for x in measured[name]]
         model = models[name]
         dm = decode_model if name == "disaggregated" else None
@@ -197,17 +216,19 @@ def run_measured(cfg: dict) -> dict:
                      **({"decode_latency_fit": dataclasses.asdict(dm), "num_decode_steps_fitted": len(decode_steps)}
                         if dm is not None else {}),
                      "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
-    rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
-    # where the disaggregated TTFT goes, per rate: P50 of each part (router, queue, messages, forward), seconds
-    rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v} for d in dis]
+    if dis:
+        rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
+        # where the disaggregated TTFT goes, per rate: P50 of each part (router, queue, messages, forward), s
+        rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v} for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
             "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
-            "latency_fit": dataclasses.asdict(models["disaggregated"]),
-            "num_steps_fitted": len(steps["disaggregated"]),
+            "latency_fit": dataclasses.asdict(models[names[-1]]),
+            "num_steps_fitted": len(steps[names[-1]]),
             "mixed_cudagraph_sizes": graph_sizes,
-            "transfer": {"count": len(transfers), **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99)}},
-            "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99)}},
-            "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50),
+            "transfer": {"count": len(transfers),
+                         **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99) if transfers}},
+            "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99) if wire}},
+            "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50) if decode_steps else None,
             # every fitted step, [prefill tokens, decode seqs, context tokens, seconds]: main() writes them to
             # steps.json.gz beside bench.json, to refit or re-simulate offline
             "step_logs": {**{name: [dataclasses.astuple(x) for x in st] for name, st in steps.items()},
@@ -223,6 +244,8 @@ def format_measured_table(result: dict) -> str:
         lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>12.3f}|{row['sim_goodput_per_gpu']:<9.3f}  "
                      + "".join(f"{a:>11.2f}|{s:<4.2f}" for a, s in zip(row["attainment"], row["sim_attainment"])))
     t, tw = result["transfer"], result["transfer_wire"]
+    if not t["count"]:  # no disaggregated system in this run
+        return "\n".join(lines + _fit_lines(result))
     lines.append(f"KV transfer alone (export, send, receive, import; both sides ready), {tw['count']} requests' "
                  f"prompts: P50 {tw['p50_s'] * 1e3:.2f} ms, P90 {tw['p90_s'] * 1e3:.2f} ms, P99 {tw['p99_s'] * 1e3:.2f} ms; "
                  f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
@@ -232,6 +255,12 @@ def format_measured_table(result: dict) -> str:
         for rate, parts in zip(rates, row.get("ttft_parts_p50", [])):
             lines.append(f"{row['system']} @ {rate:g} req/s, TTFT parts P50 (ms): "
                          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()))
+    return "\n".join(lines + _fit_lines(result))
+
+
+def _fit_lines(result: dict) -> list[str]:
+    """One line per fitted step-latency model (per system; per role for disaggregation)."""
+    lines = []
     for row in result["systems"]:
         f = row["latency_fit"]
         fits = [("", row["num_steps_fitted"], f)]
@@ -242,7 +271,7 @@ def format_measured_table(result: dict) -> str:
             lines.append(f"{row['system']}{role}: simulator fitted to its {count} measured steps: c0 "
                          f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
                          f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s")
-    return "\n".join(lines)
+    return lines
 
 
 def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt: list[int], keep: SamplingParams,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 import nano_distserve
@@ -56,3 +57,20 @@ def test_interference_trace_plain_vs_chunked():
         assert sum(r["prefill_tokens"] for r in trace) == 256, policy
         assert all(r["seconds"] > 0 for r in trace)
     assert "TPOT slowdown" in format_interference_table(result)
+
+
+def test_measured_bench_runs_a_subset_of_systems():
+    """measured.systems: the two colocated systems alone (one GPU each; here one CPU replica each)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg["num_gpus"] = 1
+    cfg["measured"].update(num_requests=3, rates=[8], timeout_s=120, systems=["colocated", "colocated_chunked"])
+    result = run_measured(cfg)
+    assert [r["system"] for r in result["systems"]] == ["colocated", "colocated_chunked"]
+    assert all(r["gpus"] == 1 and r["summaries"][0]["requests"] == 3 for r in result["systems"])
+    assert result["transfer"]["count"] == 0
+    assert "meas|sim" in format_measured_table(result)
+    for bad, message in (([], "measured.systems must name"), (["disaggregated"], "add a colocated system"),
+                         (["colocated", "disaggregated"], "num_gpus must be 2")):
+        cfg["measured"]["systems"] = bad
+        with pytest.raises(ValueError, match=message):
+            run_measured(cfg)
