@@ -225,6 +225,7 @@ def run_measured(cfg: dict) -> dict:
             "latency_fit": dataclasses.asdict(models[names[-1]]),
             "num_steps_fitted": len(steps[names[-1]]),
             "mixed_cudagraph_sizes": graph_sizes,
+            "kv_geometry": geometry,  # what the simulator was given (with the step logs: re-simulate offline)
             "transfer": {"count": len(transfers),
                          **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99) if transfers}},
             "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99) if wire}},
@@ -270,7 +271,8 @@ def _fit_lines(result: dict) -> list[str]:
         for role, count, f in fits:
             lines.append(f"{row['system']}{role}: simulator fitted to its {count} measured steps: c0 "
                          f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
-                         f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s")
+                         f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s, "
+                         f"context in prefill steps +{f['c_mixed_context']:.2e} s/token")
     return lines
 
 

@@ -2,7 +2,8 @@
 and Appendix A: the placement search needs attainment at many rates, far too many to measure).
 
 * `LatencyModel`: step time = c0 + c_prefill * prefill tokens + c_decode * decode sequences
-  + c_context * context tokens read by attention, divided by a tensor-parallel speed-up. The paper derives
+  + c_context * context tokens read by attention (+ c_prefill_step + c_mixed_context * context tokens in a
+  step that carries prefill), divided by a tensor-parallel speed-up. The paper derives
   the same shape from FLOP counts (its Appendix A: linear and quadratic prefill terms, linear decode
   terms); `LatencyModel.fit` fits it by least squares to steps measured by the real engine
   (`instance.StepRecord`), so the simulator predicts *this* engine on *this* GPU.
@@ -40,12 +41,18 @@ class LatencyModel:
     # qwen3-0.6b shape a 256- or 480-token chunk step takes ~21 ms against ~2.5 ms for 32 decodes
     # (BENCHMARKS.md, nano_distserve) — a per-token slope alone cannot fit both.
     c_prefill_step: float = 0.0
+    # Extra cost per context token in a step that carries prefill. There nano_vllm attends every sequence with
+    # the varlen prefill kernel, whose query tiles are 128 rows: a decode's one query row pays for a tile's
+    # reads of its context, so a context token costs several times what it does in a decode-only step (the
+    # paged decode kernel); the prompt chunk's own attention also grows with its context. Fitted on an 8B
+    # shape (one H200, summarization): ~1.4-2e-7 s/token against ~2-5e-8 in decode-only steps (BENCHMARKS.md).
+    c_mixed_context: float = 0.0
     tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
         t = self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_context * context_tokens
         if prefill_tokens:
-            t += self.c_prefill_step
+            t += self.c_prefill_step + self.c_mixed_context * context_tokens
         return t / (tp * self.tp_efficiency ** (tp.bit_length() - 1))
 
     @classmethod
@@ -55,8 +62,8 @@ class LatencyModel:
         again without it (clamping it afterwards would leave the rest fitted to a model with it). Without both
         decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot be told apart:
         the minimum-norm solution splits it."""
-        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0)]
-                          for s in steps], dtype=torch.float64)
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0),
+                           s.context_tokens * float(s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
         scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of similar size: tokens are 1e3x seconds' terms
         active, coef = list(range(x.shape[1])), torch.zeros(x.shape[1], dtype=torch.float64)
@@ -66,8 +73,9 @@ class LatencyModel:
                 coef[active] = sol / scale[active]
                 break
             active.pop(int(sol.argmin()))  # the most negative goes first, then refit
-        c0, c_prefill, c_decode, c_context, c_step = coef.tolist()
-        return cls(c0=c0, c_prefill=c_prefill, c_decode=c_decode, c_context=c_context, c_prefill_step=c_step)
+        c0, c_prefill, c_decode, c_context, c_step, c_mixed = coef.tolist()
+        return cls(c0=c0, c_prefill=c_prefill, c_decode=c_decode, c_context=c_context, c_prefill_step=c_step,
+                   c_mixed_context=c_mixed)
 
 
 @dataclass

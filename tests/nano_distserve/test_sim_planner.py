@@ -32,12 +32,12 @@ def test_find_goodput_bisects_to_the_threshold():
 
 
 def test_latency_fit_recovers_coefficients():
-    true = LatencyModel(0.002, 3e-5, 1e-4, 2e-7, c_prefill_step=0.015)
+    true = LatencyModel(0.002, 3e-5, 1e-4, 2e-7, c_prefill_step=0.015, c_mixed_context=5e-7)
     steps = [StepRecord(p, d, c, true.step_time(p, d, c)) for p, d, c in
              [(100, 0, 100), (0, 8, 800), (500, 4, 900), (0, 32, 4000), (1000, 0, 1000), (50, 16, 3000),
               (0, 4, 600)]]
     fit = LatencyModel.fit(steps)
-    for name in ("c0", "c_prefill", "c_decode", "c_context", "c_prefill_step"):
+    for name in ("c0", "c_prefill", "c_decode", "c_context", "c_prefill_step", "c_mixed_context"):
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-12)
 
 
