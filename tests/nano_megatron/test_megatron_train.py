@@ -115,3 +115,14 @@ def test_bench_quick_runs_every_system(runs):
     pp = record["rows"][3]
     assert pp["bubble % (p-1)/(m+p-1)"] == pytest.approx(100 / 5)  # p=2, m=4
     assert len(pp["bubble % (stages)"].split(" / ")) == 2
+
+
+def test_bench_system_names_map_to_parallel_configs():
+    from nano_megatron.bench import tp_parallel_config
+
+    assert tp_parallel_config("tp", 2) == {"tp": 2}
+    assert tp_parallel_config("tp_sp_serial", 2) == {"tp": 2, "sequence_parallel": True, "tp_comm_overlap": False}
+    assert tp_parallel_config("tp_sp_graph_pairs", 4) == {"tp": 4, "sequence_parallel": True, "cuda_graph": True,
+                                                         "overlap_micro_batches": True}
+    for bad in ("tp_sp_sp", "tp_fast", "dtensor_tp", "pp_1f1b", "tpsp"):
+        assert tp_parallel_config(bad, 2) is None
