@@ -67,7 +67,9 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
         window_size,
     )  # fmt: skip
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs, lses = [], []
+    # rows outside every sequence (before cu_seqlens_q[0] or past cu_seqlens_q[-1]) stay 0, their LSE -inf
+    out = q.new_zeros(q.shape)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(len(cq) - 1):
         qb = q[cq[b] : cq[b + 1]]
         if block_table is None:
@@ -75,15 +77,9 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
         else:
             n = ck[b + 1] - ck[b]
             kb, vb = _paged_rows(k, block_table[b], n), _paged_rows(v, block_table[b], n)
-        o, lse = attention_torch(qb[None], kb[None], vb[None], scale, left, right)
-        outs.append(o[0])
-        lses.append(lse[0])
-    out = torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
-    lse = torch.cat(lses, dim=1) if lses else q.new_empty(q.shape[1], 0, dtype=torch.float32)
-    if out.shape[0] < q.shape[0]:  # tokens past cu_seqlens_q[-1] belong to no sequence: zero them
-        out = torch.cat([out, q.new_zeros(q.shape[0] - out.shape[0], *q.shape[1:])])
-        pad = lse.new_full((lse.shape[0], q.shape[0] - lse.shape[1]), float("-inf"))
-        lse = torch.cat([lse, pad], dim=1)
+        o, lse_b = attention_torch(qb[None], kb[None], vb[None], scale, left, right)
+        out[cq[b] : cq[b + 1]] = o[0]
+        lse[:, cq[b] : cq[b + 1]] = lse_b[0]
     return (out, lse) if return_lse else out
 
 

@@ -8,8 +8,11 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
 2. attends each new query to *all* keys of its sequence through the block table: nano_flashattn's
    `flash_attn_varlen_func(..., block_table=)` for prefill chunks and mixed steps (causal, bottom-right
    aligned, so a chunk sees the cached prefix plus itself), `flash_attn_with_kvcache` (Flash-Decoding) for
-   steps where every sequence decodes one token (§4.3). On CUDA tensors these are the Triton kernels, on a
-   CPU the torch references. A step in which no sequence has anything cached yet attends to the fresh K/V
+   steps where every sequence decodes one token (§4.3). In a mixed step the leading sequences that compute
+   one token (the running decodes: the scheduler puts them first) also go to the decode kernel
+   (`AttentionContext.decode_lens`): the varlen kernel's query tiles are 128 rows, so a one-row query would
+   pay for a whole tile's pass over its context (~7x a decode kernel's cost, measured on an 8B shape).
+   On CUDA tensors these are the Triton kernels, on a CPU the torch references. A step in which no sequence has anything cached yet attends to the fresh K/V
    directly (plain varlen FlashAttention), skipping the page indirection.
 
 Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
@@ -35,6 +38,9 @@ class AttentionContext:
     Decode steps (`is_decode`): q is (batch, 1); `context_lens` (batch,) int32 counts keys incl. the new one.
     Other steps: q is (1, num_tokens), packed; `cu_seqlens_q/k` (batch + 1,) int32 delimit each sequence's
     new tokens / all its keys; `block_tables` is None when nothing is cached yet (attend to k, v directly).
+    decode_lens: (B,) int32 or None, in a paged mixed step: the key count of each of the first B sequences
+        that computes one token (rows 0..B-1 of q), 0 for the others. Those sequences are empty in
+        `cu_seqlens_q` (their start is moved to their end), and the decode kernel attends their rows.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +51,7 @@ class AttentionContext:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    decode_lens: torch.Tensor | None = None
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -83,4 +90,10 @@ class PagedAttention:
             out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
                                          block_table=ctx.block_tables)
+            if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel, merged in
+                lens = ctx.decode_lens
+                rows = lens.shape[0]
+                dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens,
+                                              block_table=ctx.block_tables[:rows], causal=True)[:, 0]
+                out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
         return out[None]

@@ -202,7 +202,16 @@ class ModelRunner:
             tables.append(seq.block_table)
             any_cached |= start > 0
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
+        # The leading one-token sequences (the running decodes) are attended by the decode kernel
+        # (attention.AttentionContext.decode_lens): emptied in the varlen kernel's cu_seqlens_q.
+        lead = 0
+        if any_cached:
+            while lead < len(out.seqs) and out.num_new_tokens[lead] == 1:
+                lead += 1
+        decode_lens = [cu_k[i + 1] - cu_k[i] for i in range(lead)]
+        cu_q_attn = [max(c, lead) for c in cu_q] if lead else cu_q
         return {"ids": ids, "positions": positions, "slots": slots, "cu_q": cu_q, "cu_k": cu_k,
+                "cu_q_attn": cu_q_attn, "decode_lens": decode_lens,
                 "tables": tables, "paged": any_cached, "is_decode": out.is_decode,
                 "sample_rows": sample_rows, "copies": out.copies}
 
@@ -277,11 +286,13 @@ class ModelRunner:
             lens = self._tensor([k1 - k0 for k0, k1 in itertools.pairwise(cu_k)], torch.int32)
             ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=lens, block_tables=tables)
             return ids[:, None], positions[:, None], ctx
+        cu_attn, dec = inputs.get("cu_q_attn", cu_q), inputs.get("decode_lens")
         ctx = AttentionContext(
-            slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_attn, torch.int32),
             cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            max_seqlen_q=max(b - a for a, b in itertools.pairwise(cu_q)),
-            max_seqlen_k=max(b - a for a, b in itertools.pairwise(cu_k)))
+            max_seqlen_q=max(1, max(b - a for a, b in itertools.pairwise(cu_attn))),
+            max_seqlen_k=max(b - a for a, b in itertools.pairwise(cu_k)),
+            decode_lens=self._tensor(dec, torch.int32) if dec else None)
         return ids[None], positions[None], ctx
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -323,9 +334,12 @@ class ModelRunner:
             self.m_inputs = torch.zeros(3, sizes[-1], dtype=torch.long, device=dev)  # ids, positions, slots
             self.m_cu = torch.zeros(2, max_bs + 1, dtype=torch.int32, device=dev)  # cu_seqlens_q, cu_seqlens_k
             self.m_rows = torch.zeros(min(sizes[-1], max_bs), dtype=torch.long, device=dev)
+            # key counts of the leading one-token sequences (decode kernel), 0 past them
+            self.m_declens = torch.zeros(min(sizes[-1], max_bs), dtype=torch.int32, device=dev)
             self.hm_inputs = torch.zeros(3, sizes[-1], dtype=torch.long, pin_memory=pin)
             self.hm_cu = torch.zeros(2, max_bs + 1, dtype=torch.int32, pin_memory=pin)
             self.hm_rows = torch.zeros(min(sizes[-1], max_bs), dtype=torch.long, pin_memory=pin)
+            self.hm_declens = torch.zeros(min(sizes[-1], max_bs), dtype=torch.int32, pin_memory=pin)
             for n in reversed(sizes):
                 self.mixed_graphs[n] = self._capture(functools.partial(self._mixed_graph_body, n))
 
@@ -338,11 +352,12 @@ class ModelRunner:
         K/V), logits of min(n, max_num_seqs) rows. max_seqlen_q = n sizes the kernel's grid: tiles past a
         sequence's length return at once."""
         ids, positions, slots = self.m_inputs[:, :n]
+        rows = min(n, self.config.max_num_seqs)
         ctx = AttentionContext(slot_mapping=slots, block_tables=self.g_tables, cu_seqlens_q=self.m_cu[0],
-                               cu_seqlens_k=self.m_cu[1], max_seqlen_q=n, max_seqlen_k=self.max_model_len)
+                               cu_seqlens_k=self.m_cu[1], max_seqlen_q=n, max_seqlen_k=self.max_model_len,
+                               decode_lens=self.m_declens[:rows])
         with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
             hidden = self.model.model(ids[None], positions[None], ctx)
-        rows = min(n, self.config.max_num_seqs)
         self.g_logits[:rows] = self.model.compute_logits(hidden[0, self.m_rows[:rows]])
 
     def _capture(self, body: Callable[[], None]):
@@ -384,15 +399,19 @@ class ModelRunner:
         ins, cu, hr = self.hm_inputs.numpy(), self.hm_cu.numpy(), self.hm_rows.numpy()
         ins[0, :n], ins[1, :n], ins[2, :n] = inputs["ids"], inputs["positions"], inputs["slots"]
         ins[:2, n:size], ins[2, n:size] = 0, self.scratch_slot  # padded tokens: no sequence, K/V to scratch
-        cu[0, : batch + 1], cu[1, : batch + 1] = inputs["cu_q"], inputs["cu_k"]
-        cu[0, batch + 1 :], cu[1, batch + 1 :] = inputs["cu_q"][-1], inputs["cu_k"][-1]  # empty sequences
+        cu_attn = inputs.get("cu_q_attn", inputs["cu_q"])
+        cu[0, : batch + 1], cu[1, : batch + 1] = cu_attn, inputs["cu_k"]
+        cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_attn[-1], inputs["cu_k"][-1]  # empty sequences
         num_rows = min(size, self.config.max_num_seqs)
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
+        dec, hd = inputs.get("decode_lens") or [], self.hm_declens.numpy()
+        hd[: len(dec)], hd[len(dec) : num_rows] = dec, 0
         width = max(len(t) for t in inputs["tables"])
         self._fill_block_tables(self.h_tables[:batch, :width].numpy(), inputs["tables"])
         self.m_inputs[:, :size].copy_(self.hm_inputs[:, :size], non_blocking=True)
         self.m_cu.copy_(self.hm_cu, non_blocking=True)
         self.m_rows[:num_rows].copy_(self.hm_rows[:num_rows], non_blocking=True)
+        self.m_declens[:num_rows].copy_(self.hm_declens[:num_rows], non_blocking=True)
         self.g_tables[:batch, :width].copy_(self.h_tables[:batch, :width], non_blocking=True)
         self.mixed_graphs[size].replay()
         return self.g_logits[: len(rows)] if rows else None
