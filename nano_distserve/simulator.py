@@ -41,11 +41,11 @@ class LatencyModel:
     # qwen3-0.6b shape a 256- or 480-token chunk step takes ~21 ms against ~2.5 ms for 32 decodes
     # (BENCHMARKS.md, nano_distserve) — a per-token slope alone cannot fit both.
     c_prefill_step: float = 0.0
-    # Extra cost per context token in a step that carries prefill. There nano_vllm attends every sequence with
-    # the varlen prefill kernel, whose query tiles are 128 rows: a decode's one query row pays for a tile's
-    # reads of its context, so a context token costs several times what it does in a decode-only step (the
-    # paged decode kernel); the prompt chunk's own attention also grows with its context. Fitted on an 8B
-    # shape (one H200, summarization): ~1.4-2e-7 s/token against ~2-5e-8 in decode-only steps (BENCHMARKS.md).
+    # Extra cost per context token in a step that carries prefill (a prompt chunk's attention grows with its
+    # context). Found when nano_vllm still attended a mixed step's decodes with the varlen prefill kernel, whose
+    # 128-row query tiles made a decode's one row pay for a tile's pass over its context: fitted ~1.4-2e-7
+    # s/token on an 8B shape against ~3-6e-8 in decode-only steps. With those decodes on the decode kernel the
+    # fit puts it at 0 (BENCHMARKS.md, nano_distserve sixth session); kept for engines where it is not.
     c_mixed_context: float = 0.0
     tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
 
