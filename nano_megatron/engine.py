@@ -16,6 +16,7 @@ One step (`train_step`), on every rank of the (dp, pp, tp) grid:
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from nano_megatron.pipeline_parallel import (
 from nano_megatron.schedules import SCHEDULES
 from nano_megatron.tensor_parallel import TPShard, apply_tensor_parallel, vocab_parallel_cross_entropy
 from shared.config import ModelConfig
-from shared.dist import all_gather_single
+from shared.dist import DEFAULT_TIMEOUT_S, all_gather_single
 from shared.model import CausalLM, build_model
 from shared.train import StepResult, TrainConfig, check_batch_sizes, clip_coefficient, decays
 
@@ -164,6 +165,7 @@ class MegatronEngine:
             if quiet is not None:
                 quiet(False)
         self._graph_calls = 0
+        self.graph_timeout_s = DEFAULT_TIMEOUT_S  # a replay that takes longer raises (see _wait_for_replay)
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -335,7 +337,22 @@ class MegatronEngine:
                 self._out = self._step(self._static, None)
             self._graph = graph
         self._graph.replay()
+        self._wait_for_replay()
         return StepResult(loss=float(self._out[0]), grad_norm=float(self._out[1]))
+
+    def _wait_for_replay(self) -> None:
+        """Wait for the replayed step, at most the process group's timeout. NCCL's watchdog does not watch
+        collectives inside a CUDA graph, so a dead peer would leave this rank spinning in a replayed
+        all-reduce forever (torchrun kills the job when a worker exits, a bare launch would not): poll an event
+        and raise instead."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.graph_timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replayed CUDA-graph step did not finish within {self.graph_timeout_s:.0f} s "
+                                   "(parallel.cuda_graph): a peer rank has probably died or hung")
+            time.sleep(2e-4)
 
     # ------------------------------------------------------------------ weights in and out
     def _owner_stage(self, name: str) -> int:
