@@ -15,7 +15,6 @@ One step (`train_step`), on every rank of the (dp, pp, tp) grid:
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from nano_megatron.data_parallel import BucketedGradReducer
 from nano_megatron.grid import GridShape, ParallelGrid
 from nano_megatron.pipeline_parallel import (
     PipelineSchedule,
+    on_stream,
     split_into_stage,
     stage_forward,
     stage_forward_interleaved,
@@ -37,7 +37,14 @@ from nano_megatron.tensor_parallel import TPShard, apply_tensor_parallel, vocab_
 from shared.config import ModelConfig
 from shared.dist import DEFAULT_TIMEOUT_S, all_gather_single
 from shared.model import CausalLM, build_model
-from shared.train import StepResult, TrainConfig, check_batch_sizes, clip_coefficient, decays
+from shared.train import (
+    StepResult,
+    TrainConfig,
+    check_batch_sizes,
+    clip_coefficient,
+    clip_coefficient_on_device,
+    decays,
+)
 
 
 @dataclass
@@ -155,7 +162,11 @@ class MegatronEngine:
         self._num_tokens = 1
         self._seq_len = cfg.seq_len
         self.pipeline_timeline: list | None = None  # set to [] to record the next step's actions
-        self._graph: torch.cuda.CUDAGraph | None = None  # parallel.cuda_graph: the captured step
+        # parallel.cuda_graph: the captured step, how many steps it has been asked for, and (set on the first
+        # call) its static inputs, their shapes, its stream and its (loss, grad norm) outputs
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_calls = 0
+        self.graph_timeout_s = DEFAULT_TIMEOUT_S  # a replay that takes longer raises (see _wait_for_replay)
         self._streams: list[torch.cuda.Stream | None] = [None, None]  # overlap_micro_batches (None: CPU)
         if parallel.overlap_micro_batches and self.device.type == "cuda":
             self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
@@ -164,8 +175,6 @@ class MegatronEngine:
             quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
             if quiet is not None:
                 quiet(False)
-        self._graph_calls = 0
-        self.graph_timeout_s = DEFAULT_TIMEOUT_S  # a replay that takes longer raises (see _wait_for_replay)
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -227,7 +236,7 @@ class MegatronEngine:
                                              streams, self.parallel.activation_checkpointing)
             losses = []
             for out, (_, y), stream in zip(outs, pair, streams):
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with on_stream(stream):
                     losses.append(self._loss(out, y.to(self.device)))
             if k + 2 == len(micro_batches):
                 self.reducer.arm()
@@ -281,8 +290,8 @@ class MegatronEngine:
         norm = self._grad_norm()
         grads = [m.grad for m in self.master]
         if lr is None:
-            if self.cfg.grad_clip > 0:  # clip_coefficient on the device: × exactly 1.0 below the threshold
-                coef = (self.cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0).float()
+            coef = clip_coefficient_on_device(norm, self.cfg.grad_clip)
+            if coef is not None:
                 torch._foreach_mul_(grads, coef)
         else:
             coef = clip_coefficient(norm, self.cfg.grad_clip)

@@ -73,7 +73,8 @@ def stage_forward(model: CausalLM, inputs: torch.Tensor, seq_len: int,
     return stage_forward_interleaved(model, [inputs], seq_len, [None], activation_checkpointing)[0]
 
 
-def _on(stream: torch.cuda.Stream | None):
+def on_stream(stream: torch.cuda.Stream | None):
+    """`torch.cuda.stream(stream)`, or nothing for None (CPU, or the current stream)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -89,7 +90,7 @@ def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_l
     inner = model.model
     states = []
     for x, stream in zip(inputs, streams):
-        with _on(stream):
+        with on_stream(stream):
             if inner.embed_tokens is not None:
                 h, residual = inner.embed_tokens(x), None
             else:
@@ -100,7 +101,7 @@ def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_l
     for layer in inner.layers.values():
         if activation_checkpointing or len(states) == 1:  # whole layers (checkpointing recomputes whole ones)
             for state, stream in zip(states, streams):
-                with _on(stream):
+                with on_stream(stream):
                     if activation_checkpointing:
                         state[:2] = checkpoint(layer, *state, None, use_reentrant=False)
                     else:
@@ -109,14 +110,14 @@ def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_l
         # half layers in turn: micro-batch 0's attention, 1's attention, 0's MLP, ... so the collectives
         # (one per half, issued in this order on one NCCL stream) alternate between the micro-batches
         for state, stream in zip(states, streams):
-            with _on(stream):
+            with on_stream(stream):
                 state[:2] = layer.attention_half(*state, None)
         for state, stream in zip(states, streams):
-            with _on(stream):
+            with on_stream(stream):
                 state[:2] = layer.mlp_half(*state[:2])
     outs = []
     for (h, residual, _, _), stream in zip(states, streams):
-        with _on(stream):
+        with on_stream(stream):
             if model.lm_head is None:
                 outs.append(torch.stack([h, residual]))
             else:

@@ -281,12 +281,12 @@ class ModelRunner:
         positions = self._tensor(inputs["positions"], torch.long)
         slots = self._tensor(inputs["slots"], torch.long)
         tables = self._block_table_tensor(inputs["tables"]) if inputs["paged"] else None
-        cu_q, cu_k = inputs["cu_q"], inputs["cu_k"]
+        cu_k = inputs["cu_k"]
         if inputs["is_decode"]:
             lens = self._tensor([k1 - k0 for k0, k1 in itertools.pairwise(cu_k)], torch.int32)
             ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=lens, block_tables=tables)
             return ids[:, None], positions[:, None], ctx
-        cu_attn, dec = inputs.get("cu_q_attn", cu_q), inputs.get("decode_lens")
+        cu_attn, dec = inputs["cu_q_attn"], inputs["decode_lens"]
         ctx = AttentionContext(
             slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_attn, torch.int32),
             cu_seqlens_k=self._tensor(cu_k, torch.int32),
@@ -399,12 +399,12 @@ class ModelRunner:
         ins, cu, hr = self.hm_inputs.numpy(), self.hm_cu.numpy(), self.hm_rows.numpy()
         ins[0, :n], ins[1, :n], ins[2, :n] = inputs["ids"], inputs["positions"], inputs["slots"]
         ins[:2, n:size], ins[2, n:size] = 0, self.scratch_slot  # padded tokens: no sequence, K/V to scratch
-        cu_attn = inputs.get("cu_q_attn", inputs["cu_q"])
+        cu_attn = inputs["cu_q_attn"]
         cu[0, : batch + 1], cu[1, : batch + 1] = cu_attn, inputs["cu_k"]
         cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_attn[-1], inputs["cu_k"][-1]  # empty sequences
         num_rows = min(size, self.config.max_num_seqs)
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
-        dec, hd = inputs.get("decode_lens") or [], self.hm_declens.numpy()
+        dec, hd = inputs["decode_lens"], self.hm_declens.numpy()
         hd[: len(dec)], hd[len(dec) : num_rows] = dec, 0
         width = max(len(t) for t in inputs["tables"])
         self._fill_block_tables(self.h_tables[:batch, :width].numpy(), inputs["tables"])

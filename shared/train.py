@@ -158,6 +158,14 @@ def clip_coefficient(grad_norm: torch.Tensor | float, max_norm: float) -> float:
     return min(1.0, max_norm / (float(grad_norm) + 1e-6))
 
 
+def clip_coefficient_on_device(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """`clip_coefficient` as an fp32 device scalar, without reading the norm back (CUDA-graph capturable):
+    multiplying by it is exact (× 1.0) below the threshold. None when clipping is disabled."""
+    if max_norm <= 0:
+        return None
+    return (max_norm / (grad_norm + 1e-6)).clamp(max=1.0).float()
+
+
 def weak_hook(method: Callable, *bound: Any) -> Callable:
     """A hook that calls `method(*bound, *args)` without keeping `method`'s object alive.
 
@@ -418,6 +426,7 @@ __all__ = [
     "TrainEngine",
     "check_batch_sizes",
     "clip_coefficient",
+    "clip_coefficient_on_device",
     "decays",
     "load_training_checkpoint",
     "lr_at",

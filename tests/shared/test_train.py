@@ -162,3 +162,12 @@ def test_hydra_helpers():
     assert (cfg.steps, cfg.lr, cfg.out_dir) == (3, 1e-3, "/x")
     with pytest.raises(ValueError, match=r"unknown TrainConfig field\(s\) \['stpes'\]"):
         to_dataclass(TrainConfig, {"stpes": 3})
+
+
+def test_clip_coefficient_on_device_equals_the_host_one():
+    from shared.train import clip_coefficient, clip_coefficient_on_device
+
+    for norm in (0.25, 1.0, 3.0, 1e4):
+        t = torch.tensor(norm, dtype=torch.float64)
+        assert float(clip_coefficient_on_device(t, 1.0)) == pytest.approx(clip_coefficient(t, 1.0), rel=1e-7)
+    assert clip_coefficient_on_device(torch.tensor(5.0), 0.0) is None
