@@ -89,7 +89,8 @@ def format_table(result: dict) -> str:
 def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_rate: list[list[float]]) -> dict:
     """Body of one colocated replica (one device, rank r of n): at each rate it serves requests r, r+n, ...
     open-loop (round-robin dispatch) after a warm-up burst (`warmup_requests`), so kernel compiles stay out
-    of TTFT."""
+    of TTFT. Returns, per rate, its requests' metrics and generated token ids (`outputs`: request index →
+    tokens), and its measured steps."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     args = dict(engine_args)
     if torch.cuda.is_available():
@@ -99,15 +100,18 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     steps = []  # after the warm-up: what this replica's simulator model is fitted to
     engine.step_observer = lambda out, seconds: steps.append(step_record(out, seconds))
     mine = list(range(rank, len(requests), world))
-    per_rate, compiles = [], []
+    per_rate, compiles, outputs = [], [], []
     for arrivals in arrivals_per_rate:
+        tokens: list[list[int]] = []
         with KernelCompiles() as built:  # a compile inside a rate stalls its requests for ~1 s: report it
-            metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine])
+            metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine],
+                                              outputs=tokens)
+        outputs.append(dict(zip(mine, tokens)))
         # what was built, argument signatures included ("" when nothing was)
         compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs) if built.names else "")
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
-    return {"per_rate": per_rate, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
+    return {"per_rate": per_rate, "outputs": outputs, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
             "kv_bytes_per_token": 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()}
 
 

@@ -61,8 +61,10 @@ def poisson_arrivals(num: int, rate: float, seed: int = 0, burstiness: float = 1
     return times
 
 
-def run_engine_open_loop(engine, requests: list[Request], arrivals: list[float]) -> tuple[list[RequestMetrics], float]:
-    """Drive an in-process LLMEngine open-loop; returns per-request metrics and the wall time."""
+def run_engine_open_loop(engine, requests: list[Request], arrivals: list[float],
+                         outputs: list | None = None) -> tuple[list[RequestMetrics], float]:
+    """Drive an in-process LLMEngine open-loop; returns per-request metrics and the wall time. With
+    `outputs` (a list), each request's generated token ids are appended to it, in request order."""
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     t0 = time.perf_counter()
     seqs, nxt = [None] * len(requests), 0
@@ -77,7 +79,10 @@ def run_engine_open_loop(engine, requests: list[Request], arrivals: list[float])
             engine.step()
         elif nxt < len(order):  # idle until the next arrival
             time.sleep(max(0.0, t0 + arrivals[order[nxt]] - time.perf_counter()))
-    return [RequestMetrics.from_sequence(s) for s in seqs], time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if outputs is not None:
+        outputs.extend(s.output_token_ids for s in seqs)
+    return [RequestMetrics.from_sequence(s) for s in seqs], wall
 
 
 def _body(req: Request, model: str | None) -> dict:

@@ -2,9 +2,11 @@
 
 For each package: copy it, the packages the rule lets it import, its tests and tests/conftest.py into an
 empty directory, then in a fresh interpreter that can see only that directory (the editable install of
-this repository is switched off) import every module of the package and collect its tests. Collection
-imports every test module, so a test that needs a sibling outside the rule fails here too. Running the
-forked suites in full would double CI time; the same tests run in full from the repository.
+this repository is switched off) import every module of the package, check that no sibling outside the
+rule is importable, and run the package's tests there. Collection imports every test module, so a test
+that needs a sibling outside the rule fails here too. The tests marked `slow` (multi-process runs and CLI
+smoke runs, ~4-35 s each) are collected but not run in the fork: running them twice would double CI time;
+they run from the repository in the same suite.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ CHECK = textwrap.dedent('''
             continue
         raise AssertionError(f"{other} is importable in the fork of {package}: the fork is not isolated")
     import pytest
-    sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", f"tests/{package}"]))
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", f"tests/{package}"]))
 ''')
 
 
@@ -60,6 +62,6 @@ def test_package_forks_with_what_it_stands_on(package, tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n    slow: longer CPU tests\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", CHECK, package, ",".join(STANDS_ON[package]), str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "collected" in proc.stdout or "tests collected" in proc.stdout or "::" in proc.stdout, proc.stdout[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]

@@ -5,9 +5,9 @@ it (gloo on CPU): nano_megatron with tp=2 x pp=2 (4 ranks) and nano_zero stage 3
 (4 layers, hidden 128, Qwen3-style). Each loss must fall from ~ln(4096) = 8.3 to below LOSS_BOUND. Then each
 saved checkpoint must
   * load in transformers with the same logits as shared.model (fp32, 1e-4);
-  * be served greedily by nano_vllm, nano_sglang and nano_distserve's 1 prefill + 1 decode processes — each
-    output equal to shared.model's own step-by-step greedy decoding of the checkpoint. (nano_distserve's
-    colocated baseline is nano_vllm's engine itself, one replica per device: the nano_vllm row covers it.)
+  * be served greedily by nano_vllm, nano_sglang and nano_distserve — its two colocated replicas (plain,
+    and with chunked prefill) and its 1 prefill + 1 decode processes, each driven open-loop as its bench
+    drives them — each output equal to shared.model's own step-by-step greedy decoding of the checkpoint.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(trained):
 
 
 def test_every_engine_serves_it_greedily_like_the_model(trained):
+    from nano_distserve.bench import colocated_replica
     from nano_distserve.disagg import DisaggConfig, run_disaggregated
     from nano_sglang.engine import SGLEngine
     from nano_vllm import LLM, SamplingParams
@@ -107,5 +108,12 @@ def test_every_engine_serves_it_greedily_like_the_model(trained):
     arrivals = [0.0] * len(PROMPTS)
     res = run_disaggregated(DisaggConfig(engine={"model": str(ckpt), **engine}), requests, arrivals, timeout_s=300)
     got["nano_distserve 1P+1D"] = [c.output_token_ids for c in res["completions"]]
+    # two colocated replicas (requests dealt round-robin), the whole prompt per step or 16-token chunks
+    chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    for name, extra in (("plain", {}), ("chunked", chunked)):
+        replicas = run_distributed(colocated_replica, 2, {"model": str(ckpt), **engine, **extra}, requests,
+                                   [arrivals], timeout_s=300)
+        outputs = {i: toks for r in replicas for i, toks in r["outputs"][0].items()}
+        got[f"nano_distserve colocated {name}"] = [outputs[i] for i in range(len(PROMPTS))]
     for name, outs in got.items():
         assert outs == want, name

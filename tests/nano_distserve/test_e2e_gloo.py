@@ -32,6 +32,7 @@ def ckpt(tmp_path_factory):
     return str(path), model.eval()
 
 
+@pytest.mark.slow
 def test_disaggregated_greedy_equals_colocated_and_transformers_kv_bit_exact(ckpt):
     path, hf = ckpt
     g = torch.Generator().manual_seed(0)

@@ -13,6 +13,7 @@ import nano_distserve
 from nano_distserve.bench import format_measured_table, run_measured
 
 
+@pytest.mark.slow
 def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
     cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
     cfg["measured"].update(num_requests=4, rates=[4, 32], timeout_s=120)
@@ -40,6 +41,7 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
     assert "TTFT parts P50" in table
 
 
+@pytest.mark.slow
 def test_interference_trace_plain_vs_chunked():
     """mode=interference on a CPU: the traces have the right shape (the times mean nothing here)."""
     from nano_distserve.bench import format_interference_table, run_interference
@@ -59,6 +61,7 @@ def test_interference_trace_plain_vs_chunked():
     assert "TPOT slowdown" in format_interference_table(result)
 
 
+@pytest.mark.slow
 def test_measured_bench_runs_a_subset_of_systems():
     """measured.systems: the two colocated systems alone (one GPU each; here one CPU replica each)."""
     cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))

@@ -81,6 +81,7 @@ def _instance(net, rank, num_blocks, bs=16, **kw):
     return sched, FakeRunner(num_blocks, bs), net.transport(rank)
 
 
+@pytest.mark.slow
 def test_10000_requests_with_aborts_timeouts_and_a_dead_decode_instance_leak_nothing():
     net = SimNet(seed=0, max_delay=0.03, drop=0.002, slow=0.01, slow_delay=3.0)
     ttl = 1.0

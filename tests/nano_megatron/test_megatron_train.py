@@ -66,6 +66,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_single_process_run_writes_metrics_and_hf_checkpoint(runs):
     records = _metrics(runs / "single")
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from omegaconf import OmegaConf
 
 from nano_sglang.bench import run
 
 
+@pytest.mark.slow
 def test_bench_quick(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = OmegaConf.load(__import__("nano_sglang.configs", fromlist=["x"]).__path__[0] + "/bench.yaml")

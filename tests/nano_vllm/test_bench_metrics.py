@@ -36,6 +36,7 @@ def test_roofline_matches_the_issue_estimate():
     assert bound["decode_memory_bound_frac"] == 1.0 and bound["roofline_tok_per_s"] < 37_600
 
 
+@pytest.mark.slow
 def test_bench_cli_quick_with_transformers_peer(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -18,6 +18,7 @@ def gqa_ckpt(tmp_path_factory):
                            num_key_value_heads=2, intermediate_size=192)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_matches_transformers(gqa_ckpt, hf_greedy):
     prompts = random_prompts(20, [3, 18, 40])
     llm = LLM(gqa_ckpt, tensor_parallel_size=2, max_model_len=96, num_kv_blocks=12)

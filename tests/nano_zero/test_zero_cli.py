@@ -22,6 +22,7 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_torchrun_trainer_two_ranks_stage3(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "nano_zero.train",
@@ -41,6 +42,7 @@ def test_torchrun_trainer_two_ranks_stage3(tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_bench_quick_runs_every_system(tmp_path):
     from hydra import compose, initialize_config_module
 

@@ -98,6 +98,7 @@ def test_main_in_process(tmp_path, capsys):
     assert saved["model"]["rows"] == json.loads(json.dumps(rec["model"]["rows"]))
 
 
+@pytest.mark.slow
 def test_cli_quick_runs(tmp_path):
     path = tmp_path / "bench.json"
     proc = subprocess.run(
