@@ -45,6 +45,9 @@ from shared.dist import DistributedError, destroy_distributed, init_distributed,
 from shared.model import build_model
 from shared.train import micro_batches_of
 
+# multi-process runs shared by the module's tests: the forkability test leaves them to the repository run
+pytestmark = pytest.mark.slow
+
 TOL = 1e-5  # the bound for loss and parameters after 5 AdamW steps
 
 # (tp, pp, dp) cases per world size; variants switch on SP, GPipe, checkpointing, biases, untied heads.
@@ -295,14 +298,12 @@ def test_one_rank_engine_equals_local_engine(references, one_thread):
     _check_against_reference(result, references["one-rank"], "one-rank")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TWO_RANK_CASES))
 def test_two_ranks_equal_single_process(two_rank, references, name):
     _check_against_reference(two_rank[0]["train"][name], references[name], name)
     assert two_rank[1]["train"][name][1] is None  # only rank 0 holds the consolidated weights
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
 def test_four_ranks_equal_single_process(four_rank, references, name):
     _check_against_reference(four_rank[0]["train"][name], references[name], name)
@@ -394,7 +395,6 @@ def _rank1_fails_mid_step() -> None:
     dist.barrier()
 
 
-@pytest.mark.slow
 def test_failing_rank_stops_the_others_without_hanging():
     start = time.monotonic()
     with pytest.raises(DistributedError, match="injected failure on the last pipeline stage") as info:

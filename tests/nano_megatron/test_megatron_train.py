@@ -19,6 +19,9 @@ import torch
 from shared.checkpoint import load_model, load_state_dict
 from shared.dist import run_distributed
 
+# multi-process runs shared by the module's tests: the forkability test leaves them to the repository run
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 # A small variant of the tiny preset; lr / eps as in megatron_cases (see its docstring).
 COMMON = ["model=tiny", "model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
@@ -66,7 +69,6 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_single_process_run_writes_metrics_and_hf_checkpoint(runs):
     records = _metrics(runs / "single")
     assert [r["step"] for r in records] == [1, 2, 3]

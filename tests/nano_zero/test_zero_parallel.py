@@ -29,7 +29,7 @@ TOL = 1e-5
 PEER_TOL = 1e-6
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # see tests/conftest.py
 
 
 def _cfg(micro: int, **kw) -> TrainConfig:
@@ -208,14 +208,12 @@ def _check_training(results: dict, world: int) -> None:
         assert any(n % world for n in r["numel"]) and all(p % world == 0 for p in r["padded"])
 
 
-@pytest.mark.slow
 def test_every_stage_equals_single_process_world2(world2):
     results, _ = world2
     assert {k for k in results if k[0] == "train"} == {("train", s, a) for s in range(4) for a in (1, 4)}
     _check_training(results, 2)
 
 
-@pytest.mark.slow
 def test_stages_1_to_3_equal_single_process_world4(world4):
     assert {k for k in world4 if k[0] == "train"} == {("train", s, 2) for s in (1, 2, 3)}
     _check_training(world4, 4)
@@ -284,7 +282,6 @@ def _dies(stage: int) -> None:
         engine.train_step([(x, y)], 1e-3)
 
 
-@pytest.mark.slow
 def test_a_dying_rank_fails_the_job_fast():
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
