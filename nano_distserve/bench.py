@@ -111,7 +111,8 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
         compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs) if built.names else "")
         per_rate.append([dataclasses.replace(m, request_id=str(i)) for i, m in zip(mine, metrics)])
     kv = engine.model_runner.kv_cache  # (2, layers, blocks + 1, block_size, kv heads, head dim)
-    return {"per_rate": per_rate, "outputs": outputs, "steps": steps, "compiles": compiles, "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
+    return {"per_rate": per_rate, "outputs": outputs, "steps": steps, "compiles": compiles,
+            "kv_tokens": engine.model_runner.num_blocks * kv.shape[3],
             "kv_bytes_per_token": 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()}
 
 

@@ -13,11 +13,12 @@ master weights of a bf16 model — LocalEngine's recipe):
               MLP, vocab-sharded embedding and LM head, `loss_parallel`), tp = N
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
   pp_gpipe    the same with GPipe
-A 1-GPU baseline's tp rows (tp, tp_graph, ...) are the same single-GPU model; scaling efficiency is measured
-against the faster of them. Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token, shared.accounting, against
-`peak_tflops` per GPU), on GPUs the share of a step's wall time the GPU was running kernels (one extra
-profiled step; well under 100% means the host's launches are the bottleneck), peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in
-forward/backward kernels) / (step time of the slowest stage), per stage, next to (p−1)/(m+p−1).
+A 1-GPU baseline's tp rows (tp, tp_graph, ...) are the same single-GPU model; scaling efficiency is
+measured against the faster of them. Reported: ms/step, tokens/s, MFU (6N + 12·L·d·S FLOPs per token,
+shared.accounting, against `peak_tflops` per GPU), on GPUs the share of a step's wall time the GPU was
+running kernels (one extra profiled step; well under 100% means the host's launches are the bottleneck),
+peak memory, and for the pipeline rows the measured bubble: 1 − (time spent in forward/backward kernels)
+/ (step time of the slowest stage), per stage, next to (p−1)/(m+p−1).
 `baseline_json` (a 1-GPU run's bench.json) adds scaling efficiency. Writes bench.json to the run dir.
 On CPU, `quick=true` (or `--quick`) is a smoke run with a tiny model: gloo numbers mean nothing.
 """
@@ -61,6 +62,8 @@ def tp_parallel_config(system: str, world: int) -> dict | None:
         return None
     fields = {TP_OPTIONS[o]: o != "serial" for o in options}
     return {"tp": world, **fields}
+
+
 DATASHEET_BF16_TFLOPS = 989.0  # H100 / H200 SXM dense bf16: what published MFUs are quoted against
 
 

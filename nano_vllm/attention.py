@@ -12,8 +12,9 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
    one token (the running decodes: the scheduler puts them first) also go to the decode kernel
    (`AttentionContext.decode_lens`): the varlen kernel's query tiles are 128 rows, so a one-row query would
    pay for a whole tile's pass over its context (~7x a decode kernel's cost, measured on an 8B shape).
-   On CUDA tensors these are the Triton kernels, on a CPU the torch references. A step in which no sequence has anything cached yet attends to the fresh K/V
-   directly (plain varlen FlashAttention), skipping the page indirection.
+   On CUDA tensors these are the Triton kernels, on a CPU the torch references. A step in which no
+   sequence has anything cached yet attends to the fresh K/V directly (plain varlen FlashAttention),
+   skipping the page indirection.
 
 Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
 the same step writes (two identical prompts admitted together share their prefix blocks).
