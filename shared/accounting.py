@@ -10,12 +10,28 @@
   (fp32 master weights 4Ψ, momentum 4Ψ, variance 4Ψ); stage 1 partitions the K part across N data-parallel
   ranks, stage 2 also the gradients, stage 3 also the parameters.
 
+Inference, counted the same way by every bench:
+
+* `decode_bytes` — bytes one decode step reads: every weight a matmul uses (the LM head included), the
+  gathered embedding rows (a lookup reads rows, not the table; tied embeddings are the LM head's matrix,
+  counted once), and the K/V of every key each sequence attends. PagedAttention (2309.06180, §2) and
+  Flash-Decoding are bound by these bytes at small batch.
+* `forward_flops` / `decode_flops` — FLOPs of a prefill and of a decode step: 2 per matmul parameter and
+  token, the LM head only for the rows that are sampled, 4·Hq·head_dim per (query, key) pair for QKᵀ and
+  PV (causal: only the keys a query attends).
+* `decode_roofline` / `serving_roofline` — turn a measured copy bandwidth and matmul peak into tokens/s
+  bounds (the roofline model, Williams et al. 2009): a step takes at least max(bytes / bandwidth,
+  FLOPs / peak).
+* `Ceilings` — the measured copy bandwidth and matmul peak of this process's device (measured once, by
+  shared.bench's helpers), beside the datasheet values, and MFU / MBU against both, labelled.
+
 `python -m shared.accounting llama2-7b` prints the ledger as a table.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from shared.config import PRESETS, ModelConfig, resolve_model_config
@@ -108,18 +124,201 @@ def training_memory(cfg: ModelConfig | int, zero_stage: int = 0, dp: int = 1, pa
     )
 
 
+# ------------------------------------------------------------------ inference: bytes, FLOPs, rooflines
+def lm_head_params(cfg: ModelConfig) -> int:
+    """Parameters of the LM head's vocab × hidden matrix (the input embedding's, when tied)."""
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def _keys(context_lens: Sequence[int] | int) -> list[int]:
+    lens = [context_lens] if isinstance(context_lens, int) else list(context_lens)
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lens):
+        raise ValueError(f"context_lens must be positive ints (keys each sequence attends), got {context_lens!r}")
+    return lens
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """Bytes one decode step reads from memory, by kind (writes — the new K/V, the logits — not counted)."""
+
+    weights: int  # every parameter but the input-embedding table: layers, norms, LM head (tied: the table once)
+    embedding_rows: int  # one gathered embedding row per sequence
+    kv: int  # K and V of every key every sequence attends
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.embedding_rows + self.kv
+
+
+def decode_bytes(cfg: ModelConfig, context_lens: Sequence[int] | int, dtype_bytes: int = 2,
+                 kv_dtype_bytes: int | None = None) -> DecodeBytes:
+    """Bytes read by one decode step of len(context_lens) sequences, each attending context_lens[i] keys
+    (its cached tokens plus the new one): weights once for the whole batch (matmul_param_count: the LM
+    head is the tied table, or its own matrix while the untied table is only gathered from), one embedding
+    row per sequence, and 2 · L · Hkv · head_dim bytes of K/V per key (kv_cache_bytes)."""
+    keys = _keys(context_lens)
+    if dtype_bytes <= 0 or (kv_dtype_bytes is not None and kv_dtype_bytes <= 0):
+        raise ValueError(f"dtype_bytes and kv_dtype_bytes must be > 0, got {dtype_bytes}, {kv_dtype_bytes}")
+    kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    return DecodeBytes(weights=matmul_param_count(cfg) * dtype_bytes,
+                       embedding_rows=len(keys) * cfg.hidden_size * dtype_bytes,
+                       kv=kv_cache_bytes(cfg, sum(keys), 1, kv_bytes))
+
+
+def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int = 0, logits: int = 1) -> int:
+    """FLOPs of one sequence's forward pass over `new_tokens` tokens after `cached_tokens` cached ones,
+    sampling `logits` rows: 2·(N − N_head) per token for the layers' matmuls (N = matmul_param_count),
+    2·N_head per sampled row for the LM head, and 4·Hq·head_dim·L per (query, key) pair for QKᵀ and PV,
+    the i-th new token attending cached_tokens + i keys (causal). A prefill is forward_flops(cfg, prompt);
+    a decode step of one sequence forward_flops(cfg, 1, context - 1)."""
+    if new_tokens < 1 or cached_tokens < 0 or not 0 <= logits <= new_tokens:
+        raise ValueError(f"need new_tokens >= 1, cached_tokens >= 0, 0 <= logits <= new_tokens; got "
+                         f"{new_tokens}, {cached_tokens}, {logits}")
+    head = lm_head_params(cfg)
+    pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+    attn_per_pair = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    return 2 * (matmul_param_count(cfg) - head) * new_tokens + 2 * head * logits + attn_per_pair * pairs
+
+
+def decode_flops(cfg: ModelConfig, context_lens: Sequence[int] | int) -> int:
+    """FLOPs of one decode step: one new token per sequence, sequence i attending context_lens[i] keys."""
+    return sum(forward_flops(cfg, 1, n - 1) for n in _keys(context_lens))
+
+
+def decode_roofline(cfg: ModelConfig, context_lens: Sequence[int] | int, bandwidth: float, peak_flops: float,
+                    dtype_bytes: int = 2) -> dict:
+    """Upper bound on decode tokens/s: a step of B sequences takes at least max(decode_bytes / bandwidth,
+    decode_flops / peak_flops) seconds and yields B tokens. `bandwidth` in bytes/s (the measured copy
+    bandwidth: the practical ceiling), `peak_flops` in FLOP/s."""
+    if bandwidth <= 0 or peak_flops <= 0:
+        raise ValueError(f"bandwidth and peak_flops must be > 0, got {bandwidth}, {peak_flops}")
+    keys = _keys(context_lens)
+    read = decode_bytes(cfg, keys, dtype_bytes)
+    memory_s, compute_s = read.total / bandwidth, decode_flops(cfg, keys) / peak_flops
+    step_s = max(memory_s, compute_s)
+    return {"bytes_per_step": read.total, "weight_bytes": read.weights, "kv_bytes": read.kv,
+            "step_s": step_s, "tokens_per_s": len(keys) / step_s,
+            "bound": "memory" if memory_s >= compute_s else "compute"}
+
+
+def serving_roofline(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int], dtype_bytes: int,
+                     bandwidth: float, peak_flops: float) -> dict:
+    """Lower-bound seconds for an offline workload: every prefill at `peak_flops` (forward_flops, one
+    sampled row each), then every decode step at max(bytes / bandwidth, FLOPs / peak) with all requests
+    decoding together — step t (t ≥ 1; the prefill yields the first token) serves each request with more
+    than t outputs, which attends its prompt + t keys. Batching limits are ignored, so it is a bound."""
+    if len(prompt_lens) != len(output_lens):
+        raise ValueError(f"prompt_lens and output_lens differ in length: {len(prompt_lens)} vs {len(output_lens)}")
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
+    prefill_s = sum(forward_flops(cfg, p) for p in prompt_lens) / peak_flops
+    decode_s, memory_bound_steps = 0.0, 0
+    steps = max(output_lens, default=0)
+    for t in range(1, steps):
+        step = decode_roofline(cfg, [p + t for p, o in zip(prompt_lens, output_lens) if o > t], bandwidth,
+                               peak_flops, dtype_bytes)
+        decode_s += step["step_s"]
+        memory_bound_steps += step["bound"] == "memory"
+    total, out = prefill_s + decode_s, sum(output_lens)
+    return {"roofline_s": total, "roofline_tok_per_s": out / total if total else float("nan"),
+            "decode_only_tok_per_s": out / decode_s if decode_s else float("nan"),
+            "prefill_bound_s": prefill_s, "decode_bound_s": decode_s,
+            "decode_memory_bound_frac": memory_bound_steps / max(steps - 1, 1)}
+
+
+# ------------------------------------------------------------------ the physical limits of one device
+# NVIDIA datasheet values, (HBM bytes/s, dense bf16 tensor-core FLOP/s), by a substring of the device name
+# (most specific first). Published MFUs are quoted against the FLOP/s column.
+DATASHEETS: dict[str, tuple[float, float]] = {
+    "H200": (4.8e12, 989e12),
+    "H100 PCIe": (2.0e12, 756e12),
+    "H100": (3.35e12, 989e12),  # SXM
+    "A100-SXM4-80GB": (2.039e12, 312e12),
+    "A100-SXM4-40GB": (1.555e12, 312e12),
+}
+MFU_MEASURED, MFU_DATASHEET = "MFU % (measured peak)", "MFU % (datasheet peak)"
+MBU_MEASURED, MBU_DATASHEET = "% of copy bandwidth (measured)", "% of HBM bandwidth (datasheet)"
+_MEASURED: dict[str, Ceilings] = {}
+
+
+def datasheet_for(device_name: str) -> tuple[float, float] | None:
+    """(HBM bytes/s, dense bf16 FLOP/s) from DATASHEETS for a device name, or None if it is not listed."""
+    return next((v for k, v in DATASHEETS.items() if k in device_name), None)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The limits a bench's numbers are fractions of: the measured device copy (bytes read + written per
+    second, 1 GiB on CUDA) and bf16 matmul (8192³ on CUDA), taken once per process by
+    shared.bench.measure_copy_bandwidth / measure_matmul_flops, next to the datasheet values (None for a
+    device DATASHEETS does not list). Measure at process start, before an engine takes the memory."""
+
+    device: str
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+    datasheet_bytes_per_s: float | None = None
+    datasheet_flops_per_s: float | None = None
+
+    @classmethod
+    def measure(cls, device: str = "cuda", refresh: bool = False) -> Ceilings:
+        """This process's ceilings for `device`: measured on the first call, the same object afterwards
+        (every number of a run is a fraction of the same measurement) unless `refresh`."""
+        import torch
+
+        from shared.bench import measure_copy_bandwidth, measure_matmul_flops
+
+        dev = torch.device(device)
+        key = str(dev)
+        if key not in _MEASURED or refresh:
+            name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+            sheet = datasheet_for(name) if dev.type == "cuda" else None
+            _MEASURED[key] = cls(name, measure_copy_bandwidth(dev), measure_matmul_flops(dev),
+                                 *(sheet or (None, None)))
+        return _MEASURED[key]
+
+    def as_dict(self) -> dict:
+        """The JSON record every bench writes under "ceilings" (units in the names)."""
+        gb, tf = 1e9, 1e12
+        return {"device": self.device, "copy_GBps": self.copy_bytes_per_s / gb,
+                "matmul_TFLOPs": self.matmul_flops_per_s / tf,
+                "datasheet_GBps": self.datasheet_bytes_per_s / gb if self.datasheet_bytes_per_s else None,
+                "datasheet_TFLOPs": self.datasheet_flops_per_s / tf if self.datasheet_flops_per_s else None}
+
+    def mfu(self, flops_per_s: float) -> dict[str, float | None]:
+        """Model FLOPs utilisation in %, against the measured matmul peak and the datasheet peak."""
+        sheet = self.datasheet_flops_per_s
+        return {MFU_MEASURED: 100 * flops_per_s / self.matmul_flops_per_s,
+                MFU_DATASHEET: 100 * flops_per_s / sheet if sheet else None}
+
+    def mbu(self, bytes_per_s: float) -> dict[str, float | None]:
+        """Memory bandwidth utilisation in %, against the measured copy and the datasheet HBM bandwidth."""
+        sheet = self.datasheet_bytes_per_s
+        return {MBU_MEASURED: 100 * bytes_per_s / self.copy_bytes_per_s,
+                MBU_DATASHEET: 100 * bytes_per_s / sheet if sheet else None}
+
+    def describe(self) -> str:
+        """One line for a bench's printout."""
+        d = self.as_dict()
+        sheet = (f"; datasheet {d['datasheet_GBps']:,.0f} GB/s, {d['datasheet_TFLOPs']:,.0f} TFLOP/s bf16 dense"
+                 if d["datasheet_TFLOPs"] else "; no datasheet values for this device")
+        return (f"ceilings on {self.device}: measured copy {d['copy_GBps']:,.0f} GB/s (read + write), "
+                f"matmul {d['matmul_TFLOPs']:,.1f} TFLOP/s{sheet}")
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
 def report(cfg: ModelConfig, seq_len: int, batch: int, dp: int) -> str:
     """The ledger as text: parameters, FLOPs, KV cache, and ZeRO model states per stage."""
-    n = param_count(cfg)
+    n, step = param_count(cfg), decode_bytes(cfg, [seq_len] * batch)
     lines = [
         f"parameters              {n:,} ({n / 1e9:.2f} B; {matmul_param_count(cfg):,} in matmuls)",
         f"train FLOPs / token     {flops_per_token(cfg, seq_len) / 1e9:,.2f} GFLOP at seq_len {seq_len}",
         f"KV cache / token        {kv_cache_bytes(cfg, 1) / 2**20:,.3f} MiB (fp16/bf16)",
         f"KV cache {seq_len} x {batch}    {_fmt_bytes(kv_cache_bytes(cfg, seq_len, batch))}",
+        f"decode step reads       {_fmt_bytes(step.total)} at batch {batch}, {seq_len} keys each (weights "
+        f"{_fmt_bytes(step.weights)}, K/V {_fmt_bytes(step.kv)}; the input-embedding table is not read)",
         "",
         f"model states per rank, mixed-precision AdamW (ZeRO, K = 12), dp = 1 and dp = {dp}:",
         f"{'stage':>5} | {'dp':>4} | {'params':>12} | {'grads':>12} | {'fp32 master':>12} | "
@@ -135,14 +334,19 @@ def report(cfg: ModelConfig, seq_len: int, batch: int, dp: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.accounting`."""
     p = argparse.ArgumentParser(prog="python -m shared.accounting", description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="llama2-7b",
                    help=f"preset ({', '.join(sorted(PRESETS))}) or checkpoint directory")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dp", type=int, default=64, help="data-parallel ranks for the ZeRO columns")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     cfg = resolve_model_config(args.model)
     print(f"{args.model}: {asdict(cfg) | {'extra': None}}\n")
     print(report(cfg, args.seq_len, args.batch, args.dp))
