@@ -33,10 +33,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def pytest_sessionstart(session):
-    """Test files and their helper modules share one flat module namespace (rootdir imports, no packages: a `tests/shared` package
-    would shadow the real `shared`), so two files with one basename break collection: fail with a clear
-    message instead of pytest's 'import file mismatch'."""
+def pytest_configure(config):
+    """Test files and their helper modules share one flat module namespace (rootdir imports, no packages:
+    a `tests/shared` package would shadow the real `shared`), so two files with one basename break
+    collection: fail with a clear message instead of pytest's 'import file mismatch'."""
     import collections
     import pathlib
 

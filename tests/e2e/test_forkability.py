@@ -1,4 +1,4 @@
-"""Any package can be forked with what it stands on (DESIGN.md's dependency rule).
+"""Any package can be forked with what it stands on (the dependency rule of docs/ARCHITECTURE.md).
 
 For each package: copy it, the packages the rule lets it import, its tests and tests/conftest.py into an
 empty directory, then in a fresh interpreter that can see only that directory (the editable install of

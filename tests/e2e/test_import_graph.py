@@ -1,4 +1,4 @@
-"""The dependency rule of DESIGN.md, enforced: imports between the project's packages flow one way.
+"""The dependency rule of docs/ARCHITECTURE.md, enforced: imports between the project's packages flow one way.
 
     nano_flashattn   <- torch, triton only
     shared           <- nano_flashattn
@@ -49,7 +49,7 @@ def project_imports(package: str, root: Path = ROOT) -> dict[str, set[str]]:
 def test_every_package_is_listed():
     on_disk = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and
                (p.name == "shared" or p.name.startswith("nano_"))}
-    assert on_disk == set(ALLOWED), "a new package needs its place in DESIGN.md's dependency rule"
+    assert on_disk == set(ALLOWED), "a new package needs its place in docs/ARCHITECTURE.md's dependency rule"
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
