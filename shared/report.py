@@ -1,0 +1,407 @@
+"""`python -m shared.report`: the benches' JSON, committed under docs/results/, drawn as PNG figures in docs/img/.
+
+Each JSON file is recognised by its content (the record a bench writes), not its name; a figure whose
+input is missing is skipped, and the report says which bench to run for it:
+
+  attention_hd<D>.png  nano_flashattn.bench: attention TFLOP/s vs sequence length, ours / SDPA flash /
+                       SDPA cuDNN, forward and backward, causal and not, beside the measured matmul peak
+  decode.png           nano_flashattn.bench: Flash-Decoding TB/s of K/V read vs context, per batch, beside
+                       the measured copy bandwidth
+  vllm_roofline.png    nano_vllm.bench: output tokens/s of each system beside the workload's roofline
+  mfu_scaling.png      shared.bench, nano_megatron.bench, nano_zero.bench: MFU, labelled by its
+                       denominator (measured or datasheet peak), and multi-GPU scaling efficiency
+  sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate per workload vs the analytic optimum, and
+                       programs/s against nano_vllm without prefix caching
+  distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs request rate per system,
+                       measured (solid) and simulated (dashed)
+
+    python -m shared.report                            # docs/results/*.json -> docs/img/*.png
+    python -m shared.report --results DIR --out DIR
+
+matplotlib is an optional extra: `pip install -e ".[plot]"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PLOT_HINT = 'shared.report draws with matplotlib, which is not installed: pip install -e ".[plot]"'
+# How to produce each kind of input, said when it is missing (copy the bench's JSON into docs/results/).
+SOURCES = {
+    "flashattn": "python -m nano_flashattn.bench --out DIR (DIR/bench.json)",
+    "vllm": "python -m nano_vllm.bench (bench.json in its Hydra run directory)",
+    "training": "python -m shared.bench --json FILE, or the nano_megatron / nano_zero bench's bench.json",
+    "sglang": "python -m nano_sglang.bench (bench.json in its Hydra run directory)",
+    "distserve": "python -m nano_distserve.bench mode=measured (bench.json in its Hydra run directory)",
+}
+IMPL_LABELS = {"ours": "nano_flashattn", "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN",
+               "sdpa": "SDPA (default backend)"}
+MFU_KEYS = ("MFU % (measured peak)", "MFU % (datasheet peak)")  # shared.accounting.MFU_MEASURED / _DATASHEET
+Record = tuple[str, dict]  # (file name, parsed JSON)
+
+
+def kind_of(record: dict) -> str | None:
+    """Which bench wrote `record` (a key of SOURCES), or None for JSON no figure reads."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("attention"), list) or isinstance(record.get("decode"), list):
+        return "flashattn"
+    bench = record.get("bench")
+    if bench == "nano_vllm":
+        return "vllm"
+    if bench in ("shared.kernels", "nano_megatron", "nano_zero"):
+        return "training"
+    if bench == "nano_sglang":
+        return "sglang"
+    if record.get("mode") in ("measured", "sim") and isinstance(record.get("systems"), list):
+        return "distserve"
+    return None
+
+
+def load_results(results: Path) -> tuple[dict[str, list[Record]], list[str]]:
+    """The JSON files under `results`, grouped by kind_of; plus a note for each file no figure reads."""
+    if not results.is_dir():
+        raise FileNotFoundError(f"results directory {str(results)!r} does not exist (run from the repository "
+                                "root, or pass --results)")
+    groups: dict[str, list[Record]] = {k: [] for k in SOURCES}
+    notes = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        kind = kind_of(record)
+        if kind is None:
+            notes.append(f"ignored {path.name}: no figure reads this record")
+        else:
+            groups[kind].append((path.name, record))
+    return groups, notes
+
+
+def _num(v: Any) -> float | None:
+    """A finite number, or None (benches record a refused shape as a string such as 'unsupported: ...')."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _where(record: dict) -> str:
+    """'GPU, date' from a record (write_json's fields, or nano_flashattn's env), whatever is present."""
+    env = record.get("env") or {}
+    gpu = record.get("gpu") or env.get("device") or record.get("device")
+    date = str(record.get("date") or env.get("date") or "")[:10]
+    return ", ".join(str(x) for x in (gpu, date) if x)
+
+
+def _title(fig, text: str, record: dict) -> None:
+    where = _where(record)
+    fig.suptitle(text + (f"\n{where}" if where else ""), fontsize=11)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: redraws diff cleanly
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------ nano_flashattn
+def fig_attention(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, rec in records:
+        rows = rec.get("attention") or []
+        if not rows:
+            continue
+        impls = [k[:-4] for k in rows[0] if k.endswith("_fwd")]
+        ceiling = rec.get("ceilings", {}).get("matmul_tflops")
+        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
+        for hd in sorted({r["head_dim"] for r in rows}):
+            fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+            for i, direction in enumerate(("fwd", "bwd")):
+                for j, causal in enumerate((False, True)):
+                    ax = axes[i][j]
+                    sel = sorted((r for r in rows if r["head_dim"] == hd and bool(r["causal"]) == causal),
+                                 key=lambda r: r["seqlen"])
+                    for impl in impls:
+                        pts = [(r["seqlen"], _num(r.get(f"{impl}_{direction}"))) for r in sel]
+                        pts = [(x, y) for x, y in pts if y is not None]
+                        if pts:
+                            ax.plot(*zip(*pts), marker="o", label=IMPL_LABELS.get(impl, impl))
+                    if _num(ceiling):
+                        ax.axhline(ceiling, ls=":", c="grey", label="bf16 matmul, measured")
+                    ax.set_xscale("log", base=2)
+                    ax.set_ylim(bottom=0)
+                    ax.set_title(f"{'backward' if direction == 'bwd' else 'forward'}, "
+                                 f"{'causal' if causal else 'not causal'}", fontsize=10)
+                    ax.set_xlabel("sequence length")
+                    ax.set_ylabel("TFLOP/s")
+                    ax.grid(alpha=0.3)
+            axes[0][0].legend(fontsize=8)
+            _title(fig, f"Attention TFLOP/s, head_dim {hd} (flash-attn's FLOP convention)", rec)
+            paths.append(_save(fig, out / f"attention_hd{hd}{suffix}.png"))
+    return paths
+
+
+def _decode_label(impl: str) -> str:
+    if impl.startswith("ours_paged"):
+        return f"nano_flashattn, paged (page {impl.removeprefix('ours_paged')})"
+    return {"ours_contiguous": "nano_flashattn, contiguous"}.get(impl) or IMPL_LABELS.get(impl, impl)
+
+
+def fig_decode(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, rec in records:
+        rows = rec.get("decode") or []
+        if not rows:
+            continue
+        batches = sorted({r["batch"] for r in rows})
+        impls = [k for k in rows[0] if k.startswith(("ours_", "sdpa"))]
+        copy = rec.get("ceilings", {}).get("copy_tbps")
+        fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+        for ax, b in zip(axes[0], batches):
+            sel = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["context"])
+            for impl in impls:
+                pts = [(r["context"], _num(r.get(impl))) for r in sel]
+                pts = [(x, y) for x, y in pts if y is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=_decode_label(impl))
+            if _num(copy):
+                ax.axhline(copy, ls=":", c="grey", label="device copy, measured")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"batch {b}", fontsize=10)
+            ax.set_xlabel("context (keys)")
+            ax.set_ylabel("TB/s of K/V read")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        _title(fig, "Flash-Decoding: one new token per sequence, 32 q / 8 kv heads, head_dim 128", rec)
+        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
+        paths.append(_save(fig, out / f"decode{suffix}.png"))
+    return paths
+
+
+# ------------------------------------------------------------------ nano_vllm
+def fig_vllm(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(records), figsize=(5.2 * len(records), 4.2), squeeze=False)
+    for ax, (_, rec) in zip(axes[0], records):
+        rows = rec["rows"]
+        names = [r["system"] for r in rows] + ["roofline"]
+        values = [r["output tok/s"] for r in rows] + [rec["roofline_tok_per_s"]]
+        bars = ax.bar(range(len(names)), values, color=["C0"] * len(rows) + ["lightgrey"],
+                      hatch=[""] * len(rows) + ["//"])
+        for bar, r in zip(bars, rows):
+            pct = _num(r.get("% of roofline"))
+            ax.annotate(f"{r['output tok/s']:,.0f}" + (f"\n{pct:.1f}% of roofline" if pct else ""),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+        ax.set_ylabel("output tokens/s")
+        w = rec.get("workload") or {}
+        copy = _num(rec.get("copy_GBps"))
+        ax.set_title(f"{rec.get('model')}, {w.get('num_seqs', '?')} requests"
+                     + (f"; roofline at {copy:,.0f} GB/s copy" if copy else ""), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    _title(fig, "nano_vllm offline throughput against its roofline", records[0][1])
+    return [_save(fig, out / "vllm_roofline.png")]
+
+
+# ------------------------------------------------------------------ training: MFU and scaling
+def _mfu_bars(rec: dict) -> list[tuple[str, float, str]]:
+    """(label, MFU %, denominator) bars of one training record; the denominator names the peak ("measured
+    797 TFLOP/s", "datasheet 989 TFLOP/s") so bars against different peaks are never read as one scale."""
+    bench, ceilings, out = rec["bench"], rec.get("ceilings") or {}, []
+    if bench == "shared.kernels":
+        model = rec.get("model") or {}
+        rows, peak, default = model.get("rows", []), _num(rec.get("matmul_TFLOPs")), "measured"
+        prefix = f"{model.get('model', 'model')} step"
+    else:
+        rows, peak, prefix = rec.get("rows", []), _num(rec.get("peak_TFLOPs_for_MFU")), bench
+        measured = _num(rec.get("matmul_TFLOPs_measured"))
+        default = "measured" if peak and measured and abs(peak - measured) < 1e-6 else "datasheet"
+    peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")), "datasheet": _num(ceilings.get("datasheet_TFLOPs"))}
+    for r in rows:
+        label = f"{prefix}: {r.get('impl') or r.get('system')}" + (f" ({r['GPUs']} GPU)" if "GPUs" in r else "")
+        if any(k in r for k in MFU_KEYS):
+            for key in MFU_KEYS:
+                kind = key.split("(")[1].split()[0]
+                if _num(r.get(key)) is not None:
+                    out.append((label, r[key], f"{kind} {peaks[kind]:.0f} TFLOP/s" if peaks[kind] else kind))
+        elif _num(r.get("MFU %")) is not None:
+            out.append((label, r["MFU %"], f"{default} {peak:.0f} TFLOP/s" if peak else default))
+    return out
+
+
+def _scaling_bars(rec: dict) -> list[tuple[str, float]]:
+    """(label, scaling efficiency %) bars of one multi-GPU record."""
+    out = []
+    for r in rec.get("rows", []):
+        if _num(r.get("scaling eff %")) is not None:
+            out.append((f"{rec['bench']}: {r['system']}", r["scaling eff %"]))
+        elif _num(r.get("scaling efficiency")) is not None:
+            out.append((f"{rec['bench']}: {r['system']}", 100 * r["scaling efficiency"]))
+    return out
+
+
+def fig_training(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    mfu = [b for _, rec in records for b in _mfu_bars(rec)]
+    scaling = [b for _, rec in records for b in _scaling_bars(rec)]
+    if not mfu and not scaling:
+        raise KeyError("MFU % / scaling efficiency")
+    panels = [p for p in (("MFU %", mfu), ("scaling efficiency %", scaling)) if p[1]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.45 * max(len(mfu), len(scaling)) + 2),
+                             squeeze=False)
+    for ax, (xlabel, bars) in zip(axes[0], panels):
+        kinds = list(dict.fromkeys(b[2] for b in bars)) if xlabel == "MFU %" else []
+        colors = [f"C{kinds.index(b[2])}" if kinds else "C2" for b in bars]
+        ax.barh(range(len(bars)), [b[1] for b in bars], color=colors)
+        ax.set_xlim(0, 1.6 * max(b[1] for b in bars) if kinds else 115)  # room for the legend / 100% line
+        ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+        ax.invert_yaxis()
+        for i, b in enumerate(bars):
+            ax.annotate(f" {b[1]:.1f}", (b[1], i), va="center", fontsize=8)
+        if kinds:
+            from matplotlib.patches import Patch
+
+            ax.legend([Patch(color=f"C{i}") for i in range(len(kinds))], [f"vs {k}" for k in kinds], fontsize=8,
+                      loc="lower right")
+        else:
+            ax.axvline(100, ls=":", c="grey")
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="x", alpha=0.3)
+    _title(fig, "Training: MFU (6N + 12·L·d·S FLOPs per token) and multi-GPU scaling", records[0][1])
+    return [_save(fig, out / "mfu_scaling.png")]
+
+
+# ------------------------------------------------------------------ nano_sglang
+def fig_sglang(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, rec in records:
+        rows = rec["rows"]
+        workloads = list(dict.fromkeys(r["workload"] for r in rows))
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        width = 0.8 / len(systems)
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for k, system in enumerate(systems):
+            by = {r["workload"]: r for r in rows if r["system"] == system}
+            xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(workloads))]
+            left.bar(xs, [by[w]["hit rate"] if w in by else 0 for w in workloads], width, label=system)
+            ratio = [_num(by[w].get("vs vllm off")) if w in by else None for w in workloads]
+            right.bar(xs, [v or 0 for v in ratio], width, label=system)
+        optimum = [next(r["optimal hit rate"] for r in rows if r["workload"] == w) for w in workloads]
+        left.scatter(range(len(workloads)), optimum, marker="_", s=900, c="black", zorder=3,
+                     label="analytic optimum")
+        left.set_ylabel("prompt tokens served from the cache")
+        right.set_ylabel("programs/s vs nano_vllm without prefix caching")
+        right.set_yscale("log")
+        right.axhline(1, ls=":", c="grey")
+        for ax in (left, right):
+            ax.set_xticks(range(len(workloads)), workloads)
+            ax.grid(axis="y", alpha=0.3)
+        left.set_ylim(0, 1.3)
+        left.legend(fontsize=8, ncol=2, loc="upper center")
+        _title(fig, f"RadixAttention: hit rate vs the optimum, throughput ({rec.get('model')})", rec)
+        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
+        paths.append(_save(fig, out / f"sglang_hit_rate{suffix}.png"))
+    return paths
+
+
+# ------------------------------------------------------------------ nano_distserve
+def fig_distserve(records: list[Record], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(records), figsize=(5.2 * len(records), 4.2), squeeze=False)
+    for ax, (_, rec) in zip(axes[0], records):
+        rates, measured = rec["rates"], rec["mode"] == "measured"
+        for i, row in enumerate(rec["systems"]):
+            sim = row.get("sim_attainment") if measured else row["attainment"]
+            if measured:
+                ax.plot(rates, row["attainment"], marker="o", c=f"C{i}",
+                        label=f"{row['system']} ({row['goodput_per_gpu']:g} req/s/GPU)")
+            if sim:
+                ax.plot(rates, sim, ls="--", c=f"C{i}", label=None if measured else f"{row['system']} (simulated)")
+        ax.axhline(0.9, ls=":", c="grey")
+        w = rec.get("workload") or {}
+        model = (rec.get("engine") or {}).get("model", "")
+        ax.set_title(f"{w.get('name', '?')} {model}: TTFT {w.get('ttft_slo', float('nan')):g} s, "
+                     f"TPOT {w.get('tpot_slo', float('nan')):g} s", fontsize=9)
+        ax.set_xlabel("request rate (req/s, whole system)")
+        ax.set_ylabel("SLO attainment (TTFT and TPOT)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, title="solid measured, dashed simulated" if measured else None, title_fontsize=7)
+    _title(fig, "DistServe: SLO attainment vs rate (90% line: goodput)", records[0][1])
+    return [_save(fig, out / "distserve_slo.png")]
+
+
+FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
+    "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode), "vllm": ("vllm", fig_vllm),
+    "training": ("training", fig_training), "sglang": ("sglang", fig_sglang), "distserve": ("distserve", fig_distserve),
+}
+
+
+def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]:
+    """Draw every figure whose input is under `results` into `out`; returns one line per figure: what was
+    written, or why it was skipped (no such JSON; a JSON without the fields the figure reads)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ModuleNotFoundError(PLOT_HINT) from e
+    matplotlib.use("Agg")
+    unknown = sorted(set(only or []) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}; choose from {sorted(FIGURES)}")
+    groups, lines = load_results(results)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (kind, draw) in FIGURES.items():
+        if only and name not in only:
+            continue
+        records = groups[kind]
+        if not records:
+            lines.append(f"skipped {name}: no {kind} JSON in {results} (run {SOURCES[kind]} and copy it there)")
+            continue
+        try:
+            paths = draw(records, out)
+        except (KeyError, TypeError, IndexError) as e:
+            lines.append(f"skipped {name}: {', '.join(n for n, _ in records)} lack(s) the field {e} it reads")
+            continue
+        lines += [f"wrote {p}" for p in paths] or [f"skipped {name}: its JSON holds no rows for it"]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.report`."""
+    p = argparse.ArgumentParser(prog="python -m shared.report", description=__doc__.split("\n")[0])
+    p.add_argument("--results", default="docs/results", help="directory of the benches' JSON files")
+    p.add_argument("--out", default="docs/img", help="directory for the PNG figures")
+    p.add_argument("--only", nargs="+", choices=sorted(FIGURES), help="draw only these figures")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    args = build_parser().parse_args(argv)
+    try:
+        lines = render(Path(args.results), Path(args.out), args.only)
+    except ModuleNotFoundError as e:
+        if str(e) != PLOT_HINT:
+            raise
+        raise SystemExit(PLOT_HINT) from None
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`python -m shared.report` draws each figure from small synthetic records shaped like the benches' JSON,
+skips (and says so) a figure whose input is missing or lacks a field, and says how to get matplotlib."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from shared import report  # noqa: E402
+
+FLASHATTN = {  # nano_flashattn.bench: bench.json
+    "env": {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-30"},
+    "ceilings": {"matmul_tflops": 750.0, "copy_tbps": 4.22},
+    "attention": [{"head_dim": 128, "causal": c, "seqlen": s, "batch": 16384 // s, "heads": 16,
+                   "ours_fwd": 300.0 + s / 100, "ours_bwd": 200.0, "sdpa_flash_fwd": 250.0,
+                   "sdpa_flash_bwd": 180.0, "sdpa_cudnn_fwd": 500.0, "sdpa_cudnn_bwd": "unsupported: shape"}
+                  for c in (False, True) for s in (512, 1024, 2048)],
+    "decode": [{"batch": b, "context": c, "kv_bytes": 2 * b * c * 8 * 128 * 2, "ours_contiguous": 4.1,
+                "ours_paged16": 3.9, "sdpa_flash": 2.4, "sdpa_cudnn": 4.0} for b in (1, 64) for c in (4096, 16384)],
+}
+VLLM = {"bench": "nano_vllm", "model": "qwen3-0.6b", "date": "2026-12-01T04:58:00+00:00", "gpu": "NVIDIA H200",
+        "workload": {"num_seqs": 256}, "copy_GBps": 3808.0, "matmul_TFLOPs": 787.0,
+        "roofline_tok_per_s": 32416.0, "rows": [
+            {"system": "nano_vllm", "output tok/s": 17449.0, "% of roofline": 53.8},
+            {"system": "transformers 5.17.0 CB", "output tok/s": 392.0, "% of roofline": 1.2}]}
+SHARED = {"bench": "shared.kernels", "matmul_TFLOPs": 797.0, "copy_GBps": 4250.0, "rows": [],
+          "model": {"model": "qwen3-0.6b", "rows": [{"impl": "shared.model", "MFU %": 43.3},
+                                                    {"impl": "transformers 5.17", "MFU %": 29.9}]}}
+MEGATRON = {"bench": "nano_megatron", "peak_TFLOPs_for_MFU": 989.0, "matmul_TFLOPs_measured": 790.0, "rows": [
+    {"system": "tp", "GPUs": 2, "MFU %": 41.0, "scaling eff %": 82.1},
+    {"system": "dtensor_tp", "GPUs": 2, "MFU %": 22.4, "scaling eff %": 44.9}]}
+ZERO = {"bench": "nano_zero", "world_size": 2, "rows": [
+    {"system": "zero3", "tokens/s": 116910.0, "scaling efficiency": 0.92, "MFU % (measured peak)": 50.0,
+     "MFU % (datasheet peak)": 40.3}]}
+SGLANG = {"bench": "nano_sglang", "model": "llama3-8b", "rows": [
+    {"workload": w, "system": s, "hit rate": h, "optimal hit rate": 0.93, "programs/s": p, "vs vllm off": p / 38}
+    for w in ("kshot", "chat") for s, h, p in (("nano_sglang", 0.92, 450.0), ("nano_vllm, prefix caching off", 0.0,
+                                                                              38.0),
+                                               ("nano_vllm, prefix caching on", 0.92, 468.0))]}
+DISTSERVE = {"mode": "measured", "workload": {"name": "summarization", "ttft_slo": 1.05, "tpot_slo": 0.0105},
+             "engine": {"model": "llama3-8b"}, "rates": [4, 6, 8], "systems": [
+                 {"system": "colocated", "attainment": [0.98, 0.88, 0.58], "sim_attainment": [0.98, 0.9, 0.55],
+                  "goodput_per_gpu": 5.0, "sim_goodput_per_gpu": 6.1},
+                 {"system": "colocated_chunked", "attainment": [1.0, 0.95, 0.78],
+                  "sim_attainment": [1.0, 0.98, 0.84], "goodput_per_gpu": 7.0, "sim_goodput_per_gpu": 7.7}]}
+ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
+       "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
+       "nano_distserve_summarization.json": DISTSERVE}
+EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "mfu_scaling.png", "sglang_hit_rate.png",
+            "distserve_slo.png"]
+
+
+def _write(directory: Path, records: dict[str, object]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, rec in records.items():
+        (directory / name).write_text(json.dumps(rec))
+    return directory
+
+
+def test_every_figure_from_the_benches_json(tmp_path):
+    results = _write(tmp_path / "results", {**ALL, "notes.json": {"something": "else"}})
+    lines = report.main(["--results", str(results), "--out", str(tmp_path / "img")])
+    for name in EXPECTED:
+        png = tmp_path / "img" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"wrote {png}" in lines
+    assert "ignored notes.json: no figure reads this record" in lines
+    assert not [line for line in lines if line.startswith("skipped")]
+
+
+def test_the_mfu_bars_say_their_denominator():
+    bars = report._mfu_bars(MEGATRON) + report._mfu_bars(SHARED) + report._mfu_bars(ZERO)
+    assert ("nano_megatron: tp (2 GPU)", 41.0, "datasheet 989 TFLOP/s") in bars
+    assert ("qwen3-0.6b step: shared.model", 43.3, "measured 797 TFLOP/s") in bars
+    assert {b[2] for b in report._mfu_bars(ZERO)} == {"measured", "datasheet"}
+
+
+def test_missing_inputs_are_skipped_and_named(tmp_path):
+    broken = {k: v for k, v in VLLM.items() if k != "roofline_tok_per_s"}
+    results = _write(tmp_path / "results", {"nano_sglang.json": SGLANG, "nano_vllm.json": broken})
+    lines = report.render(results, tmp_path / "img")
+    assert f"wrote {tmp_path / 'img' / 'sglang_hit_rate.png'}" in lines
+    assert any(line.startswith("skipped vllm: nano_vllm.json") and "roofline_tok_per_s" in line for line in lines)
+    assert any(line.startswith("skipped attention: no flashattn JSON") and "nano_flashattn.bench" in line
+               for line in lines)
+    assert any(line.startswith("skipped distserve: no distserve JSON") for line in lines)
+    assert not (tmp_path / "img" / "vllm_roofline.png").exists()
+
+
+def test_only_draws_the_named_figures(tmp_path):
+    results = _write(tmp_path / "results", ALL)
+    lines = report.render(results, tmp_path / "img", only=["distserve"])
+    assert lines == [f"wrote {tmp_path / 'img' / 'distserve_slo.png'}"]
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        report.render(tmp_path / "no_such_dir", tmp_path / "img")
+    results = _write(tmp_path / "results", {})
+    (results / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        report.render(results, tmp_path / "img")
+    with pytest.raises(ValueError, match="unknown figure"):
+        report.render(results, tmp_path / "img", only=["nope"])
+
+
+def test_without_matplotlib_it_says_how_to_get_it(monkeypatch, tmp_path):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[plot\]"'):
+        report.main(["--results", str(tmp_path), "--out", str(tmp_path / "img")])
+
+
+def test_cli(tmp_path):
+    results = _write(tmp_path / "results", {"nano_distserve.json": DISTSERVE})
+    out = subprocess.run([sys.executable, "-m", "shared.report", "--results", str(results), "--out",
+                          str(tmp_path / "img")], capture_output=True, text=True, check=True).stdout
+    assert "distserve_slo.png" in out and "skipped attention" in out
