@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
+from shared import report
 
-from shared import report  # noqa: E402
+pytest.importorskip("matplotlib")
 
 FLASHATTN = {  # nano_flashattn.bench: bench.json
     "env": {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-30"},
