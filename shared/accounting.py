@@ -76,7 +76,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of K and V for `batch` sequences of `seq_len` tokens: 2 · L · Hkv · head_dim · bytes · S · B."""
     if seq_len < 0 or batch < 0 or dtype_bytes <= 0:
-        raise ValueError(f"seq_len, batch must be >= 0 and dtype_bytes > 0, got {seq_len}, {batch}, {dtype_bytes}")
+        raise ValueError(f"seq_len, batch must be >= 0 and dtype_bytes > 0, got {seq_len}, {batch}, "
+                         f"{dtype_bytes}")
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     return per_token * seq_len * batch
 
@@ -133,7 +134,8 @@ def lm_head_params(cfg: ModelConfig) -> int:
 def _keys(context_lens: Sequence[int] | int) -> list[int]:
     lens = [context_lens] if isinstance(context_lens, int) else list(context_lens)
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lens):
-        raise ValueError(f"context_lens must be positive ints (keys each sequence attends), got {context_lens!r}")
+        raise ValueError(f"context_lens must be positive ints (keys each sequence attends), got "
+                         f"{context_lens!r}")
     return lens
 
 
@@ -141,7 +143,7 @@ def _keys(context_lens: Sequence[int] | int) -> list[int]:
 class DecodeBytes:
     """Bytes one decode step reads from memory, by kind (writes — the new K/V, the logits — not counted)."""
 
-    weights: int  # every parameter but the input-embedding table: layers, norms, LM head (tied: the table once)
+    weights: int  # every parameter but the input-embedding table: layers, norms, LM head (tied: table once)
     embedding_rows: int  # one gathered embedding row per sequence
     kv: int  # K and V of every key every sequence attends
 
@@ -201,14 +203,15 @@ def decode_roofline(cfg: ModelConfig, context_lens: Sequence[int] | int, bandwid
             "bound": "memory" if memory_s >= compute_s else "compute"}
 
 
-def serving_roofline(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int], dtype_bytes: int,
-                     bandwidth: float, peak_flops: float) -> dict:
+def serving_roofline(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int],
+                     dtype_bytes: int, bandwidth: float, peak_flops: float) -> dict:
     """Lower-bound seconds for an offline workload: every prefill at `peak_flops` (forward_flops, one
     sampled row each), then every decode step at max(bytes / bandwidth, FLOPs / peak) with all requests
     decoding together — step t (t ≥ 1; the prefill yields the first token) serves each request with more
     than t outputs, which attends its prompt + t keys. Batching limits are ignored, so it is a bound."""
     if len(prompt_lens) != len(output_lens):
-        raise ValueError(f"prompt_lens and output_lens differ in length: {len(prompt_lens)} vs {len(output_lens)}")
+        raise ValueError(f"prompt_lens and output_lens differ in length: {len(prompt_lens)} vs "
+                         f"{len(output_lens)}")
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
     prefill_s = sum(forward_flops(cfg, p) for p in prompt_lens) / peak_flops
@@ -299,8 +302,8 @@ class Ceilings:
     def describe(self) -> str:
         """One line for a bench's printout."""
         d = self.as_dict()
-        sheet = (f"; datasheet {d['datasheet_GBps']:,.0f} GB/s, {d['datasheet_TFLOPs']:,.0f} TFLOP/s bf16 dense"
-                 if d["datasheet_TFLOPs"] else "; no datasheet values for this device")
+        sheet = (f"; datasheet {d['datasheet_GBps']:,.0f} GB/s, {d['datasheet_TFLOPs']:,.0f} TFLOP/s bf16 "
+                 "dense" if d["datasheet_TFLOPs"] else "; no datasheet values for this device")
         return (f"ceilings on {self.device}: measured copy {d['copy_GBps']:,.0f} GB/s (read + write), "
                 f"matmul {d['matmul_TFLOPs']:,.1f} TFLOP/s{sheet}")
 

@@ -1,19 +1,14 @@
-"""`python -m shared.report`: the benches' JSON, committed under docs/results/, drawn as PNG figures in docs/img/.
+"""`python -m shared.report`: the benches' JSON (committed in docs/results/) drawn as figures in docs/img/.
 
 Each JSON file is recognised by its content (the record a bench writes), not its name; a figure whose
 input is missing is skipped, and the report says which bench to run for it:
 
-  attention_hd<D>.png  nano_flashattn.bench: attention TFLOP/s vs sequence length, ours / SDPA flash /
-                       SDPA cuDNN, forward and backward, causal and not, beside the measured matmul peak
-  decode.png           nano_flashattn.bench: Flash-Decoding TB/s of K/V read vs context, per batch, beside
-                       the measured copy bandwidth
+  attention_hd<D>.png  nano_flashattn.bench: TFLOP/s vs sequence length, ours / SDPA flash / SDPA cuDNN
+  decode.png           nano_flashattn.bench: Flash-Decoding TB/s of K/V read vs context, per batch
   vllm_roofline.png    nano_vllm.bench: output tokens/s of each system beside the workload's roofline
-  mfu_scaling.png      shared.bench, nano_megatron.bench, nano_zero.bench: MFU, labelled by its
-                       denominator (measured or datasheet peak), and multi-GPU scaling efficiency
-  sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate per workload vs the analytic optimum, and
-                       programs/s against nano_vllm without prefix caching
-  distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs request rate per system,
-                       measured (solid) and simulated (dashed)
+  mfu_scaling.png      shared / nano_megatron / nano_zero benches: MFU (by denominator), scaling efficiency
+  sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate vs the analytic optimum, programs/s
+  distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs rate, measured and simulated
 
     python -m shared.report                            # docs/results/*.json -> docs/img/*.png
     python -m shared.report --results DIR --out DIR
@@ -26,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,18 +92,50 @@ def _where(record: dict) -> str:
     return ", ".join(str(x) for x in (gpu, date) if x)
 
 
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
 def _title(fig, text: str, record: dict) -> None:
     where = _where(record)
     fig.suptitle(text + (f"\n{where}" if where else ""), fontsize=11)
 
 
+def _grid(n: int, width: float, height: float, columns: int = 2) -> tuple[Any, list]:
+    """A figure of n panels, `columns` to a row; the unused cells of the last row are hidden."""
+    import matplotlib.pyplot as plt
+
+    cols = min(n, columns)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: redraws diff cleanly
+    fig.savefig(path, dpi=90, metadata={"Software": None})  # no version stamp: redraws diff cleanly
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return path
+
+
+def _curves(ax, rows: list[dict], x: str, series: dict[str, str], ceiling: Any, ceiling_label: str,
+            xlabel: str, ylabel: str) -> None:
+    """One line per {label: key} of `series` over rows[x] (log2 axis; non-numbers skipped), a ceiling line."""
+    for label, key in series.items():
+        pts = [(r[x], _num(r.get(key))) for r in rows if _num(r.get(key)) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    if _num(ceiling):
+        ax.axhline(ceiling, ls=":", c="grey", label=ceiling_label)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
 
 
 # ------------------------------------------------------------------ nano_flashattn
@@ -129,20 +157,11 @@ def fig_attention(records: list[Record], out: Path) -> list[Path]:
                     ax = axes[i][j]
                     sel = sorted((r for r in rows if r["head_dim"] == hd and bool(r["causal"]) == causal),
                                  key=lambda r: r["seqlen"])
-                    for impl in impls:
-                        pts = [(r["seqlen"], _num(r.get(f"{impl}_{direction}"))) for r in sel]
-                        pts = [(x, y) for x, y in pts if y is not None]
-                        if pts:
-                            ax.plot(*zip(*pts), marker="o", label=IMPL_LABELS.get(impl, impl))
-                    if _num(ceiling):
-                        ax.axhline(ceiling, ls=":", c="grey", label="bf16 matmul, measured")
-                    ax.set_xscale("log", base=2)
-                    ax.set_ylim(bottom=0)
+                    series = {IMPL_LABELS.get(i, i): f"{i}_{direction}" for i in impls}
+                    _curves(ax, sel, "seqlen", series, ceiling, "bf16 matmul, measured", "sequence length",
+                            "TFLOP/s")
                     ax.set_title(f"{'backward' if direction == 'bwd' else 'forward'}, "
                                  f"{'causal' if causal else 'not causal'}", fontsize=10)
-                    ax.set_xlabel("sequence length")
-                    ax.set_ylabel("TFLOP/s")
-                    ax.grid(alpha=0.3)
             axes[0][0].legend(fontsize=8)
             _title(fig, f"Attention TFLOP/s, head_dim {hd} (flash-attn's FLOP convention)", rec)
             paths.append(_save(fig, out / f"attention_hd{hd}{suffix}.png"))
@@ -169,19 +188,9 @@ def fig_decode(records: list[Record], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
         for ax, b in zip(axes[0], batches):
             sel = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["context"])
-            for impl in impls:
-                pts = [(r["context"], _num(r.get(impl))) for r in sel]
-                pts = [(x, y) for x, y in pts if y is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=_decode_label(impl))
-            if _num(copy):
-                ax.axhline(copy, ls=":", c="grey", label="device copy, measured")
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(bottom=0)
+            _curves(ax, sel, "context", {_decode_label(i): i for i in impls}, copy, "device copy, measured",
+                    "context (keys)", "TB/s of K/V read")
             ax.set_title(f"batch {b}", fontsize=10)
-            ax.set_xlabel("context (keys)")
-            ax.set_ylabel("TB/s of K/V read")
-            ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
         _title(fig, "Flash-Decoding: one new token per sequence, 32 q / 8 kv heads, head_dim 128", rec)
         suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
@@ -191,10 +200,8 @@ def fig_decode(records: list[Record], out: Path) -> list[Path]:
 
 # ------------------------------------------------------------------ nano_vllm
 def fig_vllm(records: list[Record], out: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(records), figsize=(5.2 * len(records), 4.2), squeeze=False)
-    for ax, (_, rec) in zip(axes[0], records):
+    fig, axes = _grid(len(records), 5.8, 4.4)
+    for ax, (_, rec) in zip(axes, records):
         rows = rec["rows"]
         names = [r["system"] for r in rows] + ["roofline"]
         values = [r["output tok/s"] for r in rows] + [rec["roofline_tok_per_s"]]
@@ -202,35 +209,40 @@ def fig_vllm(records: list[Record], out: Path) -> list[Path]:
                       hatch=[""] * len(rows) + ["//"])
         for bar, r in zip(bars, rows):
             pct = _num(r.get("% of roofline"))
-            ax.annotate(f"{r['output tok/s']:,.0f}" + (f"\n{pct:.1f}% of roofline" if pct else ""),
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+            ax.annotate(_fmt(r["output tok/s"]) + (f"\n{pct:.1f}% of roofline" if pct else ""),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_xticks(range(len(names)), [textwrap.fill(n, 18) for n in names], fontsize=8)
         ax.set_ylabel("output tokens/s")
         w = rec.get("workload") or {}
         copy = _num(rec.get("copy_GBps"))
-        ax.set_title(f"{rec.get('model')}, {w.get('num_seqs', '?')} requests"
-                     + (f"; roofline at {copy:,.0f} GB/s copy" if copy else ""), fontsize=9)
+        n = w.get("num_seqs", "?")
+        bound = f"; roofline at {copy:,.0f} GB/s copy" if copy else ""
+        requests = f"{n} request{'' if n == 1 else 's'}"
+        ax.set_title(f"{rec.get('model')}, {requests}{bound}\n{_where(rec)}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    _title(fig, "nano_vllm offline throughput against its roofline", records[0][1])
+    _title(fig, "nano_vllm offline throughput against its roofline (bytes actually read)", {})
     return [_save(fig, out / "vllm_roofline.png")]
 
 
 # ------------------------------------------------------------------ training: MFU and scaling
-def _mfu_bars(rec: dict) -> list[tuple[str, float, str]]:
-    """(label, MFU %, denominator) bars of one training record; the denominator names the peak ("measured
-    797 TFLOP/s", "datasheet 989 TFLOP/s") so bars against different peaks are never read as one scale."""
+def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
+    """(label, MFU %, denominator) bars of the training record in file `name`; the denominator names the
+    peak ("measured 797 TFLOP/s", "datasheet 989 TFLOP/s"): bars against different peaks are kept apart."""
     bench, ceilings, out = rec["bench"], rec.get("ceilings") or {}, []
     if bench == "shared.kernels":
         model = rec.get("model") or {}
         rows, peak, default = model.get("rows", []), _num(rec.get("matmul_TFLOPs")), "measured"
-        prefix = f"{model.get('model', 'model')} step"
+        prefix = f"{Path(name).stem}: {model.get('model', 'model')} step,"
     else:
-        rows, peak, prefix = rec.get("rows", []), _num(rec.get("peak_TFLOPs_for_MFU")), bench
+        rows, peak, prefix = rec.get("rows", []), _num(rec.get("peak_TFLOPs_for_MFU")), f"{Path(name).stem}:"
         measured = _num(rec.get("matmul_TFLOPs_measured"))
         default = "measured" if peak and measured and abs(peak - measured) < 1e-6 else "datasheet"
-    peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")), "datasheet": _num(ceilings.get("datasheet_TFLOPs"))}
+    peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")),
+             "datasheet": _num(ceilings.get("datasheet_TFLOPs"))}
     for r in rows:
-        label = f"{prefix}: {r.get('impl') or r.get('system')}" + (f" ({r['GPUs']} GPU)" if "GPUs" in r else "")
+        gpus = f" ({r['GPUs']} GPU{'s' if r['GPUs'] != 1 else ''})" if "GPUs" in r else ""
+        label = f"{prefix} {r.get('impl') or r.get('system')}{gpus}"
         if any(k in r for k in MFU_KEYS):
             for key in MFU_KEYS:
                 kind = key.split("(")[1].split()[0]
@@ -241,27 +253,26 @@ def _mfu_bars(rec: dict) -> list[tuple[str, float, str]]:
     return out
 
 
-def _scaling_bars(rec: dict) -> list[tuple[str, float]]:
-    """(label, scaling efficiency %) bars of one multi-GPU record."""
+def _scaling_bars(name: str, rec: dict) -> list[tuple[str, float]]:
+    """(label, scaling efficiency %) bars of the multi-GPU record in file `name`."""
     out = []
     for r in rec.get("rows", []):
-        if _num(r.get("scaling eff %")) is not None:
-            out.append((f"{rec['bench']}: {r['system']}", r["scaling eff %"]))
-        elif _num(r.get("scaling efficiency")) is not None:
-            out.append((f"{rec['bench']}: {r['system']}", 100 * r["scaling efficiency"]))
+        pct = _num(r.get("scaling eff %")) or 100 * (_num(r.get("scaling efficiency")) or 0)
+        if pct:
+            out.append((f"{Path(name).stem}: {r['system']}", pct))
     return out
 
 
 def fig_training(records: list[Record], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    mfu = [b for _, rec in records for b in _mfu_bars(rec)]
-    scaling = [b for _, rec in records for b in _scaling_bars(rec)]
+    mfu = [b for name, rec in records for b in _mfu_bars(name, rec)]
+    scaling = [b for name, rec in records for b in _scaling_bars(name, rec)]
     if not mfu and not scaling:
         raise KeyError("MFU % / scaling efficiency")
     panels = [p for p in (("MFU %", mfu), ("scaling efficiency %", scaling)) if p[1]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.45 * max(len(mfu), len(scaling)) + 2),
-                             squeeze=False)
+    height = 0.45 * max(len(mfu), len(scaling)) + 2
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
     for ax, (xlabel, bars) in zip(axes[0], panels):
         kinds = list(dict.fromkeys(b[2] for b in bars)) if xlabel == "MFU %" else []
         colors = [f"C{kinds.index(b[2])}" if kinds else "C2" for b in bars]
@@ -274,8 +285,8 @@ def fig_training(records: list[Record], out: Path) -> list[Path]:
         if kinds:
             from matplotlib.patches import Patch
 
-            ax.legend([Patch(color=f"C{i}") for i in range(len(kinds))], [f"vs {k}" for k in kinds], fontsize=8,
-                      loc="lower right")
+            ax.legend([Patch(color=f"C{i}") for i in range(len(kinds))], [f"vs {k}" for k in kinds],
+                      fontsize=8, loc="lower right")
         else:
             ax.axvline(100, ls=":", c="grey")
         ax.set_xlabel(xlabel)
@@ -321,10 +332,8 @@ def fig_sglang(records: list[Record], out: Path) -> list[Path]:
 
 # ------------------------------------------------------------------ nano_distserve
 def fig_distserve(records: list[Record], out: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(records), figsize=(5.2 * len(records), 4.2), squeeze=False)
-    for ax, (_, rec) in zip(axes[0], records):
+    fig, axes = _grid(len(records), 6.2, 4.6)
+    for ax, (_, rec) in zip(axes, records):
         rates, measured = rec["rates"], rec["mode"] == "measured"
         for i, row in enumerate(rec["systems"]):
             sim = row.get("sim_attainment") if measured else row["attainment"]
@@ -332,24 +341,29 @@ def fig_distserve(records: list[Record], out: Path) -> list[Path]:
                 ax.plot(rates, row["attainment"], marker="o", c=f"C{i}",
                         label=f"{row['system']} ({row['goodput_per_gpu']:g} req/s/GPU)")
             if sim:
-                ax.plot(rates, sim, ls="--", c=f"C{i}", label=None if measured else f"{row['system']} (simulated)")
+                ax.plot(rates, sim, ls="--", c=f"C{i}",
+                        label=None if measured else f"{row['system']} (simulated)")
         ax.axhline(0.9, ls=":", c="grey")
         w = rec.get("workload") or {}
         model = (rec.get("engine") or {}).get("model", "")
-        ax.set_title(f"{w.get('name', '?')} {model}: TTFT {w.get('ttft_slo', float('nan')):g} s, "
-                     f"TPOT {w.get('tpot_slo', float('nan')):g} s", fontsize=9)
+        gpus = rec["systems"][0].get("gpus", "?") if rec["systems"] else "?"
+        slo = f"TTFT {w.get('ttft_slo', float('nan')):g} s, TPOT {w.get('tpot_slo', float('nan')):g} s"
+        ax.set_title(f"{w.get('name', '?')}, {model}, {gpus} GPU(s) per system: {slo}\n{_where(rec)}",
+                     fontsize=8)
         ax.set_xlabel("request rate (req/s, whole system)")
         ax.set_ylabel("SLO attainment (TTFT and TPOT)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="solid measured, dashed simulated" if measured else None, title_fontsize=7)
-    _title(fig, "DistServe: SLO attainment vs rate (90% line: goodput)", records[0][1])
+        ax.legend(fontsize=7, title="solid measured, dashed simulated" if measured else None,
+                  title_fontsize=7)
+    _title(fig, "DistServe: SLO attainment vs rate (goodput: the highest rate at 90%, dotted)", {})
     return [_save(fig, out / "distserve_slo.png")]
 
 
 FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
-    "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode), "vllm": ("vllm", fig_vllm),
-    "training": ("training", fig_training), "sglang": ("sglang", fig_sglang), "distserve": ("distserve", fig_distserve),
+    "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode),
+    "vllm": ("vllm", fig_vllm), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
+    "distserve": ("distserve", fig_distserve),
 }
 
 
@@ -371,7 +385,8 @@ def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]
             continue
         records = groups[kind]
         if not records:
-            lines.append(f"skipped {name}: no {kind} JSON in {results} (run {SOURCES[kind]} and copy it there)")
+            lines.append(f"skipped {name}: no {kind} JSON in {results} (run {SOURCES[kind]} and copy it "
+                         "there)")
             continue
         try:
             paths = draw(records, out)

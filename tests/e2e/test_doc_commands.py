@@ -174,7 +174,8 @@ def check_argparse(ex: Example) -> None:
     elif hasattr(mod, "parse_args"):
         mod.parse_args(args)
     else:
-        raise AssertionError(f"{ex}: {ex.module} exposes no build_parser()/parse_args(argv) and is not in NO_PARSER")
+        raise AssertionError(f"{ex}: {ex.module} exposes no build_parser() / parse_args(argv) and is not in "
+                             "NO_PARSER")
 
 
 def _params():

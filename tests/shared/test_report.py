@@ -23,10 +23,11 @@ FLASHATTN = {  # nano_flashattn.bench: bench.json
                    "sdpa_flash_bwd": 180.0, "sdpa_cudnn_fwd": 500.0, "sdpa_cudnn_bwd": "unsupported: shape"}
                   for c in (False, True) for s in (512, 1024, 2048)],
     "decode": [{"batch": b, "context": c, "kv_bytes": 2 * b * c * 8 * 128 * 2, "ours_contiguous": 4.1,
-                "ours_paged16": 3.9, "sdpa_flash": 2.4, "sdpa_cudnn": 4.0} for b in (1, 64) for c in (4096, 16384)],
+                "ours_paged16": 3.9, "sdpa_flash": 2.4, "sdpa_cudnn": 4.0}
+               for b in (1, 64) for c in (4096, 16384)],
 }
-VLLM = {"bench": "nano_vllm", "model": "qwen3-0.6b", "date": "2026-12-01T04:58:00+00:00", "gpu": "NVIDIA H200",
-        "workload": {"num_seqs": 256}, "copy_GBps": 3808.0, "matmul_TFLOPs": 787.0,
+VLLM = {"bench": "nano_vllm", "model": "qwen3-0.6b", "date": "2026-12-01T04:58:00+00:00",
+        "gpu": "NVIDIA H200", "workload": {"num_seqs": 256}, "copy_GBps": 3808.0, "matmul_TFLOPs": 787.0,
         "roofline_tok_per_s": 32416.0, "rows": [
             {"system": "nano_vllm", "output tok/s": 17449.0, "% of roofline": 53.8},
             {"system": "transformers 5.17.0 CB", "output tok/s": 392.0, "% of roofline": 1.2}]}
@@ -39,22 +40,22 @@ MEGATRON = {"bench": "nano_megatron", "peak_TFLOPs_for_MFU": 989.0, "matmul_TFLO
 ZERO = {"bench": "nano_zero", "world_size": 2, "rows": [
     {"system": "zero3", "tokens/s": 116910.0, "scaling efficiency": 0.92, "MFU % (measured peak)": 50.0,
      "MFU % (datasheet peak)": 40.3}]}
+SGLANG_SYSTEMS = (("nano_sglang", 0.92, 450.0), ("nano_vllm, prefix caching off", 0.0, 38.0),
+                  ("nano_vllm, prefix caching on", 0.92, 468.0))
 SGLANG = {"bench": "nano_sglang", "model": "llama3-8b", "rows": [
-    {"workload": w, "system": s, "hit rate": h, "optimal hit rate": 0.93, "programs/s": p, "vs vllm off": p / 38}
-    for w in ("kshot", "chat") for s, h, p in (("nano_sglang", 0.92, 450.0), ("nano_vllm, prefix caching off", 0.0,
-                                                                              38.0),
-                                               ("nano_vllm, prefix caching on", 0.92, 468.0))]}
+    {"workload": w, "system": s, "hit rate": h, "optimal hit rate": 0.93, "programs/s": p,
+     "vs vllm off": p / 38} for w in ("kshot", "chat") for s, h, p in SGLANG_SYSTEMS]}
 DISTSERVE = {"mode": "measured", "workload": {"name": "summarization", "ttft_slo": 1.05, "tpot_slo": 0.0105},
              "engine": {"model": "llama3-8b"}, "rates": [4, 6, 8], "systems": [
-                 {"system": "colocated", "attainment": [0.98, 0.88, 0.58], "sim_attainment": [0.98, 0.9, 0.55],
-                  "goodput_per_gpu": 5.0, "sim_goodput_per_gpu": 6.1},
-                 {"system": "colocated_chunked", "attainment": [1.0, 0.95, 0.78],
+                 {"system": "colocated", "gpus": 1, "attainment": [0.98, 0.88, 0.58],
+                  "sim_attainment": [0.98, 0.9, 0.55], "goodput_per_gpu": 5.0, "sim_goodput_per_gpu": 6.1},
+                 {"system": "colocated_chunked", "gpus": 1, "attainment": [1.0, 0.95, 0.78],
                   "sim_attainment": [1.0, 0.98, 0.84], "goodput_per_gpu": 7.0, "sim_goodput_per_gpu": 7.7}]}
 ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
        "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
        "nano_distserve_summarization.json": DISTSERVE}
-EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "mfu_scaling.png", "sglang_hit_rate.png",
-            "distserve_slo.png"]
+EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "mfu_scaling.png",
+            "sglang_hit_rate.png", "distserve_slo.png"]
 
 
 def _write(directory: Path, records: dict[str, object]) -> Path:
@@ -76,10 +77,11 @@ def test_every_figure_from_the_benches_json(tmp_path):
 
 
 def test_the_mfu_bars_say_their_denominator():
-    bars = report._mfu_bars(MEGATRON) + report._mfu_bars(SHARED) + report._mfu_bars(ZERO)
-    assert ("nano_megatron: tp (2 GPU)", 41.0, "datasheet 989 TFLOP/s") in bars
-    assert ("qwen3-0.6b step: shared.model", 43.3, "measured 797 TFLOP/s") in bars
-    assert {b[2] for b in report._mfu_bars(ZERO)} == {"measured", "datasheet"}
+    bars = report._mfu_bars("nano_megatron.json", MEGATRON) + report._mfu_bars("shared.json", SHARED)
+    assert ("nano_megatron: tp (2 GPUs)", 41.0, "datasheet 989 TFLOP/s") in bars
+    assert ("shared: qwen3-0.6b step, shared.model", 43.3, "measured 797 TFLOP/s") in bars
+    assert {b[2] for b in report._mfu_bars("nano_zero.json", ZERO)} == {"measured", "datasheet"}
+    assert report._scaling_bars("nano_zero.json", ZERO) == [("nano_zero: zero3", 92.0)]
 
 
 def test_missing_inputs_are_skipped_and_named(tmp_path):
@@ -87,7 +89,8 @@ def test_missing_inputs_are_skipped_and_named(tmp_path):
     results = _write(tmp_path / "results", {"nano_sglang.json": SGLANG, "nano_vllm.json": broken})
     lines = report.render(results, tmp_path / "img")
     assert f"wrote {tmp_path / 'img' / 'sglang_hit_rate.png'}" in lines
-    assert any(line.startswith("skipped vllm: nano_vllm.json") and "roofline_tok_per_s" in line for line in lines)
+    assert any(line.startswith("skipped vllm: nano_vllm.json") and "roofline_tok_per_s" in line
+               for line in lines)
     assert any(line.startswith("skipped attention: no flashattn JSON") and "nano_flashattn.bench" in line
                for line in lines)
     assert any(line.startswith("skipped distserve: no distserve JSON") for line in lines)
