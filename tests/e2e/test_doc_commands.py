@@ -14,6 +14,7 @@ Placeholders are allowed: `<...>` and `...` stand for a value the reader supplie
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import shlex
@@ -150,10 +151,17 @@ def _hydra_app(module: str) -> tuple[Path, str] | None:
     return None
 
 
-def check_hydra(ex: Example, config_dir: Path, config_name: str) -> None:
+@functools.cache  # one composition per distinct command (failures are not cached)
+def _compose(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> None:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+
+
+def check_hydra(ex: Example, config_dir: Path, config_name: str) -> None:
     source = (ROOT / (ex.module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
     overrides = []
     for a in ex.args:
@@ -161,9 +169,7 @@ def check_hydra(ex: Example, config_dir: Path, config_name: str) -> None:
             assert f'"{a}"' in source, f"{ex}: {a} is not a Hydra override and {ex.module} does not handle it"
         else:
             overrides.append(a)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    _compose(config_dir, config_name, tuple(overrides))
 
 
 def check_argparse(ex: Example) -> None:
