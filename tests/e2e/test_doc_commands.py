@@ -113,7 +113,7 @@ def _args(raw: str) -> tuple[str, ...] | None:
 
 def collect() -> list[Example]:
     sources: list[tuple[Path, list[tuple[int, str]]]] = []
-    docs = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
     docs += [ROOT / p / "README.md" for p in PACKAGES]
     for path in docs:
         if path.exists():
