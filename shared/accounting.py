@@ -271,6 +271,8 @@ class Ceilings:
         from shared.bench import measure_copy_bandwidth, measure_matmul_flops
 
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device, measured once
+            dev = torch.device("cuda", torch.cuda.current_device())
         key = str(dev)
         if key not in _MEASURED or refresh:
             name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
