@@ -114,6 +114,11 @@ def _grid(n: int, width: float, height: float, columns: int = 2) -> tuple[Any, l
     return fig, flat[:n]
 
 
+def _png(out: Path, base: str, name: str, records: list[Record]) -> Path:
+    """out/base.png, or out/base_<file stem>.png when several files draw the same figure."""
+    return out / (f"{base}_{Path(name).stem}.png" if len(records) > 1 else f"{base}.png")
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=90, metadata={"Software": None})  # no version stamp: redraws diff cleanly
@@ -149,7 +154,6 @@ def fig_attention(records: list[Record], out: Path) -> list[Path]:
             continue
         impls = [k[:-4] for k in rows[0] if k.endswith("_fwd")]
         ceiling = rec.get("ceilings", {}).get("matmul_tflops")
-        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
         for hd in sorted({r["head_dim"] for r in rows}):
             fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
             for i, direction in enumerate(("fwd", "bwd")):
@@ -164,7 +168,7 @@ def fig_attention(records: list[Record], out: Path) -> list[Path]:
                                  f"{'causal' if causal else 'not causal'}", fontsize=10)
             axes[0][0].legend(fontsize=8)
             _title(fig, f"Attention TFLOP/s, head_dim {hd} (flash-attn's FLOP convention)", rec)
-            paths.append(_save(fig, out / f"attention_hd{hd}{suffix}.png"))
+            paths.append(_save(fig, _png(out, f"attention_hd{hd}", name, records)))
     return paths
 
 
@@ -193,8 +197,7 @@ def fig_decode(records: list[Record], out: Path) -> list[Path]:
             ax.set_title(f"batch {b}", fontsize=10)
         axes[0][0].legend(fontsize=7)
         _title(fig, "Flash-Decoding: one new token per sequence, 32 q / 8 kv heads, head_dim 128", rec)
-        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
-        paths.append(_save(fig, out / f"decode{suffix}.png"))
+        paths.append(_save(fig, _png(out, "decode", name, records)))
     return paths
 
 
@@ -325,8 +328,7 @@ def fig_sglang(records: list[Record], out: Path) -> list[Path]:
         left.set_ylim(0, 1.3)
         left.legend(fontsize=8, ncol=2, loc="upper center")
         _title(fig, f"RadixAttention: hit rate vs the optimum, throughput ({rec.get('model')})", rec)
-        suffix = f"_{Path(name).stem}" if len(records) > 1 else ""
-        paths.append(_save(fig, out / f"sglang_hit_rate{suffix}.png"))
+        paths.append(_save(fig, _png(out, "sglang_hit_rate", name, records)))
     return paths
 
 
