@@ -144,6 +144,8 @@ class EngineLoop:
                     self._clients[client.request_id] = client
                 except ValueError as e:  # validated before, but never let one request stop the loop
                     self._end(client, "error", str(e))
+                except Exception:
+                    self._end(client, "error", traceback.format_exc(limit=5))
             else:
                 client = self._clients.pop(cmd[1], None)
                 if client is not None:

@@ -5,6 +5,7 @@ oversized header) and closes idle keep-alive connections. Added here, each a few
 - a body-size limit (413) and a body read timeout (408), before the application sees a byte;
 - a header read timeout (408): a connection must deliver a request's headers within `read_timeout_s`;
 - a connection limit: connections beyond `max_connections` get 503;
+- a client's EOF (close or half-close) cancels its request; a half-closed client is told so (400);
 - OpenAI's JSON error object on every one of these responses, instead of plain text;
 - a graceful drain on SIGTERM / SIGINT: new requests get 503, requests in flight finish (or, after
   `drain_timeout_s`, end with an error event), then the server exits. A second signal exits at once.
@@ -150,6 +151,16 @@ def protocol_class(config: HTTPConfig) -> type[H11Protocol]:
                 self.transport.write(_error_response(408, f"the request headers did not arrive within "
                                                           f"{config.read_timeout_s} s (server.read_timeout_s)"))
             self.transport.close()
+
+        def eof_received(self) -> None:
+            """The client closed its sending side. TCP cannot tell a half-close from a close, and a gone client
+            must not hold KV blocks, so either way its request is cancelled (asyncio then closes the transport
+            and the application sees a disconnect); a client that still reads is told why."""
+            cycle = self.cycle
+            if (cycle is not None and not cycle.response_started and not cycle.response_complete
+                    and self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)):  # the request is complete
+                self.transport.write(_error_response(400, "the client closed its sending side (half-close) before "
+                                                          "the response; a closed connection cancels its request"))
 
         def send_400_response(self, msg: str) -> None:
             self.transport.write(_error_response(400, f"malformed HTTP request: {msg.rstrip('.')}"))
