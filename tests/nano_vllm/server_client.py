@@ -44,8 +44,11 @@ def stop(srv, thread: threading.Thread) -> None:
     assert not thread.is_alive(), "the server thread did not stop"
 
 
-def wait_idle(loop: EngineLoop) -> None:
-    """Every request has left the engine and every KV block is free again."""
+def wait_idle(loop: EngineLoop, srv=None) -> None:
+    """Every request has left the engine and every KV block is free again; with `srv`, first every request
+    task of that server has ended (a request whose client is gone may still be on its way to the engine)."""
+    if srv is not None:
+        wait_for(lambda: not srv.uvicorn.server_state.tasks and not srv.api.active, "the server's requests to end")
     bm = loop.engine.block_manager
     wait_for(lambda: not loop.num_active and not loop.engine.has_unfinished_requests()
              and bm.num_free_blocks == bm.num_blocks, "the engine to go idle with every KV block free")
