@@ -90,6 +90,12 @@ class ServerMetrics:
                                                    "Generated tokens per request.", m, buckets=TOKEN_BUCKETS,
                                                    registry=r)
         r.register(_EngineCollector(engine, model_name))
+        # Create every series now, so a scrape shows zeros from the start (as vLLM does), not gaps.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e,
+                       self.request_prompt_tokens, self.request_generation_tokens):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
 
     def request(self, num_prompt_tokens: int) -> RequestTimer:
         """Start timing one request (at its arrival, before it is queued)."""

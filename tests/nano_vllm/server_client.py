@@ -44,6 +44,46 @@ def stop(srv, thread: threading.Thread) -> None:
     assert not thread.is_alive(), "the server thread did not stop"
 
 
+class StepGate:
+    """Engine steps wait for a turn: `allow(n)` lets n more steps run, `set()` lets every step run. A request
+    stays in flight (or at a chosen token) for exactly as long as a test needs, on any machine."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._budget, self._open = 0, False
+
+    def allow(self, n: int) -> None:
+        with self._cond:
+            self._budget += n
+            self._cond.notify_all()
+
+    def set(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def wait_turn(self) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._open or self._budget > 0, DEADLINE_S), "no step allowed"
+            if not self._open:
+                self._budget -= 1
+
+
+def gate_steps(loop: EngineLoop, monkeypatch, record: list | None = None) -> StepGate:
+    """Make `loop`'s engine steps wait on a `StepGate` (and append the running batch's size to `record`
+    before each). Open the gate before the test ends."""
+    gate, step = StepGate(), loop.engine.step
+
+    def gated():
+        gate.wait_turn()
+        if record is not None:
+            record.append(len(loop.engine.scheduler.running) + len(loop.engine.scheduler.waiting))
+        return step()
+
+    monkeypatch.setattr(loop.engine, "step", gated)
+    return gate
+
+
 def wait_idle(loop: EngineLoop, srv=None) -> None:
     """Every request has left the engine and every KV block is free again; with `srv`, first every request
     task of that server has ended (a request whose client is gone may still be on its way to the engine)."""

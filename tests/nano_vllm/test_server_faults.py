@@ -23,6 +23,7 @@ from server_client import (
     DEADLINE_S,
     assert_openai_error,
     conn,
+    gate_steps,
     get,
     parse,
     post,
@@ -71,17 +72,10 @@ def queued(loop, monkeypatch):
 
 @pytest.fixture
 def gate(loop, monkeypatch):
-    """Engine steps wait until the test sets this event: a request stays in flight as long as it needs."""
-    opened = threading.Event()
-    step = loop.engine.step
-
-    def gated():
-        assert opened.wait(DEADLINE_S), "the test never opened the gate"
-        return step()
-
-    monkeypatch.setattr(loop.engine, "step", gated)
-    yield opened
-    opened.set()
+    """Engine steps wait until the test opens this gate (see `gate_steps`)."""
+    gate = gate_steps(loop, monkeypatch)
+    yield gate
+    gate.set()
 
 
 # ---------------------------------------------------------------------------------------------- bad bodies
