@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_client import conn, gate_steps, get, post, sse, start, stop, wait_for, wait_idle
+from server_client import DEADLINE_S, conn, gate_steps, get, post, sse, start, stop, wait_for, wait_idle
 from vllm_checkpoints import random_prompts
 
 from nano_vllm.config import EngineConfig
@@ -113,7 +113,7 @@ def test_cancel_mid_stream_frees_blocks(server, monkeypatch):
     seen = _count_aborts(loop, monkeypatch)
     gate = gate_steps(loop, monkeypatch)
     gate.allow(3)  # three tokens, then the engine holds the request mid-stream
-    sock = socket.create_connection(srv.server_address[:2])
+    sock = socket.create_connection(srv.server_address[:2], timeout=DEADLINE_S)
     body = json.dumps({"prompt": [1, 2, 3, 4, 5], "max_tokens": 100, "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -131,7 +131,7 @@ def test_disconnect_while_waiting_aborts_non_streaming_request(server, monkeypat
     srv, loop = server
     seen = _count_aborts(loop, monkeypatch)
     gate = gate_steps(loop, monkeypatch)
-    sock = socket.create_connection(srv.server_address[:2])
+    sock = socket.create_connection(srv.server_address[:2], timeout=DEADLINE_S)
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 100}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
                  + b"\r\n\r\n" + body)
@@ -253,7 +253,7 @@ def test_metrics_show_engine_state_and_aborts(server, monkeypatch):
     srv, loop = server
     gate = gate_steps(loop, monkeypatch)
     before = _scrape(srv)
-    sock = socket.create_connection(srv.server_address[:2])
+    sock = socket.create_connection(srv.server_address[:2], timeout=DEADLINE_S)
     body = json.dumps({"prompt": list(range(1, 40)), "max_tokens": 50, "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
                  + b"\r\n\r\n" + body)
