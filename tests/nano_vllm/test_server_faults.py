@@ -56,7 +56,15 @@ def loop(qwen3_ckpt):
 
 @pytest.fixture(scope="module")
 def server(loop):
-    srv, thread = start(loop, max_body_bytes=64 * 1024, read_timeout_s=1.0)
+    srv, thread = start(loop, max_body_bytes=64 * 1024)
+    yield srv
+    stop(srv, thread)
+
+
+@pytest.fixture(scope="module")
+def impatient(loop):
+    """A server with a short read timeout, for the tests that wait for it to expire."""
+    srv, thread = start(loop, read_timeout_s=2.0)
     yield srv
     stop(srv, thread)
 
@@ -182,32 +190,32 @@ def test_method_and_route_errors_are_json(server):
 
 
 # ------------------------------------------------------------------------------- slow, idle and many clients
-def test_half_sent_headers_and_body_get_408(server, queued):
-    with socket.create_connection(server.server_address[:2], timeout=DEADLINE_S) as s:
+def test_half_sent_headers_and_body_get_408(impatient, queued):
+    with socket.create_connection(impatient.server_address[:2], timeout=DEADLINE_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
         assert_openai_error(*parse(read_all(s)), 408, message="server.read_timeout_s")
-    with socket.create_connection(server.server_address[:2], timeout=DEADLINE_S) as s:
+    with socket.create_connection(impatient.server_address[:2], timeout=DEADLINE_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"prompt": ')
         assert_openai_error(*parse(read_all(s)), 408, message="server.read_timeout_s")
     assert not queued
 
 
-def test_300_half_requests_do_not_block_others(server, loop):
+def test_300_half_requests_do_not_block_others(impatient, loop):
     socks = []
     try:
         for _ in range(300):
-            s = socket.create_connection(server.server_address[:2], timeout=DEADLINE_S)
+            s = socket.create_connection(impatient.server_address[:2], timeout=DEADLINE_S)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             socks.append(s)
-        status, out = post(server, COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 2})  # served meanwhile
+        status, out = post(impatient, COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 2})  # served meanwhile
         assert status == 200 and out["usage"]["completion_tokens"] == 2
         for s in socks:  # each is answered 408 and closed
             assert_openai_error(*parse(read_all(s)), 408)
     finally:
         for s in socks:
             s.close()
-    wait_for(lambda: not server.uvicorn.server_state.connections, "every connection to close")
-    wait_idle(loop, server)
+    wait_for(lambda: not impatient.uvicorn.server_state.connections, "every connection to close")
+    wait_idle(loop, impatient)
 
 
 def test_connections_over_the_limit_get_503(loop):
@@ -238,8 +246,8 @@ def test_half_closed_client_is_told_and_its_request_leaves_the_engine(server, lo
 def test_client_gone_before_its_body_is_complete_queues_nothing(server, queued):
     with socket.create_connection(server.server_address[:2], timeout=DEADLINE_S) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-    status, _ = post(server, COMPLETIONS, {"prompt": [1], "max_tokens": 1})  # the server has moved on
-    assert status == 200 and len(queued) == 1
+    status, out = post(server, COMPLETIONS, {"prompt": [1], "max_tokens": 1})  # the server has moved on
+    assert status == 200 and len(queued) == 1, (status, out, queued)
 
 
 @pytest.mark.parametrize("stream", [False, True])
