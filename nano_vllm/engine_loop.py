@@ -131,12 +131,16 @@ class EngineLoop:
         stream.put(StreamEvent([], True, reason, error))
 
     # ------------------------------------------------------------------ the loop thread
-    def _apply_commands(self) -> None:
+    def _pending(self):
+        """The commands queued so far, taken off the queue one by one."""
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._pending():
             if cmd[0] == "add":
                 _, client, prompt_token_ids, params, kwargs = cmd
                 try:
@@ -167,14 +171,7 @@ class EngineLoop:
         for rid, _ in clients:
             with contextlib.suppress(Exception):  # after a crash the engine may be half-way through a step
                 self.engine.abort_request(rid)
-        clients = [c for _, c in clients]
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                clients.append(cmd[1])
+        clients = [c for _, c in clients] + [cmd[1] for cmd in self._pending() if cmd[0] == "add"]
         for client in clients:
             with contextlib.suppress(Exception):
                 self._end(client, reason, error)
