@@ -21,9 +21,14 @@ from nano_vllm.http_server import HTTPConfig, HTTPServer
 from nano_vllm.server import make_server
 
 
+def http_config(cfg: DictConfig) -> HTTPConfig:
+    """The `server:` group of a serve config (limits and timeouts of the HTTP layer)."""
+    return HTTPConfig(**(OmegaConf.to_container(cfg.get("server") or {}, resolve=True) or {}))
+
+
 def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config; the loop is started, the server not yet."""
-    http = HTTPConfig(**(OmegaConf.to_container(cfg.get("server") or {}, resolve=True) or {}))
+    http = http_config(cfg)
     args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
     engine = LLMEngine(EngineConfig(model=str(cfg.model), **args))
     loop = EngineLoop(engine).start()

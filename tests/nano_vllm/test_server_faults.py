@@ -426,3 +426,22 @@ def test_soak_64_clients_with_aborts_and_malformed_requests(loop):
     status, _, health = get(srv, "/health")
     assert status == 200 and json.loads(health) == {"status": "ok"}
     stop(srv, thread)
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def test_server_config_keys_and_bad_values():
+    from hydra import compose, initialize_config_module
+
+    from nano_vllm.http_server import HTTPConfig
+    from nano_vllm.serve import http_config
+
+    with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
+        cfg = compose(config_name="serve", overrides=["server.max_body_bytes=100", "server.drain_timeout_s=2.5"])
+        assert http_config(cfg) == HTTPConfig(max_body_bytes=100, drain_timeout_s=2.5)
+        assert http_config(compose(config_name="serve")) == HTTPConfig()  # serve.yaml states the defaults
+        with pytest.raises(ValueError, match=r"server\.read_timeout_s must be a positive number, got -1"):
+            http_config(compose(config_name="serve", overrides=["server.read_timeout_s=-1"]))
+    with pytest.raises(ValueError, match=r"server\.max_connections must be a positive number, got 'x'"):
+        HTTPConfig(max_connections="x")
+    with pytest.raises(ValueError, match=r"server\.max_body_bytes must be a positive number, got True"):
+        HTTPConfig(max_body_bytes=True)
