@@ -39,7 +39,7 @@ class _Stream(RequestStream):
     def __init__(self, request_id: str, prompt_token_ids: list[int], aloop: asyncio.AbstractEventLoop):
         super().__init__(request_id, prompt_token_ids)
         self.aloop, self.queue = aloop, asyncio.Queue()
-        self.submitted = self.finished = False
+        self.finished = False
         self.finish_reason: str | None = None
 
     def put(self, event: StreamEvent | str) -> None:  # called on the engine thread
@@ -147,13 +147,12 @@ class OpenAIServer:
         timer = self.metrics.request(len(stream.prompt_token_ids))
         watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
         try:
-            stream.submitted = True
             self.loop.add(stream, stream.prompt_token_ids, params)
             yield self._events(stream, timer)
         finally:
             watcher.cancel()
             self.active.discard(stream)
-            if stream.submitted and not stream.finished:
+            if not stream.finished:
                 self.loop.abort(stream.request_id)
             timer.finish(stream.finish_reason if stream.finished else "abort")
 

@@ -346,28 +346,6 @@ def _listening(port: int) -> bool:
         return False
 
 
-def test_dead_engine_loop_fails_requests_and_health(qwen3_ckpt, monkeypatch):
-    loop = EngineLoop(LLMEngine(EngineConfig(model=qwen3_ckpt, max_model_len=64, max_num_seqs=4))).start()
-    srv, thread = start(loop)
-    try:
-        assert get(srv, "/health")[0] == 200
-        monkeypatch.setattr(loop.engine, "add_request", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad")))
-        status, err = post(srv, COMPLETIONS, {"prompt": [1, 2], "max_tokens": 2})
-        assert_openai_error(status, err, 500, message="RuntimeError: bad")  # one request fails, not the loop
-        assert loop.alive
-        monkeypatch.undo()
-        monkeypatch.setattr(loop, "_emit", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))  # a bug
-        status, err = post(srv, COMPLETIONS, {"prompt": [1, 2], "max_tokens": 2})
-        assert_openai_error(status, err, 500, message="boom")
-        wait_for(lambda: not loop.thread.is_alive(), "the loop thread to die")
-        status, _, health = get(srv, "/health")
-        assert status == 503 and b"engine loop is not running" in health
-        assert_openai_error(*post(srv, COMPLETIONS, {"prompt": [1], "max_tokens": 1}), 503, message="boom")
-    finally:
-        stop(srv, thread)
-        loop.stop()
-
-
 # ------------------------------------------------------------------------------------------------------ soak
 def test_soak_64_clients_with_aborts_and_malformed_requests(loop):
     """64 client threads, 8 requests each (512 in all): normal, streamed, dropped mid-stream, dropped while
@@ -427,21 +405,3 @@ def test_soak_64_clients_with_aborts_and_malformed_requests(loop):
     assert status == 200 and json.loads(health) == {"status": "ok"}
     stop(srv, thread)
 
-
-# ---------------------------------------------------------------------------------------------- configuration
-def test_server_config_keys_and_bad_values():
-    from hydra import compose, initialize_config_module
-
-    from nano_vllm.http_server import HTTPConfig
-    from nano_vllm.serve import http_config
-
-    with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
-        cfg = compose(config_name="serve", overrides=["server.max_body_bytes=100", "server.drain_timeout_s=2.5"])
-        assert http_config(cfg) == HTTPConfig(max_body_bytes=100, drain_timeout_s=2.5)
-        assert http_config(compose(config_name="serve")) == HTTPConfig()  # serve.yaml states the defaults
-        with pytest.raises(ValueError, match=r"server\.read_timeout_s must be a positive number, got -1"):
-            http_config(compose(config_name="serve", overrides=["server.read_timeout_s=-1"]))
-    with pytest.raises(ValueError, match=r"server\.max_connections must be a positive number, got 'x'"):
-        HTTPConfig(max_connections="x")
-    with pytest.raises(ValueError, match=r"server\.max_body_bytes must be a positive number, got True"):
-        HTTPConfig(max_body_bytes=True)
