@@ -4,6 +4,10 @@ Continuous batching only pays off if concurrent requests land in the *same* engi
 thread hands its request to this loop through a command queue and reads its tokens from its own queue
 (`RequestStream`). The engine is touched by the loop thread alone, so it needs no locks; commands are
 applied between steps, which is also when an aborted request's blocks are freed.
+
+Nobody waits forever: when the loop stops, or its thread dies of an unexpected exception, every request it
+still holds (or has queued) is ended — "abort" on `stop()`, "error" with the traceback otherwise — and
+`alive` turns False, which the server's `/health` reports.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class EngineLoop:
         self._clients: dict[str, Any] = {}  # request id -> client, for requests the engine holds
         self._ids = itertools.count()
         self._stop = False
+        self.error: str | None = None  # the traceback that killed the loop thread, if one did
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> EngineLoop:
@@ -91,6 +96,8 @@ class EngineLoop:
         engine's `add_request` (e.g. nano_sglang's constraints)."""
         self._commands.put(("add", client, prompt_token_ids, sampling_params, add_request_kwargs))
         self._wake.set()
+        if self.thread.ident is not None and not self.thread.is_alive():  # the loop has ended: answer now
+            self._end_all("abort" if self.error is None else "error", self.error or "the engine loop has stopped")
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -99,6 +106,11 @@ class EngineLoop:
     @property
     def num_active(self) -> int:
         return len(self._clients)
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop thread runs and has not been asked to stop."""
+        return self.thread.is_alive() and not self._stop
 
     # ------------------------------------------------------------------ hooks (run on the loop thread)
     def _add(self, client: Any, prompt_token_ids: list[int], params: SamplingParams, kwargs: dict) -> Sequence:
@@ -119,12 +131,16 @@ class EngineLoop:
         stream.put(StreamEvent([], True, reason, error))
 
     # ------------------------------------------------------------------ the loop thread
-    def _apply_commands(self) -> None:
+    def _pending(self):
+        """The commands queued so far, taken off the queue one by one."""
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._pending():
             if cmd[0] == "add":
                 _, client, prompt_token_ids, params, kwargs = cmd
                 try:
@@ -132,6 +148,8 @@ class EngineLoop:
                     self._clients[client.request_id] = client
                 except ValueError as e:  # validated before, but never let one request stop the loop
                     self._end(client, "error", str(e))
+                except Exception:
+                    self._end(client, "error", traceback.format_exc(limit=5))
             else:
                 client = self._clients.pop(cmd[1], None)
                 if client is not None:
@@ -139,6 +157,26 @@ class EngineLoop:
                     self._end(client, "abort")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # a bug outside a step (a hook, an abort): record it, then end every client
+            self.error = traceback.format_exc(limit=5)
+        finally:
+            self._end_all("abort" if self.error is None else "error", self.error)
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        """End every request this loop holds (aborted in the engine: their blocks are freed) or has queued."""
+        clients = list(self._clients.items())
+        self._clients.clear()
+        for rid, _ in clients:
+            with contextlib.suppress(Exception):  # after a crash the engine may be half-way through a step
+                self.engine.abort_request(rid)
+        clients = [c for _, c in clients] + [cmd[1] for cmd in self._pending() if cmd[0] == "add"]
+        for client in clients:
+            with contextlib.suppress(Exception):
+                self._end(client, reason, error)
+
+    def _serve(self) -> None:
         while not self._stop:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():

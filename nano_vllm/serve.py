@@ -2,7 +2,11 @@
 
     python -m nano_vllm.serve                                   # the tiny preset on 127.0.0.1:8000
     python -m nano_vllm.serve model=/path/to/Qwen3-0.6B port=8080 host=0.0.0.0 engine.max_model_len=8192
+    python -m nano_vllm.serve server.max_body_bytes=1048576 server.drain_timeout_s=10
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16, "stream": true}'
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight finish within `server.drain_timeout_s`;
+a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -13,33 +17,40 @@ from omegaconf import DictConfig, OmegaConf
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine, engine_args_from, kv_cache_summary
 from nano_vllm.engine_loop import EngineLoop
+from nano_vllm.http_server import HTTPConfig, HTTPServer
 from nano_vllm.server import make_server
 
 
-def build(cfg: DictConfig):
+def http_config(cfg: DictConfig) -> HTTPConfig:
+    """The `server:` group of a serve config (limits and timeouts of the HTTP layer)."""
+    return HTTPConfig(**(OmegaConf.to_container(cfg.get("server") or {}, resolve=True) or {}))
+
+
+def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config; the loop is started, the server not yet."""
+    http = http_config(cfg)
     args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
     engine = LLMEngine(EngineConfig(model=str(cfg.model), **args))
     loop = EngineLoop(engine).start()
     name = cfg.get("served_model_name") or str(cfg.model)
-    return make_server(loop, name, cfg.host, int(cfg.port)), loop
+    return make_server(loop, name, cfg.host, int(cfg.port), http), loop
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="serve")
 def main(cfg: DictConfig) -> None:
     server, loop = build(cfg)
     host, port = server.server_address[:2]
-    print(f"nano_vllm: serving {cfg.model} as {server.RequestHandlerClass.api.model_name!r} on "
-          f"http://{host}:{port} (max_model_len {loop.engine.max_model_len}; {kv_cache_summary(loop.engine)})",
-          flush=True)
+    print(f"nano_vllm: serving {cfg.model} as {server.api.model_name!r} on http://{host}:{port} "
+          f"(max_model_len {loop.engine.max_model_len}; {kv_cache_summary(loop.engine)})", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
         server.server_close()
         loop.stop()
         loop.engine.shutdown()
+    print("nano_vllm: server stopped", flush=True)
 
 
 if __name__ == "__main__":

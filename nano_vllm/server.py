@@ -1,275 +1,339 @@
-"""An OpenAI-compatible HTTP server on the standard library: `/v1/completions`, `/v1/chat/completions`
-(both with SSE streaming), `/v1/models`, `/health`.
+"""An OpenAI-compatible HTTP server (FastAPI on uvicorn, as vLLM and SGLang serve): `/v1/completions` and
+`/v1/chat/completions` (both with SSE streaming), `/v1/models`, `/health`, `/metrics`.
 
-One `ThreadingHTTPServer` thread per connection parses and validates the request, submits it to the
-shared `EngineLoop` (so concurrent requests are batched by one engine) and relays its tokens. A client
-that disconnects — noticed when a write fails, or when its socket reads EOF while we wait — has its
-request aborted, which frees its KV blocks at the next step. Bad requests get HTTP 400 with OpenAI's
-error body `{"error": {"message", "type", "param", "code"}}`, never a crash.
+Requests are validated (`protocol.py`) before anything is queued, then handed to the one `EngineLoop`
+thread, so concurrent requests share every engine step; tokens come back through the asyncio loop. A request
+is in the engine only while its client is there: a disconnect (noticed at once, whether or not tokens are
+flowing), a cancelled task or a failed drain aborts it, which frees its KV blocks at the next step.
+The HTTP layer (`http_server.py`) adds what uvicorn leaves out: a body-size limit, read timeouts, a
+connection limit, JSON errors for malformed HTTP, and a graceful drain on SIGTERM.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import select
-import socket
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator
 from typing import Any
 
-from nano_vllm.engine_loop import EngineLoop, RequestStream
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nano_vllm.engine_loop import EngineLoop, RequestStream, StreamEvent
+from nano_vllm.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.server_metrics import ServerMetrics
 from nano_vllm.tokenizer import IncrementalDetokenizer
 
-POLL_S = 0.05  # how often a waiting handler checks whether its client is still there
+LIVENESS_POLL_S = 1.0  # how often a request with no news checks that the engine loop still runs
+_GONE, _SHUTDOWN = "client disconnected", "server is shutting down"  # events the server itself posts
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+class _Stream(RequestStream):
+    """A request's tokens, posted by the engine thread into this server's asyncio loop."""
 
+    def __init__(self, request_id: str, prompt_token_ids: list[int], aloop: asyncio.AbstractEventLoop):
+        super().__init__(request_id, prompt_token_ids)
+        self.aloop, self.queue = aloop, asyncio.Queue()
+        self.finished = False
+        self.finish_reason: str | None = None
 
-def _sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    for name, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("logprobs", (None, False, 0)),
-                          ("echo", (None, False)), ("stop", (None, [], ""))):
-        if body.get(name) not in allowed:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server", name)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    kwargs = {
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-        "top_k": body.get("top_k", -1), "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-        "ignore_eos": body.get("ignore_eos", False), "stop_token_ids": body.get("stop_token_ids"),
-        "seed": body.get("seed"),
-    }
-    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("stop_token_ids", "seed")}
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise APIError(400, str(e), str(e).split()[0]) from None
+    def put(self, event: StreamEvent | str) -> None:  # called on the engine thread
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 class OpenAIServer:
-    """What the handlers share: the engine loop, the tokenizer and the served model's name."""
+    """What the routes share: the engine loop, its tokenizer, the served model's name, the metrics, and the
+    requests in flight (which a drain waits for)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str):
+    def __init__(self, loop: EngineLoop, model_name: str, drain_timeout_s: float = 30.0):
         self.loop = loop
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.model_name = model_name
         self.max_model_len = loop.engine.max_model_len
+        self.metrics = ServerMetrics(self.engine, model_name)
+        self.active: set[_Stream] = set()
+        self.drain_timeout_s = drain_timeout_s
+        self.draining, self._drain_deadline, self._drain_forced = False, 0.0, False
+        self.app = build_app(self)
 
-    def check_model(self, body: dict) -> None:
-        model = body.get("model")
+    # ------------------------------------------------------------------ state
+    def unavailable(self) -> str | None:
+        """Why new requests are refused (503), or None."""
+        if self.draining:
+            return _SHUTDOWN
+        if not self.loop.alive:
+            return "the engine loop is not running" + (f": {self.loop.error}" if self.loop.error else "")
+        return None
+
+    def begin_drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests; let those in flight finish for up to `timeout_s` (thread-safe)."""
+        if not self.draining:
+            self._drain_deadline = time.monotonic() + (self.drain_timeout_s if timeout_s is None else timeout_s)
+            self.draining = True
+
+    def drain_tick(self) -> bool:
+        """Advance a drain (on the event loop): past its deadline, end the requests still in flight with an
+        error. True once none is left."""
+        if self.active and not self._drain_forced and time.monotonic() >= self._drain_deadline:
+            self._drain_forced = True
+            for stream in list(self.active):
+                stream.queue.put_nowait(_SHUTDOWN)
+        return not self.active
+
+    # ------------------------------------------------------------------ requests -> (ids, params)
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
 
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    def check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.engine.model_config.vocab_size
         if not ids:
             raise APIError(400, "prompt is empty", "prompt")
         if any(t < 0 or t >= vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return ids
-
-    def chat_prompt_ids(self, messages: Any) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", "messages")
-        clean = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, "each message must be an object with a string 'role'", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            if not isinstance(content, str):
-                raise APIError(400, "message content must be a string or a list of text parts", "messages")
-            clean.append({"role": m["role"], "content": content})
-        try:
-            return self.prompt_ids(self.tokenizer.apply_chat_template(clean))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"chat template failed: {e}", "messages") from None
-
-    def check_length(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                                f"{params.max_tokens} for the completion).", "max_tokens" if len(ids) <=
-                           self.max_model_len else "prompt")
-
-    def parse(self, body: Any, chat: bool) -> tuple[list[int], SamplingParams]:
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        self.check_model(body)
-        if chat:
-            ids = self.chat_prompt_ids(body.get("messages"))
-        else:
-            if "prompt" not in body:
-                raise APIError(400, "missing required field 'prompt'", "prompt")
-            ids = self.prompt_ids(body["prompt"])
         if len(ids) >= self.max_model_len:
             raise APIError(400, f"prompt has {len(ids)} tokens; this model's maximum context length is "
                                 f"{self.max_model_len} (prompt + at least one output token)", "prompt")
-        # OpenAI's chat default is "as many as fit"; completions default to 16 (vLLM).
-        params = _sampling_params(body, self.max_model_len - len(ids) if chat else 16)
-        self.check_length(ids, params)
-        return ids, params
+        return ids
 
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "nano_vllm"
-    api: OpenAIServer  # set on the subclass made by make_server
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
-        pass
-
-    # ------------------------------------------------------------------ responses
-    def _json(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, e: APIError) -> None:
-        self._json(e.status, {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}})
-
-    def _sse(self, payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
-
-    def _client_gone(self) -> bool:
-        """True when the client closed its side (readable socket with nothing to read)."""
+    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, CompletionRequest):
+            return self.check_ids(self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+            text = self.tokenizer.apply_chat_template(messages)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"chat template failed: {e}", "messages") from None
+        return self.check_ids(self.tokenizer.encode(text) if isinstance(text, str) else list(text))
 
-    # ------------------------------------------------------------------ routes
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._json(200, {"status": "ok"})
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{
-                "id": self.api.model_name, "object": "model", "created": int(time.time()), "owned_by": "nano_vllm",
-                "max_model_len": self.api.max_model_len}]})
-        else:
-            self._error(APIError(404, f"no route GET {self.path}", kind="not_found_error"))
-
-    def do_POST(self) -> None:
-        chat = self.path == "/v1/chat/completions"
-        if not chat and self.path != "/v1/completions":
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            return self._error(APIError(404, f"no route POST {self.path}", kind="not_found_error"))
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingParams:
+        chat = isinstance(req, ChatCompletionRequest)
+        max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:  # OpenAI's chat default is "as many as fit"; completions default to 16 (vLLM)
+            max_tokens = self.max_model_len - n_prompt if chat else 16
         try:
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise APIError(400, f"malformed JSON body: {e}") from None
-            ids, params = self.api.parse(body, chat)
-        except APIError as e:
-            return self._error(e)
-        stream = self.api.loop.submit(ids, params)
-        try:
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                self._stream(stream, chat, include_usage)
-            else:
-                self._complete(stream, chat)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            self.api.loop.abort(stream.request_id)  # the client went away: free its blocks
-            self.close_connection = True
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                    stop_token_ids=req.stop_token_ids, seed=req.seed)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split()[0]) from None
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
+                                f"{params.max_tokens} for the completion).", "max_tokens")
+        return params
 
-    def _events(self, stream: RequestStream):
-        """The request's events; aborts it (and stops) if the client disconnects meanwhile. The socket is
-        checked every POLL_S whether or not tokens flow: a non-streaming client is never written to."""
-        last_check = time.monotonic()
+    # ------------------------------------------------------------------ running a request
+    def open(self, ids: list[int], chat: bool) -> _Stream:
+        """A stream for a validated request, counted as in flight (a drain waits for it) but not yet queued."""
+        if (why := self.unavailable()) is not None:
+            raise APIError(503, why, kind="service_unavailable")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = _Stream(rid, ids, asyncio.get_running_loop())
+        self.active.add(stream)
+        return stream
+
+    @contextlib.asynccontextmanager
+    async def running(self, stream: _Stream, params: SamplingParams, receive) -> AsyncIterator[Any]:
+        """Queue `stream`'s request and yield its events (an async iterator); whatever ends the block (the
+        last token, a disconnect, a cancellation, an error), the request leaves the engine."""
+        timer = self.metrics.request(len(stream.prompt_token_ids))
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
+        try:
+            self.loop.add(stream, stream.prompt_token_ids, params)
+            yield self._events(stream, timer)
+        finally:
+            watcher.cancel()
+            self.active.discard(stream)
+            if not stream.finished:
+                self.loop.abort(stream.request_id)
+            timer.finish(stream.finish_reason if stream.finished else "abort")
+
+    async def _events(self, stream: _Stream, timer) -> AsyncIterator[StreamEvent]:
         while True:
-            event = stream.get(timeout=POLL_S)
-            if time.monotonic() - last_check >= POLL_S:
-                if self._client_gone():
-                    raise ConnectionResetError("client disconnected")
-                last_check = time.monotonic()
-            if event is None:
+            try:
+                event = await asyncio.wait_for(stream.queue.get(), LIVENESS_POLL_S)
+            except asyncio.TimeoutError:
+                if not self.loop.alive:
+                    raise APIError(503, self.unavailable() or "the engine loop stopped",
+                                   kind="service_unavailable") from None
                 continue
+            if event is _GONE:
+                raise ConnectionResetError(_GONE)
+            if event is _SHUTDOWN:
+                raise APIError(503, f"{_SHUTDOWN}: the request did not finish within the drain timeout",
+                               kind="service_unavailable")
             if event.error is not None:
+                stream.finished, stream.finish_reason = True, "error"
                 raise APIError(500, f"generation failed: {event.error}", kind="internal_server_error")
+            stream.output_token_ids.extend(event.token_ids)
+            timer.tokens(len(event.token_ids))
+            if event.finished:
+                stream.finished, stream.finish_reason = True, event.finish_reason
             yield event
             if event.finished:
                 return
 
-    def _usage(self, stream: RequestStream) -> dict:
+    def usage(self, stream: _Stream) -> dict:
         n_in, n_out = len(stream.prompt_token_ids), len(stream.output_token_ids)
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
-    def _complete(self, stream: RequestStream, chat: bool) -> None:
+    async def complete(self, stream: _Stream, params: SamplingParams, chat: bool, receive) -> Response:
         reason = None
         try:
-            for event in self._events(stream):
-                reason = event.finish_reason
-        except APIError as e:
-            return self._error(e)
-        text = self.api.tokenizer.decode(stream.output_token_ids)
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+            async with self.running(stream, params, receive) as events:
+                async for event in events:
+                    reason = event.finish_reason
+        except ConnectionResetError:
+            return Response(status_code=499)  # nobody reads it: the connection is gone
+        text = self.tokenizer.decode(stream.output_token_ids)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                         "model": self.api.model_name, "choices": [choice], "usage": self._usage(stream)})
+        return JSONResponse({"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                             "usage": self.usage(stream)})
 
-    def _stream(self, stream: RequestStream, chat: bool, include_usage: bool) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the stream ends when we close; no chunked encoding
-        self.end_headers()
-        self.close_connection = True
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": self.api.model_name}
-        detok = IncrementalDetokenizer(self.api.tokenizer)
+    async def sse(self, stream: _Stream, params: SamplingParams, chat: bool, include_usage: bool,
+                  receive) -> AsyncIterator[str]:
+        """The SSE body of a streaming request: a chunk per step, then usage if asked, then `[DONE]`. An error
+        after the headers went out is reported in the stream, as OpenAI does."""
+        base = {"id": stream.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        detok = IncrementalDetokenizer(self.tokenizer)
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
-            return {**base, "choices": [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
 
-        if chat:
-            self._sse(chunk(None, None, role=True))
         try:
-            for event in self._events(stream):
-                delta = detok.step(stream.output_token_ids, final=event.finished)
-                self._sse(chunk(delta, event.finish_reason if event.finished else None))
-        except APIError as e:  # headers are sent: report the error in the stream, as OpenAI does
-            self._sse({"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
+            async with self.running(stream, params, receive) as events:
+                if chat:
+                    yield chunk(None, None, role=True)
+                async for event in events:
+                    delta = detok.step(stream.output_token_ids, final=event.finished)
+                    yield chunk(delta, event.finish_reason if event.finished else None)
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except ConnectionResetError:
+            return
         if include_usage:
-            self._sse({**base, "choices": [], "usage": self._usage(stream)})
-        self._sse("[DONE]")
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': self.usage(stream)})}\n\n"
+        yield "data: [DONE]\n\n"
 
 
-def make_server(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """An HTTP server bound to (host, port) (port 0: any free port) serving `loop`'s engine."""
-    handler = type("BoundHandler", (Handler,), {"api": OpenAIServer(loop, model_name)})
-    return _Server((host, port), handler)
+async def _watch_disconnect(receive, stream: _Stream) -> None:
+    """Post _GONE into `stream` when the client disconnects (the request body has been read already, so the
+    next ASGI message is the disconnect, whenever it comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    stream.queue.put_nowait(_GONE)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # listen backlog (socketserver's default 5 resets bursts of connections)
+class _EventStream(StreamingResponse):
+    """SSE whose generator runs under `aclosing`: a request ends in the engine as soon as the response does,
+    never at garbage collection. (Disconnects are watched by `running`, not by Starlette's task group.)"""
+
+    def __init__(self, api: OpenAIServer, stream: _Stream, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.api, self.stream = api, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with contextlib.aclosing(self.body_iterator) as body:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for text in body:
+                    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.api.active.discard(self.stream)  # never started: it was never queued either
+
+
+def build_app(api: OpenAIServer) -> FastAPI:
+    """The routes, and OpenAI error objects for every error response (ours, FastAPI's and Starlette's)."""
+    app = FastAPI(title="nano_vllm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        if e.status_code == 405:
+            message += f" (allowed: {(e.headers or {}).get('Allow', '')})"
+        return JSONResponse(error_body(message, kind), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        why = api.unavailable()
+        if why is not None:
+            return JSONResponse(error_body(why, "service_unavailable"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(api.metrics.render(), media_type=api.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": api.model_name, "object": "model", "created": int(time.time()), "owned_by": "nano_vllm",
+            "max_model_len": api.max_model_len}]})
+
+    async def generate(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply") from None
+        except ValueError as e:  # includes UnicodeDecodeError
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        req = parse_request(model, body)
+        api.check_model(req.model)
+        ids = api.prompt_ids(req)
+        params = api.sampling_params(req, len(ids))
+        chat = model is ChatCompletionRequest
+        stream = api.open(ids, chat)  # nothing await-ed from here to the engine: a drain cannot miss it
+        if not req.stream:
+            return await api.complete(stream, params, chat, request.receive)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _EventStream(api, stream, api.sse(stream, params, chat, include_usage, request.receive))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatCompletionRequest)
+
+    return app
+
+
+def make_server(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                config=None):
+    """An HTTP server bound to (host, port) (port 0: any free port) serving `loop`'s engine; `config` is an
+    `http_server.HTTPConfig` (limits, timeouts). `serve_forever()` runs it, `shutdown()` drains and stops it."""
+    from nano_vllm.http_server import HTTPConfig, HTTPServer
+
+    config = config or HTTPConfig()
+    return HTTPServer(OpenAIServer(loop, model_name, config.drain_timeout_s), host, port, config)
