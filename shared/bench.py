@@ -1,8 +1,10 @@
-"""The project's one timing helper, and `python -m shared.bench`: the shared kernels against eager torch.
+"""The project's one timing helper, and `python -m shared.bench`: the shared kernels against eager torch
+and against that eager code under `torch.compile`, and the model's training step against `transformers`.
 
 Every bench in the repo times with `benchmark`, states its physical limits with
-`measure_copy_bandwidth` / `measure_matmul_flops` (reported through `mbu` / `mfu`), prints with
-`print_table` and records with `write_json`, so numbers from different packages are comparable.
+`measure_copy_bandwidth` / `measure_matmul_flops` (reported through `mbu` / `mfu`; MFU also against the
+datasheet peak, `datasheet_bf16_flops`), prints with `print_table` and records with `write_json`, so numbers
+from different packages are comparable.
 
     python -m shared.bench                  # GPU: 32768 tokens x 4096 hidden, bf16; CPU: a small smoke run
     python -m shared.bench --quick --json out.json
@@ -97,83 +99,6 @@ def benchmark(
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
 
 
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of (start, end) intervals (overlapping kernels on two streams count once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def device_activity_seconds(fn: Callable[[], Any], device: str | torch.device,
-                            top_kernels: int = 0, idle_ops: int = 0) -> dict[str, float] | None:
-    """Seconds during one call of `fn` in which the GPU ran something, from the profiler's device activity:
-    {"busy": any kernel or copy (any stream), "nccl": NCCL kernels, "other": everything but NCCL}, each the
-    union of its spans; None off CUDA. Beside the call's unprofiled wall time, "busy" tells whether the host
-    keeps the GPU fed (busy ≈ wall) or the GPU waits for Python and launches (busy << wall); a synchronous
-    collective's kernel runs while it waits for the peer, so "nccl" far above bytes / bandwidth means ranks
-    waiting on each other. `top_kernels` > 0 also prints that many kernels by total device time (name,
-    calls, total ms): where the device time goes. `idle_ops` > 0 also records the host's ops and prints
-    that many host ops by the GPU idle time spent inside them (the innermost op running when the GPU went
-    idle): what the GPU waits for (host profiling slows the host, so read it as a ranking)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize(dev)
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if idle_ops > 0 else [])
-    with profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize(dev)
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = [(e.time_range.start, e.time_range.end) for e in events if "nccl" in e.name.lower()]
-    other = [(e.time_range.start, e.time_range.end) for e in events if "nccl" not in e.name.lower()]
-    if top_kernels > 0:
-        totals: dict[str, list[float]] = {}
-        for e in events:
-            t = totals.setdefault(e.name, [0, 0.0])
-            t[0] += 1
-            t[1] += (e.time_range.end - e.time_range.start) / 1e3
-        for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
-            print(f"  {ms:9.2f} ms {calls:6d} calls  {name[:110]}", flush=True)
-    if idle_ops > 0:
-        _print_idle_ops(events, [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU],
-                        idle_ops)
-    # the profiler's clock is in microseconds
-    return {"busy": union_seconds(nccl + other) / 1e6, "nccl": union_seconds(nccl) / 1e6,
-            "other": union_seconds(other) / 1e6}
-
-
-def _print_idle_ops(gpu_events: list, cpu_events: list, top: int, min_gap_us: float = 20.0) -> None:
-    """Gaps between the GPU's activity spans, each charged to the innermost host op that contains the
-    gap's start (host ops nest by time on one thread); prints the `top` ops by idle time they cover."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in gpu_events)
-    gaps, end = [], None
-    for a, b in spans:
-        if end is not None and a - end > min_gap_us:
-            gaps.append((end, a))
-        end = b if end is None else max(end, b)
-    host = sorted(((e.time_range.start, e.time_range.end, e.name) for e in cpu_events), key=lambda t: (t[0], -t[1]))
-    totals: dict[str, list[float]] = {}
-    for g0, g1 in gaps:
-        inner = None
-        for a, b, name in host:  # few thousand ops per step: a scan per gap is fast enough
-            if a > g0:
-                break
-            if b >= g0 and (inner is None or b - a <= inner[1] - inner[0]):
-                inner = (a, b, name)
-        t = totals.setdefault(inner[2] if inner else "(no host op)", [0, 0.0])
-        t[0] += 1
-        t[1] += (g1 - g0) / 1e3
-    idle = sum(g1 - g0 for g0, g1 in gaps) / 1e3
-    print(f"  GPU idle {idle:.2f} ms in {len(gaps)} gaps > {min_gap_us:.0f} us; by innermost host op:", flush=True)
-    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"  {ms:9.2f} ms {n:6d} gaps  {name[:110]}", flush=True)
-
-
 def release_memory() -> None:
     """Collect garbage and return cached CUDA blocks: call after dropping one system (an engine, a model)
     and before building the next, which sizes its buffers (a KV cache) from the free memory it sees."""
@@ -223,6 +148,21 @@ class KernelCompiles:
             return "kernel variants built: unknown (no Triton jit_cache_hook)"
         detail = ", ".join(f"{n} x{c}" for n, c in Counter(self.names).most_common())
         return f"Triton kernel variants first built here: {len(self.names)}" + (f" ({detail})" if detail else "")
+
+
+# Dense bf16 tensor-core peak of the H100 / H200 SXM datasheets (no sparsity): what published MFUs are
+# quoted against. `measure_matmul_flops` gives the rate this process actually reaches.
+DATASHEET_BF16_TFLOPS = 989.0
+_DATASHEET_GPUS = ("H100", "H200")
+
+
+def datasheet_bf16_flops(device: str | torch.device) -> float | None:
+    """The datasheet's dense bf16 FLOP/s of `device` (H100 / H200 SXM: 989e12), None for any other device."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return DATASHEET_BF16_TFLOPS * 1e12 if any(g in name for g in _DATASHEET_GPUS) else None
 
 
 def mfu(flops_per_second: float, peak_flops: float) -> float:
@@ -344,7 +284,13 @@ def _rows_for(
 ) -> list[dict]:
     rows, eager = [], None
     for impl, fn in impls.items():
-        seconds = benchmark(fn, **timing)
+        try:
+            seconds = benchmark(fn, **timing)
+        except Exception as e:  # a peer that does not compile here costs its row, not the bench
+            if impl != COMPILED:
+                raise
+            _no_compiled_row(op, e)
+            continue
         eager = eager or seconds  # the first entry is the eager baseline
         rows.append({
             "op": op, "impl": impl, "ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9,
@@ -353,17 +299,32 @@ def _rows_for(
     return rows
 
 
-def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+COMPILED = "torch.compile"  # the peer's row: the eager reference fused by inductor, no hand-written kernel
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False)
+
+
+def _no_compiled_row(op: str, e: Exception) -> None:
+    print(f"{op}: no {COMPILED} row ({type(e).__name__}: {str(e)[:200]})", flush=True)
+
+
+def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list[dict]:
     from shared.kernels import rms_norm
 
     e, eps = torch.finfo(dtype).bits // 8, 1e-6
     x, r, dy = (torch.randn(t, h, device=dev, dtype=dtype) for _ in range(3))
     w = 1 + 0.1 * torch.randn(h, device=dev, dtype=dtype)
     peer = hasattr(F, "rms_norm")  # torch >= 2.4; fused on CUDA in recent releases
+    norm_c = _compiled(_eager_rms_norm) if compiled else None
+    add_norm_c = _compiled(lambda x, r, w: _eager_rms_norm(x + r, w, eps)) if compiled else None
 
     impls = {"torch eager": lambda: _eager_rms_norm(x, w, eps), ours: lambda: rms_norm(x, w, eps)}
     if peer:
         impls["F.rms_norm"] = lambda: F.rms_norm(x, (h,), w, eps)
+    if compiled:
+        impls[COMPILED] = lambda: norm_c(x, w, eps)
     rows = _rows_for("rms_norm fwd", impls, 2 * t * h * e + h * e, copy_bw, **timing)
 
     impls = {
@@ -372,6 +333,8 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
     }
     if peer:
         impls["F.rms_norm"] = lambda: F.rms_norm(x + r, (h,), w, eps)
+    if compiled:
+        impls[COMPILED] = lambda: add_norm_c(x, r, w)
     rows += _rows_for("add+rms_norm fwd", impls, 4 * t * h * e + h * e, copy_bw, **timing)
 
     xg, wg = x.requires_grad_(), w.requires_grad_()
@@ -380,10 +343,17 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
         "torch eager": lambda: torch.autograd.grad(y_eager, (xg, wg), dy, retain_graph=True),
         ours: lambda: torch.autograd.grad(y_ours, (xg, wg), dy, retain_graph=True),
     }
+    if compiled:  # the backward inductor generated for the compiled forward
+        try:
+            y_c = norm_c(xg, wg, eps)
+        except Exception as err:  # (`e` is the element size here)
+            _no_compiled_row("rms_norm bwd", err)
+        else:
+            impls[COMPILED] = lambda: torch.autograd.grad(y_c, (xg, wg), dy, retain_graph=True)
     return rows + _rows_for("rms_norm bwd", impls, 3 * t * h * e + 2 * h * e, copy_bw, **timing)
 
 
-def _bench_rope(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+def _bench_rope(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list[dict]:
     from shared.kernels import apply_rope
 
     d = 128 if h % 128 == 0 else 2 * (h // 2)  # Llama's head_dim; the heads fill the hidden size
@@ -392,23 +362,31 @@ def _bench_rope(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
     cos, sin = theta.cos(), theta.sin()
     cos_full, sin_full = (torch.cat([c, c], -1).to(dtype)[:, None] for c in (cos, sin))  # HF's layout
     impls = {"torch eager": lambda: _eager_rope(q, cos_full, sin_full), ours: lambda: apply_rope(q, cos, sin)}
+    if compiled:
+        rope_c = _compiled(_eager_rope)
+        impls[COMPILED] = lambda: rope_c(q, cos_full, sin_full)
     nbytes = 2 * q.numel() * q.element_size() + 2 * cos.numel() * 4
     return _rows_for(f"rope (head_dim {d})", impls, nbytes, copy_bw, **timing)
 
 
-def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing) -> list[dict]:
+def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list[dict]:
     from shared.kernels import silu_and_mul
 
     inter = 256 * math.ceil(int(8 * h / 3) / 256)  # Llama's FFN width rule: 4096 -> 11008
     g, u = (torch.randn(t, inter, device=dev, dtype=dtype) for _ in range(2))
     impls = {"torch eager": lambda: F.silu(g) * u, ours: lambda: silu_and_mul(g, u)}
+    if compiled:
+        silu_c = _compiled(lambda g, u: F.silu(g) * u)
+        impls[COMPILED] = lambda: silu_c(g, u)
     return _rows_for(
         f"silu_and_mul ({inter} wide)", impls, 3 * g.numel() * g.element_size(), copy_bw, **timing
     )
 
 
-def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, quick: bool = False) -> dict:
-    """Time each shared kernel (through the dispatcher) against eager torch on the same inputs.
+def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, quick: bool = False,
+                     compiled: bool = False) -> dict:
+    """Time each shared kernel (through the dispatcher) against eager torch on the same inputs, and with
+    `compiled` against the eager reference under `torch.compile` (the peer a user gets for free).
 
     GB/s counts each op's minimal traffic (every input read once, every output written once), the
     same for every implementation, so the column compares speed, not bytes moved."""
@@ -424,7 +402,7 @@ def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, 
     ours = "triton" if use_triton(torch.empty(0, device=dev)) else "torch ref (dispatch)"
     rows = []
     for bench in (_bench_rms_norm, _bench_rope, _bench_silu_and_mul):
-        rows += bench(tokens, hidden, dtype, dev, ours, copy_bw, timing)
+        rows += bench(tokens, hidden, dtype, dev, ours, copy_bw, timing, compiled)
     return {
         "bench": "shared.kernels", "device": str(dev), "dtype": str(dtype).removeprefix("torch."),
         "tokens": tokens, "hidden": hidden, "ours": ours, "copy_GBps": copy_bw / 1e9,
@@ -435,12 +413,12 @@ def run_kernel_bench(device: str, tokens: int, hidden: int, dtype: torch.dtype, 
 
 # ------------------------------------------------------------------ python -m shared.bench: the model
 def run_model_bench(preset: str, device: str, batch: int, seq_len: int, dtype: torch.dtype,
-                    peak_flops: float, quick: bool = False) -> dict:
+                    peak_flops: float, quick: bool = False, datasheet_flops: float | None = None) -> dict:
     """One training step (forward + backward) of shared.model against `transformers`' implementation of
     the same architecture (SDPA attention, the peer users already run), same shapes, same dtype.
 
     tokens/s and MFU = flops_per_token (6N + 12·L·d·S, shared.accounting) × tokens/s over the measured
-    matmul peak."""
+    matmul peak `peak_flops`, and over `datasheet_flops` when given (`datasheet_bf16_flops`)."""
     from shared.accounting import flops_per_token
     from shared.config import resolve_model_config
     from shared.model import build_model
@@ -474,12 +452,15 @@ def run_model_bench(preset: str, device: str, batch: int, seq_len: int, dtype: t
     for name, fn in impls.items():
         seconds = benchmark(fn, **timing)
         ref = ref or seconds
-        rows.append({"model": preset, "impl": name, "ms/step": seconds * 1e3,
-                     "tokens/s": batch * seq_len / seconds, "MFU %": 100 * mfu(flops / seconds, peak_flops),
-                     "ours x faster": seconds / ref})
+        row = {"model": preset, "impl": name, "ms/step": seconds * 1e3, "tokens/s": batch * seq_len / seconds,
+               "MFU % (measured matmul)": 100 * mfu(flops / seconds, peak_flops)}
+        if datasheet_flops:
+            row["MFU % (datasheet)"] = 100 * mfu(flops / seconds, datasheet_flops)
+        rows.append({**row, "ours x faster": seconds / ref})
     del ours, impls
     return {"bench": "shared.model train step", "model": preset, "batch": batch, "seq_len": seq_len,
-            "dtype": str(dtype).removeprefix("torch."), "rows": rows}
+            "dtype": str(dtype).removeprefix("torch."), "peak_TFLOPs_measured": peak_flops / 1e12,
+            "peak_TFLOPs_datasheet": datasheet_flops / 1e12 if datasheet_flops else None, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -495,6 +476,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None,
                    help="preset for the model train-step bench (default: qwen3-0.6b on CUDA, tiny on CPU; "
                         "'none' skips it)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"add each kernel's eager reference under torch.compile as a peer row ('{COMPILED}'); "
+                        "default: on CUDA only (inductor on a CPU needs a C++ compiler and minutes)")
     p.add_argument("--batch", type=int, default=None, help="model bench batch (default: 4 CUDA, 2 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="model bench seq_len (default: 2048 CUDA, 128 CPU)")
     a = p.parse_args(argv)
@@ -510,7 +494,8 @@ def main(argv: list[str] | None = None) -> dict:
             "      not a kernel.",
             flush=True,
         )
-    rec = run_kernel_bench(a.device, tokens, a.hidden, dtype, quick=a.quick)
+    compiled = cuda if a.compile is None else a.compile
+    rec = run_kernel_bench(a.device, tokens, a.hidden, dtype, quick=a.quick, compiled=compiled)
     print(
         f"physical limits on {a.device}: copy {rec['copy_GBps']:.0f} GB/s (read + write), "
         f"matmul {rec['matmul_TFLOPs']:.1f} TFLOP/s ({rec['matmul']})"
@@ -518,8 +503,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = a.model or ("qwen3-0.6b" if cuda else "tiny")
     if model != "none":
         batch, seq_len = a.batch or (4 if cuda else 2), a.seq_len or ((512 if a.quick else 2048) if cuda else 128)
-        rec["model"] = run_model_bench(model, a.device, batch, seq_len, dtype,
-                                       rec["matmul_TFLOPs"] * 1e12, quick=a.quick)
+        rec["model"] = run_model_bench(model, a.device, batch, seq_len, dtype, rec["matmul_TFLOPs"] * 1e12,
+                                       quick=a.quick, datasheet_flops=datasheet_bf16_flops(a.device))
     if a.json:
         write_json(a.json, rec)
         print(f"wrote {a.json}")
@@ -529,7 +514,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "model" in rec:
         m = rec["model"]
         print_table(m["rows"], title=f"shared.model train step (fwd+bwd): batch {m['batch']} x "
-                                     f"{m['seq_len']} tokens, {m['dtype']}, {a.device}; MFU vs measured matmul peak")
+                                     f"{m['seq_len']} tokens, {m['dtype']}, {a.device}; MFU per GPU against the "
+                                     f"measured matmul peak ({m['peak_TFLOPs_measured']:.4g} TFLOP/s)"
+                                     + (f" and the datasheet's dense bf16 ({m['peak_TFLOPs_datasheet']:.0f} TFLOP/s)"
+                                        if m["peak_TFLOPs_datasheet"] else ""))
     return rec
 
 
