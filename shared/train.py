@@ -4,7 +4,7 @@ Parallelism lives elsewhere. A parallel package (nano_megatron, nano_zero) imple
 "run forward/backward over these micro-batches, reduce, clip, step; gather the weights; save/load my
 shards" — and `train(engine, cfg)` drives it. `LocalEngine` is the single-process engine (shared.model +
 torch.optim.AdamW): the oracle every parallel engine is tested against, as in "parallel training equals
-single-process training" (DESIGN.md).
+single-process training" (docs/ARCHITECTURE.md).
 
 Two conventions make that equality exact rather than approximate:
 
@@ -219,17 +219,18 @@ class MixedPrecisionAdamW:
     et al. 2018 and ZeRO §3.1 — the model computes in bf16, AdamW updates fp32 copies of its parameters,
     which are copied back into the model after each step. Create it from the fp32 parameters *before*
     the model is cast to bf16 (casting keeps the Parameter objects). Matrices and embeddings decay,
-    vectors do not (`decays`). `options` go to torch.optim.AdamW (fused, foreach, capturable, ...).
+    vectors do not (`decays`). `options` go to torch.optim.AdamW (fused, foreach, capturable, ...), or to
+    `optimizer_class` (e.g. torch's ZeroRedundancyOptimizer over AdamW) given AdamW's arguments.
     """
 
     def __init__(self, params: list[torch.Tensor], cfg: TrainConfig, lr: float | torch.Tensor | None = None,
-                 **options: Any) -> None:
+                 optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, **options: Any) -> None:
         self.params = params
         self.master = params if cfg.dtype == "fp32" else [p.detach().float().clone() for p in params]
         groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
                   {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr if lr is None else lr, betas=(cfg.beta1, cfg.beta2),
-                                           eps=cfg.eps, **options)
+        self.optimizer = optimizer_class(groups, lr=cfg.lr if lr is None else lr, betas=(cfg.beta1, cfg.beta2),
+                                         eps=cfg.eps, **options)
 
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients AdamW will use: under bf16 the model's gradients upcast onto the master
