@@ -216,3 +216,17 @@ def test_run_reports_where_the_checkpoint_went(tmp_path, capsys, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("step      1 | loss") for m in messages)
     assert f"checkpoint of step 1: {ckpt} (HF format" in messages[-1]
+
+
+def test_resume_point_survives_a_save_killed_between_its_renames(tmp_path):
+    """A save swaps `resume` out to `resume.old` before swapping the new one in: killed in between, the
+    previous resume point is still found."""
+    from shared.train import resume_directory
+
+    cfg = _cfg(tmp_path, steps=2)
+    train(LocalEngine(TINY, cfg), cfg)
+    ckpt = tmp_path / "checkpoint"
+    assert resume_directory(ckpt) == ckpt / "resume" and not (ckpt / "resume.old").exists()
+    (ckpt / "resume").rename(ckpt / "resume.old")
+    assert resume_directory(ckpt) == ckpt / "resume.old"
+    assert train(LocalEngine(TINY, cfg), _cfg(tmp_path / "b", steps=3, resume_from=str(ckpt)))[0]["step"] == 3
