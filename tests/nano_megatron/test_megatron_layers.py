@@ -69,6 +69,12 @@ def test_plain_engine_refuses_a_layer_switch(one_rank, flag):
         MegatronEngine(model_config(), ParallelConfig(**{flag: True}), train_config())
 
 
+def test_seq_len_longer_than_the_model_raises_before_any_collective(one_rank):
+    with pytest.raises(ValueError, match=r"train.seq_len \(4096\) exceeds the model's max_position_embeddings "
+                                         r"\(2048\)"):
+        MegatronEngine(model_config(), ParallelConfig(), train_config(seq_len=4096))
+
+
 def test_layer_engines_validate_before_any_collective(one_rank):
     with pytest.raises(ValueError, match="parallel.cuda_graph needs a CUDA device"):
         build_engine(model_config(), ParallelConfig(cuda_graph=True), train_config(), device="cpu")
