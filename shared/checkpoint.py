@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safetensors
 import torch
@@ -25,8 +27,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.config import ModelConfig
+from shared.dist import barrier, get_rank
 from shared.model import CausalLM
 
+if TYPE_CHECKING:
+    from shared.data import TokenBatches
+    from shared.train import TrainConfig, TrainEngine
+
+CHECKPOINT_DIR = "checkpoint"  # under a run's out_dir: the consolidated HF checkpoint
+RESUME_DIR = "resume"  # under the checkpoint: engine shards + loop state
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Tensors some HF checkpoints carry that are recomputed here, never learned.
@@ -219,3 +228,73 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A training run's checkpoint: the consolidated HF directory above for users (from rank 0), and
+# beside it every rank's engine shards + loop state for resuming (shared.train drives both).
+
+
+def _loop_state_file(directory: Path, rank: int) -> Path:
+    return directory / f"loop-rank{rank:05d}.pt"
+
+
+def save_training_checkpoint(engine: TrainEngine, cfg: TrainConfig, step: int, data: TokenBatches,
+                             is_main: bool) -> Path:
+    """Write `out_dir/checkpoint` (HF format, from rank 0) and `out_dir/checkpoint/resume` (every rank).
+
+    The resume directory is written next to the old one and swapped in only when every rank is done, so
+    a job killed mid-save still has the previous resume point; every file of the HF checkpoint is
+    replaced atomically (`shared.checkpoint.save_checkpoint`). Collective: call on every rank.
+    """
+    ckpt = Path(cfg.out_dir) / CHECKPOINT_DIR
+    tmp, final = ckpt / (RESUME_DIR + ".tmp"), ckpt / RESUME_DIR
+    state = engine.consolidated_state_dict()
+    if is_main:
+        if state is None:
+            raise RuntimeError("consolidated_state_dict() returned None on the main rank")
+        save_checkpoint(state, engine.model_config, ckpt)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save_resume_state(tmp)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"step": step, "data": data.state_dict(), "rng": rng, "config": asdict(cfg)},
+               _loop_state_file(tmp, get_rank()))
+    barrier()
+    if is_main:  # two renames: at every instant `resume` or `resume.old` is a complete resume point
+        old = ckpt / (RESUME_DIR + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return ckpt
+
+
+def resume_directory(path: str | os.PathLike) -> Path:
+    """Accept either the checkpoint directory or its `resume/` subdirectory."""
+    p = Path(path)
+    for name in (RESUME_DIR, RESUME_DIR + ".old"):  # .old: a save was killed between its two renames
+        if (p / name).is_dir():
+            p = p / name
+            break
+    if not _loop_state_file(p, 0).is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a resume checkpoint (no {_loop_state_file(p, 0).name})")
+    return p
+
+
+def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data: TokenBatches) -> int:
+    """Restore the engine, the data stream and the RNG; return the step to continue from."""
+    directory = resume_directory(path)
+    own = _loop_state_file(directory, get_rank())
+    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=True)
+    engine.load_resume_state(directory)
+    data.load_state_dict(loop["data"])
+    torch.set_rng_state(loop["rng"]["cpu"])
+    if "cuda" in loop["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loop["rng"]["cuda"])
+    return int(loop["step"])

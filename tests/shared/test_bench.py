@@ -115,7 +115,7 @@ def test_cli_quick_runs(tmp_path):
 def test_compiled_eager_references_are_peer_rows(monkeypatch, capsys):
     """`torch.compile`d eager references join each op's table (inductor's own speed is a GPU matter: the
     eager backend stands in for it here), and a peer that fails to compile costs its row only."""
-    import shared.bench as bench
+    import shared.bench_kernels as bench
 
     monkeypatch.setattr(bench, "_compiled", lambda fn: torch.compile(fn, backend="eager", dynamic=False))
     rec = bench.run_kernel_bench("cpu", 8, 64, torch.float32, quick=True, compiled=True)
@@ -141,3 +141,13 @@ def test_datasheet_peak_only_for_the_gpus_it_describes():
 
     assert DATASHEET_BF16_TFLOPS == 989.0
     assert datasheet_bf16_flops("cpu") is None
+
+
+def test_the_bench_functions_keep_their_shared_bench_names():
+    import shared.bench
+    import shared.bench_kernels
+
+    assert shared.bench.run_kernel_bench is shared.bench_kernels.run_kernel_bench
+    assert shared.bench.run_model_bench is shared.bench_kernels.run_model_bench
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        shared.bench.nope  # noqa: B018
