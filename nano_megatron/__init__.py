@@ -2,11 +2,13 @@
 
 Papers: Shoeybi et al. 2019 (arXiv 1909.08053, tensor parallelism), Narayanan et al. 2021 (2104.04473,
 pipeline schedules and the 3-D grid), Korthikanti et al. 2022 (2205.05198, sequence parallelism).
-One file per parallelism; `engine.MegatronEngine` combines them behind shared.train's loop.
+One file per parallelism; `engine.MegatronEngine` combines them behind shared.train's loop, and
+`build_engine` adds the performance layers a config switches on (overlap, cudagraph, micro_batch_pairs).
 
     torchrun --nproc-per-node 4 -m nano_megatron.train parallel.tp=2 parallel.pp=2 model=tiny
 """
 
+from nano_megatron.build import build_engine
 from nano_megatron.data_parallel import BucketedGradReducer
 from nano_megatron.engine import MegatronEngine, ParallelConfig, validate
 from nano_megatron.grid import GridShape, ParallelGrid
@@ -37,6 +39,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "bubble_fraction_formula",
+    "build_engine",
     "copy_to_tp",
     "gather_from_sequence_parallel",
     "gpipe",

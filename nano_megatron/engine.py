@@ -15,8 +15,6 @@ One step (`train_step`), on every rank of the (dp, pp, tp) grid:
 
 from __future__ import annotations
 
-import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,26 +23,17 @@ import torch.distributed as dist
 
 from nano_megatron.data_parallel import BucketedGradReducer
 from nano_megatron.grid import GridShape, ParallelGrid
-from nano_megatron.pipeline_parallel import (
-    PipelineSchedule,
-    on_stream,
-    split_into_stage,
-    stage_forward,
-    stage_forward_interleaved,
-)
+from nano_megatron.pipeline_parallel import PipelineSchedule, split_into_stage, stage_forward
 from nano_megatron.schedules import SCHEDULES
 from nano_megatron.tensor_parallel import TPShard, apply_tensor_parallel, vocab_parallel_cross_entropy
 from shared.config import ModelConfig
-from shared.dist import DEFAULT_TIMEOUT_S, all_gather_single
+from shared.dist import all_gather_single
 from shared.model import CausalLM, build_model
-from shared.train import (
-    StepResult,
-    TrainConfig,
-    check_batch_sizes,
-    clip_coefficient,
-    clip_coefficient_on_device,
-    decays,
-)
+from shared.train import MixedPrecisionAdamW, StepResult, TrainConfig, check_batch_sizes, check_seq_len
+
+# The ParallelConfig switches of the performance layers. The engine below runs none of them: each is a
+# subclass in its own module, and `nano_megatron.build.build_engine` composes the ones a config asks for.
+LAYER_FLAGS = ("tp_comm_overlap", "cuda_graph", "overlap_micro_batches")
 
 
 @dataclass
@@ -55,17 +44,15 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
-    tp_comm_overlap: bool = True  # overlap each block's backward tp collective with its dW GEMMs
     schedule: str = "1f1b"  # "gpipe" | "1f1b"
     activation_checkpointing: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
-    # capture the whole training step (forward, backward, collectives, clipping, AdamW) in one CUDA graph
-    # and replay it (Megatron-Core's full-iteration CUDA graph): no host launch costs or host jitter
-    # between kernels. CUDA only; pp = dp = 1; one batch shape per engine.
+    # performance layers, off by default (build_engine): each block's backward tp collective overlapped with
+    # its dW GEMMs (nano_megatron/overlap.py); the whole step captured in one CUDA graph and replayed
+    # (nano_megatron/cudagraph.py; CUDA, pp = dp = 1); micro-batches in pairs on two CUDA streams whose tp
+    # collectives overlap each other's GEMMs (nano_megatron/micro_batch_pairs.py; pp = 1)
+    tp_comm_overlap: bool = False
     cuda_graph: bool = False
-    # pp = 1: run the micro-batches two at a time, each on its own CUDA stream and interleaved layer by layer,
-    # so one's tensor-parallel collectives overlap the other's GEMMs (Domino, arXiv 2409.15241); forward and
-    # backward alike. Keeps two micro-batches' activations alive instead of one.
     overlap_micro_batches: bool = False
 
 
@@ -88,27 +75,17 @@ def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConf
         raise ValueError(f"num_hidden_layers ({mc.num_hidden_layers}) is not divisible by pp={pp}: "
                          "every pipeline stage gets the same number of layers")
     check_batch_sizes(cfg, parallel.dp)
+    check_seq_len(cfg, model_config)
     if parallel.sequence_parallel and cfg.seq_len % tp:
         raise ValueError(f"sequence parallelism needs seq_len ({cfg.seq_len}) divisible by tp={tp}")
     if parallel.schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {parallel.schedule!r}; choose from {SCHEDULES}")
     if parallel.bucket_mb <= 0:
         raise ValueError(f"parallel.bucket_mb must be > 0, got {parallel.bucket_mb}")
-    if parallel.overlap_micro_batches:
-        if pp > 1:
-            raise ValueError(f"parallel.overlap_micro_batches needs pp=1 (the pipeline schedules order micro-batches "
-                             f"themselves), got pp={pp}")
-        per_rank = cfg.global_batch_size // (cfg.micro_batch_size * parallel.dp)
-        if per_rank % 2:
-            raise ValueError(f"parallel.overlap_micro_batches runs micro-batches in pairs: global_batch_size "
-                             f"({cfg.global_batch_size}) / (micro_batch_size ({cfg.micro_batch_size}) x dp "
-                             f"({parallel.dp})) = {per_rank} must be even")
-    if parallel.cuda_graph and (pp > 1 or parallel.dp > 1):
-        raise ValueError(f"parallel.cuda_graph supports tensor (and sequence) parallelism only: pp and dp must "
-                         f"be 1, got pp={pp}, dp={parallel.dp}")
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
+    """This rank's GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -121,60 +98,50 @@ class MegatronEngine:
     `build_model(model_config, seed=cfg.seed)`, the same weights on every rank (and as LocalEngine).
     """
 
+    layer_flag: str | None = None  # the LAYER_FLAGS entry a performance-layer subclass implements
+    pipeline_schedule = PipelineSchedule  # the runtime of the schedules (the bench times a subclass)
+
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig,
                  device: torch.device | str | None = None, model: CausalLM | None = None) -> None:
         validate(model_config, parallel, cfg, dist.get_world_size())
+        implemented = {getattr(c, "layer_flag", None) for c in type(self).__mro__}
+        for flag in LAYER_FLAGS:
+            if getattr(parallel, flag) and flag not in implemented:
+                raise ValueError(f"parallel.{flag} is a performance layer: build the engine with "
+                                 "nano_megatron.build_engine, which adds it to MegatronEngine")
         self.model_config, self.parallel, self.cfg = model_config, parallel, cfg
-        self.device = torch.device(device) if device is not None else _default_device()
-        if parallel.cuda_graph and self.device.type != "cuda":  # raised on every rank, before any collective
-            raise ValueError(f"parallel.cuda_graph needs a CUDA device (the NCCL backend), got {self.device}")
+        self.device = torch.device(device) if device is not None else default_device()
         self.grid = grid = ParallelGrid(GridShape(parallel.tp, parallel.pp, parallel.dp))
         self.dp_rank, self.dp_world_size = grid.dp_rank, grid.dp
         model = model if model is not None else build_model(model_config, self.device, seed=cfg.seed)
         model = model.to(self.device)
-        split_into_stage(model, grid)
-        self.shards: dict[str, TPShard] = apply_tensor_parallel(model, grid, parallel.sequence_parallel,
-                                                                   parallel.tp_comm_overlap)
+        self.shards: dict[str, TPShard] = self._parallelize(model)
         self.model = model
         # names/params of this rank (named_parameters drops the second name of a tied matrix)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.params = self.master = [p for _, p in named]  # master: what AdamW updates
-        if cfg.dtype == "bf16":  # LocalEngine's mixed precision: bf16 model, fp32 master weights
-            self.master = [p.detach().float().clone() for p in self.params]
+        # fp32 master weights that AdamW updates (the parameters themselves under fp32), as LocalEngine
+        self.opt = MixedPrecisionAdamW([p for _, p in named], cfg, **self._optimizer_options())
+        if cfg.dtype == "bf16":
             model.to(torch.bfloat16)
-            self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.params, self.master, self.optimizer = self.opt.params, self.opt.master, self.opt.optimizer
         self.tied_copy = (model_config.tie_word_embeddings and grid.pp > 1
                           and (grid.is_first_stage or grid.is_last_stage))
         self.reducer = BucketedGradReducer(self.params, grid.dp_group, parallel.bucket_mb)
-        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
-                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
-        # fused on GPU (one kernel for all tensors); per-tensor on CPU, exactly LocalEngine's arithmetic
-        impl = {"fused": True} if self.device.type == "cuda" else {"foreach": False}
-        lr: float | torch.Tensor = cfg.lr
-        if parallel.cuda_graph:  # a replayed graph reads the learning rate from device memory
-            lr = self._lr = torch.tensor(cfg.lr, dtype=torch.float32, device=self.device)
-            impl["capturable"] = True
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
         self.vocab_start = 0
         if model.lm_head is not None:
             self.vocab_start = grid.tp_rank * model.lm_head.weight.shape[0] if grid.tp > 1 else 0
         self._num_tokens = 1
         self._seq_len = cfg.seq_len
-        self.pipeline_timeline: list | None = None  # set to [] to record the next step's actions
-        # parallel.cuda_graph: the captured step, how many steps it has been asked for, and (set on the first
-        # call) its static inputs, their shapes, its stream and its (loss, grad norm) outputs
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_calls = 0
-        self.graph_timeout_s = DEFAULT_TIMEOUT_S  # a replay that takes longer raises (see _wait_for_replay)
-        self._streams: list[torch.cuda.Stream | None] = [None, None]  # overlap_micro_batches (None: CPU)
-        if parallel.overlap_micro_batches and self.device.type == "cuda":
-            self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
-            # a weight's gradient from the second stream meets its AccumulateGrad (created on the first) by
-            # design; autograd synchronises the streams and warns about it every step unless told not to
-            quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
-            if quiet is not None:
-                quiet(False)
+
+    def _parallelize(self, model: CausalLM) -> dict[str, TPShard]:
+        """Keep this rank's pipeline stage of `model` and shard it over tp, in place."""
+        split_into_stage(model, self.grid)
+        return apply_tensor_parallel(model, self.grid, self.parallel.sequence_parallel)
+
+    def _optimizer_options(self) -> dict:
+        # fused on GPU (one kernel for all tensors); per-tensor on CPU, exactly LocalEngine's arithmetic
+        return {"fused": True} if self.device.type == "cuda" else {"foreach": False}
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -197,15 +164,11 @@ class MegatronEngine:
         self._seq_len = seq
         self._num_tokens = sum(t.numel() for _, t in micro_batches) * g.dp
         local_seq = seq // g.tp if self.parallel.sequence_parallel else seq
-        dtype = self.params[0].dtype
-        schedule = PipelineSchedule(g, self.parallel.schedule, self._forward, self._loss,
-                                    (2, mb, local_seq, self.model_config.hidden_size), dtype, self.device)
+        schedule = self.pipeline_schedule(g, self.parallel.schedule, self._forward, self._loss,
+                                          (2, mb, local_seq, self.model_config.hidden_size),
+                                          self.params[0].dtype, self.device)
         self.reducer.zero_grad()
-        if self.parallel.overlap_micro_batches:
-            loss = self._run_in_pairs(micro_batches)
-        else:
-            loss = schedule.run(micro_batches, before_last_backward=self.reducer.arm,
-                                timeline=self.pipeline_timeline)
+        loss = self._run_micro_batches(schedule, micro_batches)
         self.reducer.finish()
         if self.tied_copy:  # the embedding (first stage) and LM head (last stage) are one matrix
             name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"
@@ -221,33 +184,11 @@ class MegatronEngine:
         dist.all_reduce(loss)
         return loss
 
-    def _run_in_pairs(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """parallel.overlap_micro_batches: forward two micro-batches at once (`stage_forward_interleaved`, one
-        stream each), then one backward pass over both losses; returns the summed loss (pp = 1)."""
-        streams = self._streams
-        current = torch.cuda.current_stream(self.device) if streams[0] is not None else None
-        loss_sum = torch.zeros((), device=self.device)
-        for k in range(0, len(micro_batches), 2):
-            pair = micro_batches[k:k + 2]
-            for stream in streams:  # inputs, zeroed gradients and the previous pair's work come first
-                if stream is not None:
-                    stream.wait_stream(current)
-            outs = stage_forward_interleaved(self.model, [x.to(self.device) for x, _ in pair], self._seq_len,
-                                             streams, self.parallel.activation_checkpointing)
-            losses = []
-            for out, (_, y), stream in zip(outs, pair, streams):
-                with on_stream(stream):
-                    losses.append(self._loss(out, y.to(self.device)))
-            if k + 2 == len(micro_batches):
-                self.reducer.arm()
-            # each backward op runs on its forward op's stream; a weight's two gradients meet in autograd's
-            # input buffer (stream-synchronised) and are accumulated once
-            torch.autograd.backward(losses)
-            for stream in streams:
-                if stream is not None:
-                    current.wait_stream(stream)
-            loss_sum += losses[0].detach() + losses[1].detach()
-        return loss_sum
+    def _run_micro_batches(self, schedule: PipelineSchedule,
+                           micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches in the pipeline schedule's order, the dp
+        reduction armed before the last backward pass; the summed loss (on the last stage)."""
+        return schedule.run(micro_batches, before_last_backward=self.reducer.arm)
 
     def _grad_norm(self) -> torch.Tensor:
         """Global L2 norm, counting every parameter of the full model once: sharded ones on every tp
@@ -273,95 +214,19 @@ class MegatronEngine:
         return total.sqrt()
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        if self.parallel.cuda_graph:
-            return self._graphed_step(micro_batches, lr)
         loss, norm = self._step(micro_batches, lr)
         return StepResult(loss=float(loss), grad_norm=float(norm))
 
     def _step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (loss, grad norm) as device tensors. `lr=None` (the CUDA-graph
-        path): the learning rate is read from `self._lr` and clipping never consults the host, so the
-        whole step can be captured."""
+        """One optimizer step — elementwise AdamW, so sharded AdamW equals unsharded AdamW — on the fp32
+        master weights; returns (loss, grad norm) as device tensors. `lr=None`: AdamW keeps its own
+        (device) learning rate and clipping never consults the host (MixedPrecisionAdamW.step)."""
         loss = self._forward_backward(micro_batches)
-        if self.master is not self.params:
-            for m, p in zip(self.master, self.params):
-                m.grad = p.grad.float()
+        self.opt.master_grads()
         norm = self._grad_norm()
-        grads = [m.grad for m in self.master]
-        if lr is None:
-            coef = clip_coefficient_on_device(norm, self.cfg.grad_clip)
-            if coef is not None:
-                torch._foreach_mul_(grads, coef)
-        else:
-            coef = clip_coefficient(norm, self.cfg.grad_clip)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-        self.optimizer.step()
-        if self.master is not self.params:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.master)
-            for m in self.master:
-                m.grad = None
+        self.opt.step(norm, self.cfg.grad_clip, lr)
         return loss, norm
-
-    # Eager steps before the capture: AdamW's state, Triton's autotuned kernels, cuBLAS workspaces and NCCL
-    # communicators must all exist before a graph records addresses (torch.cuda.graph's documented recipe).
-    GRAPH_WARMUP_STEPS = 2
-
-    def _graphed_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        """parallel.cuda_graph: the first `GRAPH_WARMUP_STEPS` steps run eagerly on a side stream, the next
-        is captured into one CUDA graph (every kernel and NCCL collective of the step, with their
-        cross-stream dependencies), and every step from then on copies its batch into the graph's static
-        input buffers, writes the learning rate, and replays it: one host call per step."""
-        shapes = [(tuple(x.shape), tuple(y.shape)) for x, y in micro_batches]
-        if self._graph_calls == 0:
-            self._graph_shapes = shapes
-            self._static = [(x.to(self.device, copy=True), y.to(self.device, copy=True)) for x, y in micro_batches]
-            self._graph_stream = torch.cuda.Stream(self.device)
-        elif shapes != self._graph_shapes:
-            raise ValueError(f"parallel.cuda_graph replays one batch shape: captured {self._graph_shapes}, "
-                             f"got {shapes}")
-        for (sx, sy), (x, y) in zip(self._static, micro_batches):
-            sx.copy_(x)
-            sy.copy_(y)
-        self._lr.fill_(lr)
-        self._graph_calls += 1
-        stream = self._graph_stream
-        if self._graph is None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            if self._graph_calls <= self.GRAPH_WARMUP_STEPS:
-                with torch.cuda.stream(stream), warnings.catch_warnings():
-                    # AdamW(capturable=True) warns when it runs outside a graph: here it is meant to
-                    warnings.filterwarnings("ignore", message=".*capturable=True.*")
-                    self._out = self._step(self._static, None)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                return StepResult(loss=float(self._out[0]), grad_norm=float(self._out[1]))
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: NCCL's watchdog thread may query events while this thread captures
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                self._out = self._step(self._static, None)
-            self._graph = graph
-        self._graph.replay()
-        self._wait_for_replay()
-        return StepResult(loss=float(self._out[0]), grad_norm=float(self._out[1]))
-
-    def _wait_for_replay(self) -> None:
-        """Wait for the replayed step, at most the process group's timeout. NCCL's watchdog does not watch
-        collectives inside a CUDA graph, so a dead peer would leave this rank spinning in a replayed
-        all-reduce forever (torchrun kills the job when a worker exits, a bare launch would not): poll an event
-        and raise instead."""
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + self.graph_timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the replayed CUDA-graph step did not finish within {self.graph_timeout_s:.0f} s "
-                                   "(parallel.cuda_graph): a peer rank has probably died or hung")
-            time.sleep(2e-4)
 
     # ------------------------------------------------------------------ weights in and out
     def _owner_stage(self, name: str) -> int:
@@ -436,12 +301,7 @@ class MegatronEngine:
         if (saved["tp"], saved["pp"]) != (self.grid.tp, self.grid.pp):
             raise ValueError(f"resume state was saved with tp={saved['tp']}, pp={saved['pp']}, "
                              f"this run has tp={self.grid.tp}, pp={self.grid.pp}")
-        with torch.no_grad():
-            for n, m in zip(self.names, self.master):
-                m.copy_(state["master"][n])
-            if self.master is not self.params:
-                torch._foreach_copy_(self.params, self.master)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.opt.load([state["master"][n] for n in self.names], state["optimizer"])
 
     def close(self) -> None:
         """Free the grid's process groups (the default group stays)."""

@@ -19,8 +19,6 @@ group"), so the copies stay identical.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable
 
 import torch
@@ -37,18 +35,6 @@ def stage_layers(num_layers: int, grid: ParallelGrid) -> range:
     """Global indices of the decoder layers of this stage (contiguous, L/pp each)."""
     per = num_layers // grid.pp
     return range(grid.pp_rank * per, (grid.pp_rank + 1) * per)
-
-
-def busy_seconds(timeline: list[tuple[Action, object, object]]) -> float:
-    """Total compute time of a `PipelineSchedule.run` timeline (synchronises CUDA first)."""
-    total = 0.0
-    for _, start, end in timeline:
-        if isinstance(start, torch.cuda.Event):
-            end.synchronize()
-            total += start.elapsed_time(end) / 1e3
-        else:
-            total += end - start
-    return total
 
 
 def split_into_stage(model: CausalLM, grid: ParallelGrid) -> None:
@@ -70,60 +56,22 @@ def stage_forward(model: CausalLM, inputs: torch.Tensor, seq_len: int,
     (2, b, s, h) → (2, b, s, h) in the middle, → logits on the last stage (s is s/tp under sequence
     parallelism). With activation checkpointing each layer keeps only its inputs and is recomputed
     in the backward pass (Chen et al. 2016; the "full recomputation" of 2205.05198 §5)."""
-    return stage_forward_interleaved(model, [inputs], seq_len, [None], activation_checkpointing)[0]
-
-
-def on_stream(stream: torch.cuda.Stream | None):
-    """`torch.cuda.stream(stream)`, or nothing for None (CPU, or the current stream)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def stage_forward_interleaved(model: CausalLM, inputs: list[torch.Tensor], seq_len: int,
-                              streams: list[torch.cuda.Stream | None], activation_checkpointing: bool = False
-                              ) -> list[torch.Tensor]:
-    """`stage_forward` of several micro-batches at once, micro-batch i's kernels on `streams[i]` (None: the
-    current stream), issued layer by layer in turn: on a GPU one micro-batch's tensor-parallel collectives
-    then overlap the other's GEMMs (Domino, Wang et al. 2024, arXiv 2409.15241 §4: independent batch
-    slices hide each other's communication). Autograd runs each backward op on its forward op's stream, so
-    the backward passes interleave the same way. The caller makes the streams wait for the current one
-    first and the current one wait for them afterwards."""
     inner = model.model
-    states = []
-    for x, stream in zip(inputs, streams):
-        with on_stream(stream):
-            if inner.embed_tokens is not None:
-                h, residual = inner.embed_tokens(x), None
-            else:
-                h, residual = x.unbind(0)
-            batch = h.shape[0]
-            positions = torch.arange(seq_len, device=h.device).expand(batch, seq_len)
-            states.append([h, residual, *inner.rope_cos_sin(positions)])
+    if inner.embed_tokens is not None:
+        h, residual = inner.embed_tokens(inputs), None
+    else:
+        h, residual = inputs.unbind(0)
+    positions = torch.arange(seq_len, device=h.device).expand(h.shape[0], seq_len)
+    cos, sin = inner.rope_cos_sin(positions)
     for layer in inner.layers.values():
-        if activation_checkpointing or len(states) == 1:  # whole layers (checkpointing recomputes whole ones)
-            for state, stream in zip(states, streams):
-                with on_stream(stream):
-                    if activation_checkpointing:
-                        state[:2] = checkpoint(layer, *state, None, use_reentrant=False)
-                    else:
-                        state[:2] = layer(*state, None)
-            continue
-        # half layers in turn: micro-batch 0's attention, 1's attention, 0's MLP, ... so the collectives
-        # (one per half, issued in this order on one NCCL stream) alternate between the micro-batches
-        for state, stream in zip(states, streams):
-            with on_stream(stream):
-                state[:2] = layer.attention_half(*state, None)
-        for state, stream in zip(states, streams):
-            with on_stream(stream):
-                state[:2] = layer.mlp_half(*state[:2])
-    outs = []
-    for (h, residual, _, _), stream in zip(states, streams):
-        with on_stream(stream):
-            if model.lm_head is None:
-                outs.append(torch.stack([h, residual]))
-            else:
-                h, _ = inner.norm(h, residual)
-                outs.append(model.lm_head(h))
-    return outs
+        if activation_checkpointing:
+            h, residual = checkpoint(layer, h, residual, cos, sin, None, use_reentrant=False)
+        else:
+            h, residual = layer(h, residual, cos, sin, None)
+    if model.lm_head is None:
+        return torch.stack([h, residual])
+    h, _ = inner.norm(h, residual)
+    return model.lm_head(h)
 
 
 class PipelineSchedule:
@@ -160,54 +108,46 @@ class PipelineSchedule:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def _mark(self) -> torch.cuda.Event | float:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-            before_last_backward: Callable[[], None] = lambda: None,
-            timeline: list[tuple[Action, object, object]] | None = None) -> torch.Tensor:
-        """Forward + backward of every micro-batch; returns the summed loss on the last stage (0
-        elsewhere). `before_last_backward` runs once, before this stage's final backward pass: the
-        data-parallel gradient reduction may start from then on. With `timeline`, (action, start,
-        end) marks (CUDA events or perf_counter seconds) of each compute action are appended to it,
-        after its receive completed: the busy time the bench turns into a measured bubble."""
+            before_last_backward: Callable[[], None] = lambda: None) -> torch.Tensor:
+        """Forward + backward of every micro-batch in the schedule's order; returns the summed loss on the
+        last stage (0 elsewhere). `before_last_backward` runs once, before this stage's final backward
+        pass: the data-parallel gradient reduction may start from then on."""
         g = self.grid
         actions = schedule_actions(self.schedule, g.pp, len(micro_batches), g.pp_rank)
         last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
-        inputs: dict[int, torch.Tensor] = {}  # micro-batch -> received activation (needs its grad)
-        outputs: dict[int, torch.Tensor] = {}  # micro-batch -> stage output, or loss on the last stage
-        loss_sum = torch.zeros((), device=self.device)
+        self.micro_batches = micro_batches
+        self.inputs: dict[int, torch.Tensor] = {}  # micro-batch -> received activation (needs its grad)
+        self.outputs: dict[int, torch.Tensor] = {}  # micro-batch -> stage output, or loss on the last stage
+        self.loss_sum = torch.zeros((), device=self.device)
         sends: list[dist.P2POp] = []
         for k, a in enumerate(actions):
             recv_ops, buf = self._recv_for(a)
             self._exchange(sends + recv_ops)
-            sends = []
-            i = a.micro
-            start = self._mark() if timeline is not None else None
-            if a.kind == "F":
-                if g.is_first_stage:
-                    x = micro_batches[i][0].to(self.device)
-                else:
-                    x = inputs[i] = buf.requires_grad_()
-                out = self.forward_fn(x)
-                if g.is_last_stage:
-                    outputs[i] = self.loss_fn(out, micro_batches[i][1].to(self.device))
-                    loss_sum += outputs[i].detach()
-                else:
-                    outputs[i] = out
-                    sends = [dist.P2POp(dist.isend, out.detach().contiguous(), g.next_rank)]
-            else:
-                if k == last_backward:
-                    before_last_backward()
-                out = outputs.pop(i)
-                torch.autograd.backward(out, grad_tensors=None if g.is_last_stage else buf)
-                if not g.is_first_stage:
-                    sends = [dist.P2POp(dist.isend, inputs.pop(i).grad, g.prev_rank)]
-            if timeline is not None:
-                timeline.append((a, start, self._mark()))
+            if k == last_backward:
+                before_last_backward()
+            sends = self.forward_step(a, buf) if a.kind == "F" else self.backward_step(a, buf)
         self._exchange(sends)
-        return loss_sum
+        return self.loss_sum
+
+    def forward_step(self, a: Action, received: torch.Tensor | None) -> list[dist.P2POp]:
+        """Forward of micro-batch `a.micro` (its input received from the previous stage, unless this is
+        the first); returns the send of its output to the next stage (none on the last: the loss)."""
+        g, i = self.grid, a.micro
+        x = self.micro_batches[i][0].to(self.device) if g.is_first_stage else received.requires_grad_()
+        if not g.is_first_stage:
+            self.inputs[i] = x
+        out = self.forward_fn(x)
+        if g.is_last_stage:
+            self.outputs[i] = self.loss_fn(out, self.micro_batches[i][1].to(self.device))
+            self.loss_sum += self.outputs[i].detach()
+            return []
+        self.outputs[i] = out
+        return [dist.P2POp(dist.isend, out.detach().contiguous(), g.next_rank)]
+
+    def backward_step(self, a: Action, received: torch.Tensor | None) -> list[dist.P2POp]:
+        """Backward of micro-batch `a.micro` from the gradient received from the next stage (from the loss
+        on the last); returns the send of its input's gradient to the previous stage."""
+        g = self.grid
+        torch.autograd.backward(self.outputs.pop(a.micro), grad_tensors=None if g.is_last_stage else received)
+        return [] if g.is_first_stage else [dist.P2POp(dist.isend, self.inputs.pop(a.micro).grad, g.prev_rank)]

@@ -40,26 +40,17 @@ def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.view(b, s * world, h)
 
 
-def start_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
-    """(b, s, h) partial sums → this rank's (b, s/tp, h) block of summed tokens, launched asynchronously:
-    returns the output and the collective's work (None when tp = 1), to wait on before reading it."""
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(b, s, h) partial sums → this rank's (b, s/tp, h) block of summed tokens."""
     world = dist.get_world_size(group)
     if world == 1:
-        return x, None
+        return x
     b, s, h = x.shape
     if s % world:
         raise ValueError(f"sequence length {s} is not divisible by tp={world}")
     out = x.new_empty((b * s // world, h))
-    work = reduce_scatter_single(out, x.contiguous().view(b * s, h), group=group, async_op=True)
-    return out.view(b, s // world, h), work
-
-
-def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """`start_reduce_scatter_seq`, waited for."""
-    out, work = start_reduce_scatter_seq(x, group)
-    if work is not None:
-        work.wait()
-    return out
+    reduce_scatter_single(out, x.contiguous().view(b * s, h), group=group)
+    return out.view(b, s // world, h)
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):

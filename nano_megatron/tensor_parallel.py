@@ -33,12 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nano_megatron.grid import ParallelGrid
-from nano_megatron.sequence_parallel import (
-    all_gather_seq,
-    gather_from_sequence_parallel,
-    reduce_scatter_to_sequence_parallel,
-    start_reduce_scatter_seq,
-)
+from nano_megatron.sequence_parallel import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 from shared.model import CausalLM
 
 
@@ -83,76 +78,6 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _ReduceFromTensorParallel.apply(x, group)
 
 
-# --------------------------------------------------------------------------- overlapping f's backward
-# Megatron-LM's asynchronous tensor-parallel all-reduce (Narayanan et al. 2021, arXiv 2104.04473, and with
-# sequence parallelism Korthikanti et al. 2022, §4.2.2): in the backward pass of a block's column-parallel
-# GEMMs, dL/dX must be all-reduced (reduce-scattered under SP) over tp, but dL/dW = dYᵀ·X does not need that
-# result. Launch the collective first and run the weight-gradient GEMMs while it is in flight. Here the
-# column-parallel layers of a block (q/k/v, gate/up) compute only dX in their own backward and leave (dY, X)
-# in a stash; the block's entry node (f, or the sequence all-gather) gets their weights as extra inputs,
-# so its backward — which autograd runs after all of theirs — starts the collective on dX, computes every
-# stashed dW, waits, and returns dW as those weights' gradients (so data-parallel gradient hooks still fire).
-class _LinearDeferredWgrad(torch.autograd.Function):
-    """Y = X·Wᵀ + b whose backward returns dX (and db) and stashes (dY, X) for the block entry's dW."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stash: dict):
-        ctx.save_for_backward(x, weight)
-        # keyed by the parameter seen now: under activation checkpointing the saved weight comes back from
-        # recomputation as another tensor object
-        ctx.stash, ctx.key, ctx.has_bias = stash, id(weight), bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        ctx.stash[ctx.key] = (grad, x)
-        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad.matmul(weight), None, db, None
-
-
-class _BlockEntry(torch.autograd.Function):
-    """f (identity forward, all-reduce backward) or, under sequence parallelism, the all-gather along the
-    sequence (reduce-scatter backward), whose backward overlaps that collective with the deferred dW GEMMs
-    of the `weights` (the block's column-parallel layers)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool, stash: dict,
-                *weights: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.sequence_parallel, ctx.stash = group, sequence_parallel, stash
-        ctx.weight_ids = [id(w) for w in weights]
-        return all_gather_seq(x, group) if sequence_parallel else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.sequence_parallel:
-            dx, work = start_reduce_scatter_seq(grad, ctx.group)
-        else:
-            dx = grad.contiguous()
-            work = dist.all_reduce(dx, group=ctx.group, async_op=True)
-        dws = []
-        for wid in ctx.weight_ids:  # while the collective runs
-            pending = ctx.stash.pop(wid, None)
-            if pending is None:  # that layer's output did not reach the loss
-                dws.append(None)
-                continue
-            dy, x = pending
-            dws.append(dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
-        if work is not None:
-            work.wait()
-        return (dx, None, None, None, *dws)
-
-
-def block_entry(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool,
-                weights: list[torch.Tensor]) -> torch.Tensor:
-    """A block's input after f (or the SP all-gather), tagged so that the block's ColumnParallelLinears
-    defer their dW to this node's backward (see above)."""
-    stash: dict = {}
-    out = _BlockEntry.apply(x, group, sequence_parallel, stash, *weights)
-    out._tp_wgrad_stash = stash
-    return out
-
-
 # --------------------------------------------------------------------------- layers
 def _shard(full: torch.Tensor, dim: int, rank: int, size: int, padded: int | None = None) -> torch.Tensor:
     """Rank's contiguous block of `full` along `dim`, after zero-padding that dim to `padded` rows."""
@@ -180,10 +105,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(_shard(linear.bias.detach(), 0, grid.tp_rank, grid.tp, padded_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stash = getattr(x, "_tp_wgrad_stash", None)  # set by the block's entry when it overlaps (above)
-        if stash is None:
-            return F.linear(x, self.weight, self.bias)
-        return _LinearDeferredWgrad.apply(x, self.weight, self.bias, stash)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -304,30 +226,22 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def _prepare_input(module: nn.Module, grid: ParallelGrid, sequence_parallel: bool,
-                   overlap: list[ColumnParallelLinear] | None = None) -> None:
+def _prepare_input(module: nn.Module, grid: ParallelGrid, sequence_parallel: bool) -> None:
     """Put f (or, under sequence parallelism, the all-gather along the sequence) at the entry of a
     block — torchtitan's PrepareModuleInput — so that all column-parallel layers inside share it.
-    `overlap`: the block's column-parallel layers, whose dW GEMMs then run while f's backward collective
-    is in flight (`block_entry`)."""
+    The hook's handle is kept as `module.tp_input_hook` (a performance layer may swap the hook)."""
 
     def hook(mod: nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        if overlap and torch.is_grad_enabled():
-            x = block_entry(x, grid.tp_group, sequence_parallel, [m.weight for m in overlap])
-        elif sequence_parallel:
-            x = gather_from_sequence_parallel(x, grid.tp_group)
-        else:
-            x = copy_to_tp(x, grid.tp_group)
-        return (x, *args[1:])
+        if sequence_parallel:
+            return (gather_from_sequence_parallel(args[0], grid.tp_group), *args[1:])
+        return (copy_to_tp(args[0], grid.tp_group), *args[1:])
 
-    module.register_forward_pre_hook(hook)
+    module.tp_input_hook = module.register_forward_pre_hook(hook)
 
 
-def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel: bool = False,
-                          tp_comm_overlap: bool = True) -> dict[str, TPShard]:
-    """Shard shared.model in place over `grid.tp_group`; returns how each parameter is sharded.
-    `tp_comm_overlap`: each block's backward f collective overlaps its column-parallel dW GEMMs.
+def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel: bool = False
+                          ) -> dict[str, TPShard]:
+    """Shard shared.model in place over `grid.tp_group` (§3, Figure 3); returns how each parameter is sharded.
 
     Works on a pipeline stage too (missing embedding / head / layers are skipped). With tied
     embeddings the LM head keeps sharing the (vocab-parallel) embedding weight.
@@ -349,7 +263,7 @@ def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel
                 info[f"{p}self_attn.{name}.bias"] = info[f"{p}self_attn.{name}.weight"]
         attn.o_proj = RowParallelLinear(attn.o_proj, grid, sp)
         info[f"{p}self_attn.o_proj.weight"] = TPShard(1, cfg.q_size)
-        _prepare_input(attn, grid, sp, [attn.q_proj, attn.k_proj, attn.v_proj] if tp_comm_overlap else None)
+        _prepare_input(attn, grid, sp)
         if attn.q_norm is not None:  # one weight shared by all heads; each rank sees only its heads
             info[f"{p}self_attn.q_norm.weight"] = info[f"{p}self_attn.k_norm.weight"] = TPShard(partial_grad=tp > 1)
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, grid)
@@ -358,7 +272,7 @@ def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel
         for name in ("gate_proj", "up_proj"):
             info[f"{p}mlp.{name}.weight"] = TPShard(0, cfg.intermediate_size)
         info[f"{p}mlp.down_proj.weight"] = TPShard(1, cfg.intermediate_size)
-        _prepare_input(mlp, grid, sp, [mlp.gate_proj, mlp.up_proj] if tp_comm_overlap else None)
+        _prepare_input(mlp, grid, sp)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             info[f"{p}{norm}.weight"] = TPShard(partial_grad=sp and tp > 1)
     if model.model.embed_tokens is not None:

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from nano_megatron.engine import MegatronEngine, ParallelConfig
+from nano_megatron.build import build_engine
+from nano_megatron.engine import LAYER_FLAGS, ParallelConfig
 from nano_megatron.schedules import bubble_fraction_formula
 from shared.accounting import param_count
-from shared.dist import destroy_distributed, init_distributed, print0
+from shared.dist import destroy_distributed, init_distributed, log0
 from shared.hydra_utils import hydra_run_dir, model_config_from, peak_flops_from, to_dataclass
 from shared.train import TrainConfig, train
 
@@ -45,12 +46,13 @@ def run(cfg: DictConfig) -> list[dict]:
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
         pcfg = parallel_config_from(cfg.parallel, env.world_size)
-        engine = MegatronEngine(mcfg, pcfg, tcfg, device=env.device)
+        engine = build_engine(mcfg, pcfg, tcfg, device=env.device)  # with the layers pcfg switches on
         m = tcfg.global_batch_size // (tcfg.micro_batch_size * pcfg.dp)
-        print0(f"nano_megatron: tp={pcfg.tp} pp={pcfg.pp} dp={pcfg.dp} ({env.world_size} rank(s), {env.backend})"
+        log0(f"nano_megatron: tp={pcfg.tp} pp={pcfg.pp} dp={pcfg.dp} ({env.world_size} rank(s), {env.backend})"
                f", sequence_parallel={pcfg.sequence_parallel}, {pcfg.schedule} over {m} micro-batch(es)"
                + (f" (bubble (p-1)/(m+p-1) = {bubble_fraction_formula(pcfg.pp, m):.1%})" if pcfg.pp > 1 else "")
-               + f"; {param_count(mcfg) / 1e6:.1f}M parameters; out_dir {out_dir}")
+               + f"; {param_count(mcfg) / 1e6:.1f}M parameters; performance layers "
+               + (", ".join(f for f in LAYER_FLAGS if getattr(pcfg, f)) or "none") + f"; out_dir {out_dir}")
         peak_flops = peak_flops_from(cfg, env.device)
         return train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
     finally:

@@ -4,14 +4,17 @@ Systems (all train shared.model with AdamW, global-norm clipping and the same da
   ddp             torch DistributedDataParallel; bf16 model + fp32 master copies (the stage-0 recipe)
   zero_optimizer  DDP + torch ZeroRedundancyOptimizer over the fp32 masters (ZeRO-1 à la torch)
   fsdp2           torch `fully_shard` per block + root, MixedPrecisionPolicy(bf16, bf16) (ZeRO-3 à la torch)
+  fsdp2_fused     the same with AdamW(fused=True): one kernel for every tensor of the step
   zero0..zero3    nano_zero.ZeroEngine
 
-Reported per system: tokens/s (global) and per GPU, peak memory per GPU (CUDA: the allocator's peak while
-the system is built and trained, minus what was allocated before it was built), model-state memory by
-§3.1's formula, and for ours the measured ledger. `baseline_json=<a 1-GPU run's bench.json>` adds the
-scaling efficiency tok/s(N) / (N · tok/s(1)). Writes `bench.json` in the Hydra run directory.
-On CPU, `quick=true` is a smoke run (tiny model, fp32, a few steps): numbers from gloo mean nothing
-(DESIGN.md: gloo emulates reduce-scatter with an all-reduce).
+Reported per system: tokens/s (global) and per GPU, MFU per GPU against the datasheet peak (989 TFLOP/s
+dense bf16 on H100/H200 SXM; `peak_tflops=` overrides it) and against the bf16 matmul rate measured in the
+same process, both labelled; peak memory per GPU (CUDA: the allocator's peak while the system is built and
+trained, minus what was allocated before it was built), model-state memory by §3.1's formula, and for ours
+the measured ledger. `baseline_json=<a 1-GPU run's bench.json>` adds the scaling efficiency
+tok/s(N) / (N · tok/s(1)). Writes `bench.json` in the Hydra run directory. On CPU, `quick=true` is a smoke
+run (tiny model, fp32, a few steps): numbers from gloo mean nothing (docs/ARCHITECTURE.md: gloo emulates
+reduce-scatter with an all-reduce).
 
     torchrun --nproc-per-node 2 -m nano_zero.bench model=1b
     python -m nano_zero.bench quick=true
@@ -19,6 +22,8 @@ On CPU, `quick=true` is a smoke run (tiny model, fp32, a few steps): numbers fro
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 import json
 import os
@@ -33,15 +38,15 @@ from omegaconf import DictConfig
 
 from nano_zero.engine import ZeroEngine
 from nano_zero.ledger import formula_for
-from shared.accounting import param_count
-from shared.bench import print_table, release_memory, write_json
+from shared.accounting import flops_per_token, param_count
+from shared.bench import datasheet_bf16_flops, measure_matmul_flops, print_table, release_memory, write_json
 from shared.data import TokenBatches
 from shared.dist import destroy_distributed, init_distributed
 from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
 from shared.model import build_model
-from shared.train import StepResult, TrainConfig, decays, micro_batches_of, next_token_loss
+from shared.train import MixedPrecisionAdamW, StepResult, TrainConfig, micro_batches_of, next_token_loss
 
-SYSTEMS = ("ddp", "zero_optimizer", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+SYSTEMS = ("ddp", "zero_optimizer", "fsdp2", "fsdp2_fused", "zero0", "zero1", "zero2", "zero3")
 
 
 class TorchPeer:
@@ -54,24 +59,24 @@ class TorchPeer:
 
         self.cfg, self.kind, self.device = cfg, kind, device
         self.world = dist.get_world_size()
+        self.fsdp = kind.startswith("fsdp2")
         dtype = cfg.torch_dtype
         model = build_model(model_config, device, seed=cfg.seed)  # fp32
-        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        if kind == "fsdp2":
+        options: dict = {}
+        if self.fsdp:  # FSDP2's sharded parameters stay fp32 (the masters); its policy computes in bf16
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
             for layer in model.model.layers:
                 fully_shard(layer, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
-            self.params = self.master = list(model.parameters())
+            self.opt = MixedPrecisionAdamW(list(model.parameters()), dataclasses.replace(cfg, dtype="fp32"),
+                                           **({"fused": True} if kind == "fsdp2_fused" else {}))
         else:  # bf16 model for compute, fp32 master copies for the optimizer (as LocalEngine)
-            self.master = [p.detach().clone() for p in model.parameters()]
+            if kind == "zero_optimizer":
+                options["optimizer_class"] = functools.partial(ZeroRedundancyOptimizer,
+                                                               optimizer_class=torch.optim.AdamW)
+            self.opt = MixedPrecisionAdamW(list(model.parameters()), cfg, **options)
             model.to(dtype)
-            self.params = list(model.parameters())
             model = DDP(model)
-        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
-                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
-        self.opt = (ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
-                    if kind == "zero_optimizer" else torch.optim.AdamW(groups, **kw))
         self.model = model
 
     def train_step(self, micro_batches, lr: float) -> StepResult:
@@ -79,25 +84,16 @@ class TorchPeer:
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
-            ctx = self.model.no_sync() if (not sync and self.kind != "fsdp2") else nullcontext()
-            if self.kind == "fsdp2":
+            ctx = self.model.no_sync() if (not sync and not self.fsdp) else nullcontext()
+            if self.fsdp:
                 self.model.set_requires_gradient_sync(sync)
             with ctx:
                 loss = next_token_loss(self.model(x.to(self.device)), y.to(self.device), num_tokens)
                 loss.backward()
             total += loss.detach()
-        if self.master is not self.params:
-            for m, p in zip(self.master, self.params):
-                m.grad, p.grad = p.grad.float(), None
-        norm = torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip or float("inf"))
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.master is not self.params:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.master)
+        norm = torch.nn.utils.get_total_norm(self.opt.master_grads())
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.opt.step(norm, self.cfg.grad_clip, lr)
         dist.all_reduce(total)
         return StepResult(loss=float(total) / self.world, grad_norm=float(norm))
 
@@ -111,7 +107,7 @@ def _formula_bytes(name: str, psi: int, world: int, dtype: torch.dtype) -> float
         return (2 * size + master + 8) * psi
     if name == "zero_optimizer":  # torch shards only the moments; masters stay replicated
         return (2 * size + master) * psi + 8 * psi / world
-    return (4 + 4 + 8) * psi / world  # fsdp2: fp32 sharded params, grads and moments
+    return (4 + 4 + 8) * psi / world  # fsdp2(_fused): fp32 sharded params, grads and moments
 
 
 def _live_engines() -> str:
@@ -124,7 +120,10 @@ def _live_engines() -> str:
         f"; {type(o).__name__} referred to by {sorted({type(r).__name__ for r in gc.get_referrers(o)})}" for o in live[:3])
 
 
-def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int) -> dict:
+def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, warmup: int, steps: int,
+              peaks: dict[str, float] | None = None) -> dict:
+    """One system's row: mean step time over `steps` after `warmup`, MFU per GPU against each of `peaks`
+    ({label: FLOP/s}), memory against §3.1's formula, and for ours the measured ledger and traffic."""
     rank, world = dist.get_rank(), dist.get_world_size()
     before = 0
     release_memory()  # the previous system's engine, if a reference cycle kept it past its `del`
@@ -134,8 +133,9 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
         if before > 2**28 and rank == 0:
             print(f"warning: {before / 2**30:.2f} GiB still allocated before {name} is built: {_live_engines()}",
                   flush=True)
-    engine = (ZeroEngine(model_config, cfg, int(name[-1]), device=device) if name.startswith("zero")
-              and name != "zero_optimizer" else TorchPeer(name, model_config, cfg, device))
+    ours = name.startswith("zero") and name != "zero_optimizer"
+    engine = ZeroEngine(model_config, cfg, int(name[-1]), device=device) if ours else TorchPeer(name, model_config, cfg,
+                                                                                              device)
     data = TokenBatches.from_corpus("train", batch_size=cfg.global_batch_size // world, seq_len=cfg.seq_len,
                                     seed=cfg.seed, rank=rank, world_size=world)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -157,11 +157,14 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
         peak = t.item() / 2**30
     psi = param_count(model_config)
     row = {"system": name, "tokens/s": tokens / seconds, "tokens/s/GPU": tokens / seconds / world,
-           "ms/step": seconds * 1e3, "peak GiB/GPU": peak,
-           "model states GiB (formula)": _formula_bytes(name, psi, world, cfg.torch_dtype) / 2**30,
-           "loss": result.loss}
+           "ms/step": seconds * 1e3}
+    for label, flops in (peaks or {}).items():
+        row[f"MFU % ({label})"] = 100 * flops_per_token(model_config, cfg.seq_len) * tokens / seconds / (flops * world)
+    row |= {"peak GiB/GPU": peak,
+            "model states GiB (formula)": _formula_bytes(name, psi, world, cfg.torch_dtype) / 2**30,
+            "loss": result.loss}
     if peak is not None:  # activations, workspace and transient buffers: equal across stages if only the
-        # model states differ (issue 5's memory target: peak within 10% of formula + activations)
+        # model states differ (the memory target: peak within 10% of formula + activations)
         row["peak − model states GiB"] = peak - row["model states GiB (formula)"]
     if isinstance(engine, ZeroEngine):
         row["model states GiB (ours, measured)"] = engine.memory_report().total / 2**30
@@ -186,24 +189,30 @@ def run(cfg: DictConfig) -> dict:
                                                           2 * env.world_size, "micro_batch_size": 1}
                                                          if quick and env.device.type != "cuda" else {}))
         warmup, steps = (1, 2) if quick else (int(cfg.warmup), int(cfg.steps))
-        rows = [bench_one(name, mcfg, tcfg, env.device, warmup, steps) for name in cfg.systems]
+        matmul = measure_matmul_flops(env.device)
+        datasheet = cfg.peak_tflops * 1e12 if cfg.get("peak_tflops") else datasheet_bf16_flops(env.device)
+        peaks = ({"datasheet": datasheet} if datasheet else {}) | {"measured matmul": matmul}
+        rows = [bench_one(name, mcfg, tcfg, env.device, warmup, steps, peaks) for name in cfg.systems]
         if cfg.get("baseline_json"):
             base = {r["system"]: r["tokens/s"] for r in json.loads(Path(cfg.baseline_json).read_text())["rows"]}
             for r in rows:
                 if r["system"] in base:
                     r["scaling efficiency"] = r["tokens/s"] / (env.world_size * base[r["system"]])
-        fsdp = next((r["tokens/s"] for r in rows if r["system"] == "fsdp2"), None)
-        for r in rows:
-            r["vs fsdp2"] = r["tokens/s"] / fsdp if fsdp else None
+        for peer in ("fsdp2", "fsdp2_fused"):  # torch's ZeRO-3, as shipped and with the fused AdamW
+            ref = next((r["tokens/s"] for r in rows if r["system"] == peer), None)
+            for r in rows:
+                r[f"vs {peer}"] = r["tokens/s"] / ref if ref else None
         record = {"bench": "nano_zero", "world_size": env.world_size, "model": param_count(mcfg),
                   "dtype": tcfg.dtype, "global_batch": tcfg.global_batch_size, "seq_len": tcfg.seq_len,
-                  "micro_batch": tcfg.micro_batch_size, "quick": quick, "rows": rows}
+                  "micro_batch": tcfg.micro_batch_size, "quick": quick, "matmul_TFLOPs_measured": matmul / 1e12,
+                  "peak_TFLOPs_datasheet": datasheet / 1e12 if datasheet else None, "rows": rows}
         path = Path(hydra_run_dir()) / "bench.json"  # a collective (rank 0 decides): every rank calls it
         if env.rank == 0:
             write_json(path, record)
             print_table(rows, title=f"nano_zero bench: {param_count(mcfg) / 1e6:,.1f}M params, {env.world_size} "
                                     f"rank(s) ({env.backend}), {tcfg.dtype}, {tcfg.global_batch_size} x "
-                                    f"{tcfg.seq_len} tokens/step")
+                                    f"{tcfg.seq_len} tokens/step; MFU per GPU against "
+                                    + " and ".join(f"{k} {v / 1e12:.4g} TFLOP/s" for k, v in peaks.items()))
             print(f"wrote {path}")
         return record
     finally:

@@ -19,7 +19,7 @@ from nano_zero.ledger import MemoryReport
 from nano_zero.zero import ZeroDataParallel
 from shared.config import ModelConfig
 from shared.model import CausalLM, init_module_
-from shared.train import StepResult, TrainConfig, next_token_loss
+from shared.train import StepResult, TrainConfig, check_seq_len, next_token_loss
 
 
 def init_like_build_model(std: float) -> Callable[[nn.Module, torch.Generator], None]:
@@ -34,6 +34,7 @@ class ZeroEngine:
     def __init__(self, model_config: ModelConfig, cfg: TrainConfig, stage: int, *,
                  device: torch.device | str | None = None, group: dist.ProcessGroup | None = None,
                  prefetch: bool = True) -> None:
+        check_seq_len(cfg, model_config)  # before any collective, on every rank alike
         self.model_config, self.cfg, self.stage = model_config, cfg, stage
         with torch.device("meta"):
             module = CausalLM(model_config)

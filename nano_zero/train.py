@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from nano_zero.engine import ZeroEngine
-from shared.dist import destroy_distributed, init_distributed, print0
+from shared.dist import destroy_distributed, init_distributed, log0
 from shared.hydra_utils import hydra_run_dir, model_config_from, peak_flops_from, to_dataclass
 from shared.train import TrainConfig, train
 
@@ -26,15 +26,15 @@ def run(cfg: DictConfig) -> list[dict]:
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
         engine = ZeroEngine(mcfg, tcfg, int(cfg.zero.stage), device=env.device, prefetch=bool(cfg.zero.prefetch))
-        print0(f"nano_zero: stage {engine.stage}, {env.world_size} rank(s), {env.backend}, out_dir {out_dir}")
-        print0(engine.memory_report().format(env.rank))
+        log0(f"nano_zero: stage {engine.stage}, {env.world_size} rank(s), {env.backend}, out_dir {out_dir}")
+        log0(engine.memory_report().format(env.rank))
         peak_flops = peak_flops_from(cfg, env.device)
         records = train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
         elements, nbytes = engine.last_step_comm
         psi = sum(u.numel for u in engine.model.units)
-        print0(f"communication in the last step: {elements:,} elements = {elements / psi:.3f} Ψ "
+        log0(f"communication in the last step: {elements:,} elements = {elements / psi:.3f} Ψ "
                f"({nbytes / 2**20:,.1f} MiB per rank; §7: 2Ψ stages 0-2, 3Ψ per micro-step stage 3)")
-        print0(engine.memory_report().format(env.rank))
+        log0(engine.memory_report().format(env.rank))
         return records
     finally:
         destroy_distributed()

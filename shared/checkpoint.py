@@ -4,25 +4,67 @@ Because shared.model uses HF's parameter names, loading is "read every tensor, c
 assign it"; saving is the reverse plus a `config.json` that `transformers` understands. Large models are
 split into shards with a `model.safetensors.index.json` (HF's layout), so what nano_megatron and nano_zero
 save loads in `transformers`, in nano_vllm, and back here.
+
+Every file is written under a temporary name in the same directory, fsynced and renamed over the old one,
+in an order that keeps the directory loadable at every instant: a save killed half-way leaves the previous
+checkpoint (or the new one), never a truncated file. A corrupt or truncated file raises an error that
+names it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import safetensors
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.config import ModelConfig
+from shared.dist import barrier, get_rank
 from shared.model import CausalLM
 
+if TYPE_CHECKING:
+    from shared.data import TokenBatches
+    from shared.train import TrainConfig, TrainEngine
+
+CHECKPOINT_DIR = "checkpoint"  # under a run's out_dir: the consolidated HF checkpoint
+RESUME_DIR = "resume"  # under the checkpoint: engine shards + loop state
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Tensors some HF checkpoints carry that are recomputed here, never learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SAFETENSORS_ERRORS = (getattr(safetensors, "SafetensorError", OSError), OSError, ValueError)
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from a checkpoint file (config.json, the shard index), with a ValueError naming the
+    file when it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({e}): a corrupt or truncated checkpoint file") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """`ModelConfig.from_hf` of a checkpoint directory's config.json; errors name the file."""
+    config = Path(path) / "config.json"
+    try:
+        return ModelConfig.from_hf(read_json(config))
+    except ValueError as e:
+        if str(config) in str(e):
+            raise
+        raise ValueError(f"{str(config)!r}: {e}") from e
 
 
 def _checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -36,8 +78,9 @@ def _checkpoint_dir(path: str | os.PathLike) -> Path:
 
 def _safetensors_files(p: Path) -> list[Path]:
     if (p / INDEX_NAME).is_file():
-        with open(p / INDEX_NAME) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(p / INDEX_NAME).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{str(p / INDEX_NAME)!r} has no 'weight_map' object")
         files = [p / name for name in sorted(set(weight_map.values()))]
     else:
         files = sorted(p.glob("*.safetensors"))
@@ -54,9 +97,13 @@ def load_state_dict(path: str | os.PathLike, device: str | torch.device = "cpu")
     p = _checkpoint_dir(path)
     out: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(p):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except _SAFETENSORS_ERRORS as e:
+            raise ValueError(f"{str(file)!r} is not a readable safetensors file ({type(e).__name__}: {e}): "
+                             "a corrupt or truncated checkpoint shard") from e
     return out
 
 
@@ -68,7 +115,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     missing or unexpected tensor, a tensor of the wrong shape), each naming the offending item.
     """
     p = _checkpoint_dir(path)
-    cfg = ModelConfig.from_hf(p)
+    cfg = read_config(p)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = {name: t.shape for name, t in model.state_dict().items()}
@@ -111,6 +158,7 @@ def save_checkpoint(model: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig,
     """Write `config.json` + safetensors shards (with HF's index file when there is more than one).
 
     `model` may be a CausalLM or a consolidated state dict (what the parallel trainers gather on rank 0).
+    Overwriting a checkpoint is safe against a kill at any instant (see the module docstring).
     """
     state = model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)
     if cfg.tie_word_embeddings:
@@ -128,23 +176,125 @@ def save_checkpoint(model: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig,
             size = 0
         shards[-1][name] = t
         size += nbytes
-    for old in p.glob("*.safetensors"):  # never leave a stale shard that a loader would pick up
-        old.unlink()
-    (p / INDEX_NAME).unlink(missing_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], str(p / SINGLE_NAME), metadata={"format": "pt"})
+    names = ([SINGLE_NAME] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for stale in p.glob(".*.tmp"):  # left by a save that was killed
+        stale.unlink()
+    # New shards first (a single file replaces the old one in one rename), then the index that names
+    # them (or its removal), then config.json, and only then the old shards nobody names any more.
+    for name, shard in zip(names, shards):
+        _write_atomic(p / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+        _write_atomic(p / INDEX_NAME, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
     else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(p / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        with open(p / INDEX_NAME, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        (p / INDEX_NAME).unlink(missing_ok=True)
     hf = cfg.to_hf()
     first = next(iter(state.values()))
     hf["torch_dtype"] = hf["dtype"] = str(dtype or first.dtype).removeprefix("torch.")
-    with open(p / "config.json", "w") as f:
-        json.dump(hf, f, indent=2)
+    _write_atomic(p / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
+    for old in p.glob("*.safetensors"):  # never leave a stale shard that a loader would pick up
+        if old.name not in names:
+            old.unlink()
+    _fsync_dir(p)
     return p
+
+
+def _write_atomic(path: Path, write: Callable[[str], Any]) -> None:
+    """`write(tmp)` to a temporary name beside `path`, fsync it, rename it over `path`: readers (and a
+    kill at any instant) see the old file or the new one, never part of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames inside `path` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A training run's checkpoint: the consolidated HF directory above for users (from rank 0), and
+# beside it every rank's engine shards + loop state for resuming (shared.train drives both).
+
+
+def _loop_state_file(directory: Path, rank: int) -> Path:
+    return directory / f"loop-rank{rank:05d}.pt"
+
+
+def save_training_checkpoint(engine: TrainEngine, cfg: TrainConfig, step: int, data: TokenBatches,
+                             is_main: bool) -> Path:
+    """Write `out_dir/checkpoint` (HF format, from rank 0) and `out_dir/checkpoint/resume` (every rank).
+
+    The resume directory is written next to the old one and swapped in only when every rank is done, so
+    a job killed mid-save still has the previous resume point; every file of the HF checkpoint is
+    replaced atomically (`shared.checkpoint.save_checkpoint`). Collective: call on every rank.
+    """
+    ckpt = Path(cfg.out_dir) / CHECKPOINT_DIR
+    tmp, final = ckpt / (RESUME_DIR + ".tmp"), ckpt / RESUME_DIR
+    state = engine.consolidated_state_dict()
+    if is_main:
+        if state is None:
+            raise RuntimeError("consolidated_state_dict() returned None on the main rank")
+        save_checkpoint(state, engine.model_config, ckpt)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save_resume_state(tmp)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save({"step": step, "data": data.state_dict(), "rng": rng, "config": asdict(cfg)},
+               _loop_state_file(tmp, get_rank()))
+    barrier()
+    if is_main:  # two renames: at every instant `resume` or `resume.old` is a complete resume point
+        old = ckpt / (RESUME_DIR + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return ckpt
+
+
+def resume_directory(path: str | os.PathLike) -> Path:
+    """Accept either the checkpoint directory or its `resume/` subdirectory."""
+    p = Path(path)
+    for name in (RESUME_DIR, RESUME_DIR + ".old"):  # .old: a save was killed between its two renames
+        if (p / name).is_dir():
+            p = p / name
+            break
+    if not _loop_state_file(p, 0).is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a resume checkpoint (no {_loop_state_file(p, 0).name})")
+    return p
+
+
+def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data: TokenBatches) -> int:
+    """Restore the engine, the data stream and the RNG; return the step to continue from."""
+    directory = resume_directory(path)
+    own = _loop_state_file(directory, get_rank())
+    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=True)
+    engine.load_resume_state(directory)
+    data.load_state_dict(loop["data"])
+    torch.set_rng_state(loop["rng"]["cpu"])
+    if "cuda" in loop["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loop["rng"]["cuda"])
+    return int(loop["step"])

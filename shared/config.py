@@ -115,7 +115,10 @@ class ModelConfig:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path!r}")
             with open(path) as f:
-                d = json.load(f)
+                try:
+                    d = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path!r} is not valid JSON ({e}): a corrupt or truncated config.json") from e
         model_type = d.get("model_type")
         archs = d.get("architectures") or []
         if model_type is None and archs:

@@ -11,6 +11,7 @@ possibly blocked in a collective waiting for it, are killed), so a broken test n
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -116,6 +117,26 @@ def print0(*args: Any, **kwargs: Any) -> None:
     if is_main():
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+LOG = logging.getLogger("nano_infra")
+
+
+def report(message: str, write: Callable[[str], Any] | None = None) -> None:
+    """One line of a run's output: a logging record where logging is set up for INFO (a Hydra app: the
+    console and the run directory's `<job>.log`), else `write(message)` (default: a flushed print)."""
+    if LOG.isEnabledFor(logging.INFO) and LOG.hasHandlers():
+        LOG.info(message)
+    elif write is not None:
+        write(message)
+    else:
+        print(message, flush=True)
+
+
+def log0(message: str) -> None:
+    """`report` on rank 0 only."""
+    if is_main():
+        report(message)
 
 
 def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ Parallelism lives elsewhere. A parallel package (nano_megatron, nano_zero) imple
 "run forward/backward over these micro-batches, reduce, clip, step; gather the weights; save/load my
 shards" — and `train(engine, cfg)` drives it. `LocalEngine` is the single-process engine (shared.model +
 torch.optim.AdamW): the oracle every parallel engine is tested against, as in "parallel training equals
-single-process training" (DESIGN.md).
+single-process training" (docs/ARCHITECTURE.md).
 
 Two conventions make that equality exact rather than approximate:
 
@@ -21,14 +21,14 @@ not (`decays`); every engine applies the same rule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import shutil
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,15 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from shared.accounting import flops_per_token
-from shared.checkpoint import save_checkpoint
+from shared.checkpoint import (  # a training run's checkpoints live beside the HF format they write
+    CHECKPOINT_DIR,
+    RESUME_DIR,
+    load_training_checkpoint,
+    resume_directory,
+    save_training_checkpoint,
+)
 from shared.config import ModelConfig
 from shared.data import TokenBatches
-from shared.dist import barrier, get_rank, get_world_size
+from shared.dist import get_world_size, report
 from shared.model import CausalLM, build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CHECKPOINT_DIR = "checkpoint"  # under out_dir: the consolidated HF checkpoint
-RESUME_DIR = "resume"  # under the checkpoint: engine shards + loop state
 
 
 @dataclass
@@ -189,6 +193,15 @@ def micro_batches_of(inputs: torch.Tensor, targets: torch.Tensor, micro_batch_si
     return list(zip(inputs.split(micro_batch_size), targets.split(micro_batch_size)))
 
 
+def check_seq_len(cfg: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError unless the training windows fit the model's positions (RoPE tables and the saved
+    config.json are sized by `max_position_embeddings`)."""
+    if cfg.seq_len > model_config.max_position_embeddings:
+        raise ValueError(f"train.seq_len ({cfg.seq_len}) exceeds the model's max_position_embeddings "
+                         f"({model_config.max_position_embeddings}): shorten train.seq_len or set "
+                         f"model.max_position_embeddings")
+
+
 def check_batch_sizes(cfg: TrainConfig, dp_world_size: int) -> int:
     """Micro-batches per step on one dp rank; ValueError unless global = micro × dp × accumulation."""
     if cfg.global_batch_size % (cfg.micro_batch_size * dp_world_size):
@@ -202,13 +215,72 @@ def check_batch_sizes(cfg: TrainConfig, dp_world_size: int) -> int:
 # The single-process reference engine.
 
 
+class MixedPrecisionAdamW:
+    """AdamW on fp32 master weights, the optimizer every engine of this repo steps with.
+
+    dtype="fp32": the parameters are the master weights. dtype="bf16": mixed precision as in Micikevicius
+    et al. 2018 and ZeRO §3.1 — the model computes in bf16, AdamW updates fp32 copies of its parameters,
+    which are copied back into the model after each step. Create it from the fp32 parameters *before*
+    the model is cast to bf16 (casting keeps the Parameter objects). Matrices and embeddings decay,
+    vectors do not (`decays`). `options` go to torch.optim.AdamW (fused, foreach, capturable, ...), or to
+    `optimizer_class` (e.g. torch's ZeroRedundancyOptimizer over AdamW) given AdamW's arguments.
+    """
+
+    def __init__(self, params: list[torch.Tensor], cfg: TrainConfig, lr: float | torch.Tensor | None = None,
+                 optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, **options: Any) -> None:
+        self.params = params
+        self.master = params if cfg.dtype == "fp32" else [p.detach().float().clone() for p in params]
+        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
+                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
+        self.optimizer = optimizer_class(groups, lr=cfg.lr if lr is None else lr, betas=(cfg.beta1, cfg.beta2),
+                                         eps=cfg.eps, **options)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients AdamW will use: under bf16 the model's gradients upcast onto the master
+        weights (the model's own are released); parameters without a gradient are left out."""
+        if self.master is not self.params:
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        return [m.grad for m in self.master if m.grad is not None]
+
+    def step(self, grad_norm: torch.Tensor | float, max_norm: float, lr: float | None) -> None:
+        """Clip by the global norm (torch.nn.utils.clip_grad_norm_'s rule), one AdamW step at `lr`, copy
+        the master weights into the model, drop the gradients. `lr=None`: the optimizer keeps its own
+        (a device tensor) and clipping never reads the norm back to the host, so the step can be
+        captured in a CUDA graph."""
+        grads = [m.grad for m in self.master if m.grad is not None]
+        if lr is None:
+            coef = clip_coefficient_on_device(grad_norm, max_norm)
+        else:
+            coef = clip_coefficient(grad_norm, max_norm)
+            coef = None if coef >= 1.0 else coef
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        if coef is not None:
+            for kind in {type(g) for g in grads}:  # DTensor and plain gradients cannot share one foreach call
+                torch._foreach_mul_([g for g in grads if type(g) is kind], coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+
+    @torch.no_grad()
+    def load(self, master: list[torch.Tensor], optimizer_state: dict) -> None:
+        """Restore saved master weights (copied into the model too) and AdamW's state."""
+        torch._foreach_copy_(self.master, [t.to(m.device) for m, t in zip(self.master, master)])
+        if self.master is not self.params:
+            torch._foreach_copy_(self.params, self.master)
+        self.optimizer.load_state_dict(optimizer_state)
+
+
 class LocalEngine:
     """One process, shared.model + torch.optim.AdamW, clipping: the reference every parallel engine matches.
 
-    dtype="fp32": fp32 weights, gradients and Adam states. dtype="bf16": mixed precision as in
-    Micikevicius et al. 2018 and ZeRO §3.1 — a bf16 model for forward/backward, fp32 master weights that
-    AdamW updates, copied back to bf16 after each step (autocast is not used: the model's fused
-    norm+residual needs one dtype for both, which autocast's fp32 embeddings and bf16 matmuls break).
+    dtype="fp32": fp32 weights, gradients and Adam states. dtype="bf16": a bf16 model, fp32 master weights
+    (`MixedPrecisionAdamW`; autocast is not used: the model's fused norm+residual needs one dtype for
+    both, which autocast's fp32 embeddings and bf16 matmuls break).
     """
 
     def __init__(self, model_config: ModelConfig, cfg: TrainConfig, device: str | torch.device = "cpu",
@@ -217,18 +289,11 @@ class LocalEngine:
         self.dp_rank, self.dp_world_size = 0, 1
         self.device = torch.device(device)
         self.model = model if model is not None else build_model(model_config, self.device, seed=cfg.seed)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # master[i] is what AdamW updates: the parameter itself in fp32, an fp32 copy in bf16.
-        self.master = params
+        self.opt = MixedPrecisionAdamW([p for p in self.model.parameters() if p.requires_grad], cfg,
+                                       foreach=False)
         if cfg.dtype == "bf16":
-            self.master = [p.detach().float().clone() for p in params]
             self.model.to(torch.bfloat16)
-            params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = params
-        groups = [{"params": [m for m in self.master if decays(m)], "weight_decay": cfg.weight_decay},
-                  {"params": [m for m in self.master if not decays(m)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           foreach=False)
+        self.params, self.master, self.optimizer = self.opt.params, self.opt.master, self.opt.optimizer
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
         num_tokens = sum(t.numel() for _, t in micro_batches)
@@ -237,25 +302,12 @@ class LocalEngine:
             loss = next_token_loss(self.model(x.to(self.device)), y.to(self.device), num_tokens)
             loss.backward()
             total += loss.item()
-        if self.master is not self.params:  # mixed precision: fp32 gradients for the fp32 master
-            for m, p in zip(self.master, self.params):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        grads = [m.grad for m in self.master if m.grad is not None]
+        grads = self.opt.master_grads()
         # fp32 reductions over 1e5+ elements on CPU drift by ~1e-5 relative: accumulate the oracle's norm
         # in fp64 there, as the parallel engines do (CUDA's tree reductions are exact enough)
         acc = torch.float64 if self.device.type == "cpu" else torch.float32
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in grads]))
-        coef = clip_coefficient(norm, self.cfg.grad_clip)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master is not self.params:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.master)
+        self.opt.step(norm, self.cfg.grad_clip, lr)
         return StepResult(loss=total, grad_norm=float(norm))
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -270,73 +322,7 @@ class LocalEngine:
 
     def load_resume_state(self, directory: Path) -> None:
         state = torch.load(Path(directory) / "local_engine.pt", map_location=self.device, weights_only=True)
-        with torch.no_grad():
-            torch._foreach_copy_(self.master, state["master"])
-            if self.master is not self.params:
-                torch._foreach_copy_(self.params, self.master)
-        self.optimizer.load_state_dict(state["optimizer"])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoints: a consolidated HF directory for users, engine shards + loop state for resuming.
-
-
-def _loop_state_file(directory: Path, rank: int) -> Path:
-    return directory / f"loop-rank{rank:05d}.pt"
-
-
-def save_training_checkpoint(engine: TrainEngine, cfg: TrainConfig, step: int, data: TokenBatches,
-                             is_main: bool) -> Path:
-    """Write `out_dir/checkpoint` (HF format, from rank 0) and `out_dir/checkpoint/resume` (every rank).
-
-    The resume directory is written next to the old one and swapped in only when every rank is done, so
-    a job killed mid-save still has the previous resume point. Collective: call on every rank.
-    """
-    ckpt = Path(cfg.out_dir) / CHECKPOINT_DIR
-    tmp, final = ckpt / (RESUME_DIR + ".tmp"), ckpt / RESUME_DIR
-    state = engine.consolidated_state_dict()
-    if is_main:
-        if state is None:
-            raise RuntimeError("consolidated_state_dict() returned None on the main rank")
-        save_checkpoint(state, engine.model_config, ckpt)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    engine.save_resume_state(tmp)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "data": data.state_dict(), "rng": rng, "config": asdict(cfg)},
-               _loop_state_file(tmp, get_rank()))
-    barrier()
-    if is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    barrier()
-    return ckpt
-
-
-def resume_directory(path: str | os.PathLike) -> Path:
-    """Accept either the checkpoint directory or its `resume/` subdirectory."""
-    p = Path(path)
-    if (p / RESUME_DIR).is_dir():
-        p = p / RESUME_DIR
-    if not _loop_state_file(p, 0).is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not a resume checkpoint (no {_loop_state_file(p, 0).name})")
-    return p
-
-
-def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data: TokenBatches) -> int:
-    """Restore the engine, the data stream and the RNG; return the step to continue from."""
-    directory = resume_directory(path)
-    own = _loop_state_file(directory, get_rank())
-    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=True)
-    engine.load_resume_state(directory)
-    data.load_state_dict(loop["data"])
-    torch.set_rng_state(loop["rng"]["cpu"])
-    if "cuda" in loop["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(loop["rng"]["cuda"])
-    return int(loop["step"])
+        self.opt.load(state["master"], state["optimizer"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -348,18 +334,39 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= `last_step` (the resumed step): a run resumed into its own directory
+    logs the steps after it again, and must not list them twice. Rewritten atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= last_step:
+            keep.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
           peak_flops: float | None = None) -> list[dict]:
     """Train `engine` for `cfg.steps` optimizer steps (or until `cfg.stop_at`); return the logged records.
 
     Every dp rank draws its rows of the same global batch, split into micro-batches; rank 0 shows a
-    progress bar, prints each logged record and appends it to `out_dir/metrics.jsonl`:
-    step, loss, lr, grad_norm, tokens_per_s (global), mfu (per-device `peak_flops` × world size; None
-    when no peak is given). Saves every `save_every` steps and at the end (see
-    `save_training_checkpoint`); `resume_from` continues the same data stream, schedule and RNG.
-    Call on every rank; the batch-size check raises before any collective, on every rank alike.
+    progress bar, reports each logged record (`shared.dist.report`: under Hydra also into the run's log
+    file) and appends it to `out_dir/metrics.jsonl`: step, loss, lr, grad_norm, tokens_per_s (global),
+    mfu (per-device `peak_flops` × world size; None when no peak is given). Saves every `save_every` steps
+    and at the end (see `save_training_checkpoint`) and reports where; `resume_from` continues the same
+    data stream, schedule and RNG (metrics.jsonl keeps only the steps up to the resumed one).
+    Call on every rank; the batch-size and sequence-length checks raise before any collective, on every
+    rank alike.
     """
     check_batch_sizes(cfg, engine.dp_world_size)
+    check_seq_len(cfg, engine.model_config)
     local_batch = cfg.global_batch_size // engine.dp_world_size
     data = TokenBatches.from_corpus("train", batch_size=local_batch, seq_len=cfg.seq_len, seed=cfg.seed,
                                     rank=engine.dp_rank, world_size=engine.dp_world_size)
@@ -370,46 +377,54 @@ def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
     out = Path(cfg.out_dir)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(out / "metrics.jsonl", start)
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     flops_per_step = flops_per_token(engine.model_config, cfg.seq_len) * tokens_per_step
     peak_total = peak_flops * get_world_size() if peak_flops else None
     records: list[dict] = []
-    bar = None
+    bar, console = None, contextlib.nullcontext()
     if is_main:
         from tqdm.auto import tqdm  # the one progress bar, on rank 0
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         bar = tqdm(total=end, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        console = logging_redirect_tqdm()  # log lines on the console go above the bar, not through it
     saved_at = start
-    for step in range(start, end):
-        lr = lr_at(step, cfg)
-        inputs, targets = data.next_batch()
-        _sync()
-        t0 = time.perf_counter()
-        result = engine.train_step(micro_batches_of(inputs, targets, cfg.micro_batch_size), lr)
-        _sync()
-        dt = time.perf_counter() - t0
-        if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-            rec: dict[str, Any] = {
-                "step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-                "mfu": flops_per_step / dt / peak_total if peak_total else None,
-            }
-            records.append(rec)
-            if is_main:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                bar.write(f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {lr:.2e} | "
-                          f"grad_norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
-                          + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""))
+    with console:
+        for step in range(start, end):
+            lr = lr_at(step, cfg)
+            inputs, targets = data.next_batch()
+            _sync()
+            t0 = time.perf_counter()
+            result = engine.train_step(micro_batches_of(inputs, targets, cfg.micro_batch_size), lr)
+            _sync()
+            dt = time.perf_counter() - t0
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                rec: dict[str, Any] = {
+                    "step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                    "tokens_per_s": tokens_per_step / dt,
+                    "mfu": flops_per_step / dt / peak_total if peak_total else None,
+                }
+                records.append(rec)
+                if is_main:
+                    with open(out / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    report(f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {lr:.2e} | "
+                           f"grad_norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
+                           + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""), bar.write)
+            if bar is not None:
+                bar.update(1)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
+                save_training_checkpoint(engine, cfg, step + 1, data, is_main)
+                saved_at = step + 1
         if bar is not None:
-            bar.update(1)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
-            save_training_checkpoint(engine, cfg, step + 1, data, is_main)
-            saved_at = step + 1
-    if bar is not None:
-        bar.close()
-    if end > saved_at or not (Path(cfg.out_dir) / CHECKPOINT_DIR / RESUME_DIR).exists():
-        save_training_checkpoint(engine, cfg, end, data, is_main)
+            bar.close()
+        ckpt = out / CHECKPOINT_DIR
+        if end > saved_at or not (ckpt / RESUME_DIR).exists():
+            save_training_checkpoint(engine, cfg, end, data, is_main)
+        if is_main:
+            report(f"checkpoint of step {end}: {ckpt.resolve()} (HF format: loads in transformers, "
+                   f"shared.checkpoint.load_model and nano_vllm; resume with train.resume_from={ckpt.resolve()})")
     return records
 
 
@@ -421,10 +436,12 @@ def train_local(model_config: ModelConfig, cfg: TrainConfig) -> tuple[LocalEngin
 
 __all__ = [
     "LocalEngine",
+    "MixedPrecisionAdamW",
     "StepResult",
     "TrainConfig",
     "TrainEngine",
     "check_batch_sizes",
+    "check_seq_len",
     "clip_coefficient",
     "clip_coefficient_on_device",
     "decays",
@@ -432,6 +449,7 @@ __all__ = [
     "lr_at",
     "micro_batches_of",
     "next_token_loss",
+    "resume_directory",
     "save_training_checkpoint",
     "train",
     "train_local",

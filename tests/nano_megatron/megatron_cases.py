@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from nano_megatron.build import build_engine
 from nano_megatron.engine import MegatronEngine, ParallelConfig
 from shared.config import ModelConfig
 from shared.train import LocalEngine, TrainConfig, micro_batches_of
@@ -60,8 +61,9 @@ def reference_run(case: dict, steps: int = 5) -> tuple[list[float], dict[str, to
 
 
 def make_engine(case: dict) -> MegatronEngine:
+    """The engine a case's `parallel` asks for, performance layers included (as the trainer builds it)."""
     mc, cfg = model_config(**case.get("model", {})), train_config(**case.get("train", {}))
-    return MegatronEngine(mc, ParallelConfig(**case["parallel"]), cfg)
+    return build_engine(mc, ParallelConfig(**case["parallel"]), cfg)
 
 
 def parallel_run(case: dict, steps: int = 5) -> tuple[list[float], dict[str, torch.Tensor] | None]:

@@ -1,4 +1,4 @@
-"""nano_megatron on NCCL and CUDA (marker `gpu`; run on the lent 2-GPU machine: `pytest tests/nano_megatron -m gpu`).
+"""nano_megatron on NCCL and CUDA (marker `gpu`; on a 2-GPU machine: `pytest tests/nano_megatron -m gpu`).
 
 The CPU tests prove the parallel algebra over gloo; this runs the same two-rank cases through NCCL on two
 GPUs in fp32 and compares them with the single-process LocalEngine on one GPU. Tolerance: the reference
@@ -25,9 +25,12 @@ CASES = {
     "pp2-1f1b": dict(parallel=dict(pp=2)),
     "pp2-gpipe": dict(parallel=dict(pp=2, schedule="gpipe")),
     "dp2": dict(parallel=dict(dp=2, bucket_mb=0.01)),
+    # the backward overlap layer (each block's collective under its dW GEMMs), as the bench's tp rows run it
+    "tp2-overlap": dict(parallel=dict(tp=2, tp_comm_overlap=True)),
+    "tp2-sp-overlap": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=True)),
     # the whole step captured in a CUDA graph at step 3 (2 eager warm-up steps), replayed for steps 3-5
-    "tp2-graph": dict(parallel=dict(tp=2, cuda_graph=True)),
-    "tp2-sp-graph": dict(parallel=dict(tp=2, sequence_parallel=True, cuda_graph=True)),
+    "tp2-graph": dict(parallel=dict(tp=2, cuda_graph=True, tp_comm_overlap=True)),
+    "tp2-sp-graph": dict(parallel=dict(tp=2, sequence_parallel=True, cuda_graph=True, tp_comm_overlap=True)),
 }
 
 TOL = 1e-4

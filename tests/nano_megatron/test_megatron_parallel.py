@@ -43,7 +43,7 @@ from nano_megatron.tensor_parallel import (
 )
 from shared.dist import DistributedError, destroy_distributed, init_distributed, run_distributed
 from shared.model import build_model
-from shared.train import micro_batches_of
+from shared.train import LocalEngine, micro_batches_of
 
 # multi-process runs shared by the module's tests: the forkability test leaves them to the repository run
 pytestmark = pytest.mark.slow
@@ -58,10 +58,10 @@ TWO_RANK_CASES = {
     "pp2-1f1b": dict(parallel=dict(pp=2)),
     "pp2-gpipe": dict(parallel=dict(pp=2, schedule="gpipe")),
     "dp2": dict(parallel=dict(dp=2, bucket_mb=0.01)),  # several buckets
-    # tp cases overlap each block's backward collective with its dW GEMMs (tp_comm_overlap, the default):
-    # also under activation checkpointing (recomputed saved weights), and the serial path stays checked
-    "tp2-ckpt": dict(parallel=dict(tp=2, activation_checkpointing=True)),
-    "tp2-sp-serial": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=False)),
+    # the overlap layer (each block's backward collective under its dW GEMMs, nano_megatron/overlap.py),
+    # with SP and under activation checkpointing (the saved weights come back from recomputation)
+    "tp2-ckpt-overlap": dict(parallel=dict(tp=2, activation_checkpointing=True, tp_comm_overlap=True)),
+    "tp2-sp-overlap": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=True)),
     # micro-batches two at a time, interleaved layer by layer (on a GPU each on its own stream)
     "tp2-sp-pairs": dict(parallel=dict(tp=2, sequence_parallel=True, overlap_micro_batches=True)),
 }
@@ -207,6 +207,19 @@ def _dtensor_vs_ours(steps: int = 3) -> dict:
     return {"ours": (ours_losses, ours), "dtensor": (theirs_losses, theirs)}
 
 
+def _dtensor_peers(steps: int = 3) -> dict[bool, list[float]]:
+    """The bench's DTensor peer (nano_megatron.bench_peers), without and with SequenceParallel: its
+    gradient norms per step (a function of every gradient of the model)."""
+    from nano_megatron.bench_peers import DTensorTP
+
+    mc, cfg = model_config(tie_word_embeddings=False, qk_norm=False), train_config(micro_batch_size=2)
+    out = {}
+    for sp in (False, True):
+        peer = DTensorTP(mc, cfg, torch.device("cpu"), sequence_parallel=sp)
+        out[sp] = [peer.train_step(micro_batches_of(x, y, 2), cfg.lr).grad_norm for x, y in global_batches(cfg, steps)]
+    return out
+
+
 def _bad_inputs() -> dict[str, str]:
     """Each bad configuration must raise on every rank before any collective: if one rank entered a
     collective (new_group included) the next case would hang or mismatch."""
@@ -238,6 +251,7 @@ def _two_rank_job() -> dict:
     results["micro"] = {mb: parallel_grads(dict(parallel=dict(pp=2), train=dict(micro_batch_size=mb)))
                         for mb in MICRO_SIZES}
     results["dtensor"] = _dtensor_vs_ours()
+    results["peers"] = _dtensor_peers()
     return results
 
 
@@ -351,6 +365,16 @@ def test_tensor_parallel_matches_torch_parallelize_module(two_rank):
     assert max_abs_diff(ours, theirs) < 1e-6
     initial = build_model(model_config(tie_word_embeddings=False, qk_norm=False), seed=0).state_dict()
     assert max_abs_diff(ours, dict(initial)) > 1e-4  # the 3 steps did move the weights
+
+
+def test_bench_dtensor_peers_equal_the_single_process(two_rank):
+    """The bench's DTensor peers compute what the model computes: their gradient norms equal LocalEngine's
+    over 3 steps (clipping and AdamW in between), with and without SequenceParallel."""
+    mc, cfg = model_config(tie_word_embeddings=False, qk_norm=False), train_config(micro_batch_size=2)
+    engine = LocalEngine(mc, cfg)
+    ref = [engine.train_step(micro_batches_of(x, y, 2), cfg.lr).grad_norm for x, y in global_batches(cfg, 3)]
+    for sp, norms in two_rank[0]["peers"].items():
+        assert norms == pytest.approx(ref, rel=1e-5), (sp, norms, ref)
 
 
 def test_data_parallel_buckets_reduce_during_backward(two_rank):

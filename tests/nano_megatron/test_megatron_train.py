@@ -74,6 +74,9 @@ def test_single_process_run_writes_metrics_and_hf_checkpoint(runs):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and "mfu" in r for r in records)
     assert (runs / "single" / ".hydra" / "config.yaml").is_file()  # the run keeps its config
+    log = (runs / "single" / "train.log").read_text()  # Hydra's log file holds the run's report
+    assert "nano_megatron: tp=1 pp=1 dp=1" in log and "step      3 | loss" in log
+    assert f"checkpoint of step 3: {(runs / 'single' / 'checkpoint').resolve()}" in log
     model = load_model(runs / "single" / "checkpoint")
     assert model.config.num_hidden_layers == 2
 
@@ -113,9 +116,10 @@ def test_pipeline_run_resumes_where_it_stopped(runs):
 def test_bench_quick_runs_every_system(runs):
     record = json.loads((runs / "bench" / "bench.json").read_text())
     systems = [r["system"] for r in record["rows"]]
-    assert systems == ["tp", "tp_sp", "dtensor_tp", "pp_1f1b", "pp_gpipe"]
-    assert all(r["tokens/s"] > 0 for r in record["rows"])
-    pp = record["rows"][3]
+    assert systems == ["tp", "tp_sp", "dtensor_tp", "dtensor_tp_sp", "pp_1f1b", "pp_gpipe"]
+    assert all(r["tokens/s"] > 0 and r["MFU % (measured matmul)"] > 0 for r in record["rows"])
+    assert record["peak_TFLOPs_datasheet"] is None  # gloo on a CPU: no datasheet peak, no such column
+    pp = record["rows"][4]
     assert pp["bubble % (p-1)/(m+p-1)"] == pytest.approx(100 / 5)  # p=2, m=4
     assert len(pp["bubble % (stages)"].split(" / ")) == 2
 
@@ -123,9 +127,10 @@ def test_bench_quick_runs_every_system(runs):
 def test_bench_system_names_map_to_parallel_configs():
     from nano_megatron.bench import tp_parallel_config
 
-    assert tp_parallel_config("tp", 2) == {"tp": 2}
+    # the bench's tp rows run the backward overlap layer unless `_serial` says the paper path alone
+    assert tp_parallel_config("tp", 2) == {"tp": 2, "tp_comm_overlap": True}
     assert tp_parallel_config("tp_sp_serial", 2) == {"tp": 2, "sequence_parallel": True, "tp_comm_overlap": False}
     assert tp_parallel_config("tp_sp_graph_pairs", 4) == {"tp": 4, "sequence_parallel": True, "cuda_graph": True,
-                                                         "overlap_micro_batches": True}
+                                                         "overlap_micro_batches": True, "tp_comm_overlap": True}
     for bad in ("tp_sp_sp", "tp_fast", "dtensor_tp", "pp_1f1b", "tpsp"):
         assert tp_parallel_config(bad, 2) is None

@@ -40,6 +40,9 @@ def test_torchrun_trainer_two_ranks_stage3(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoint" / "resume").iterdir()) == [
         "loop-rank00000.pt", "loop-rank00001.pt", "zero-rank00000.pt", "zero-rank00001.pt"]
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+    log = (run_dir / "train.log").read_text()  # Hydra's log file holds the run's report
+    assert "ZeRO stage 3, N = 2" in log and "step      3 | loss" in log
+    assert f"checkpoint of step 3: {(run_dir / 'checkpoint').resolve()}" in log
 
 
 @pytest.mark.slow
@@ -59,6 +62,7 @@ def test_bench_quick_runs_every_system(tmp_path):
     assert [r["system"] for r in record["rows"]] == list(SYSTEMS)
     for r in record["rows"]:
         assert r["tokens/s"] > 0 and 8.0 < r["loss"] < 8.6  # one step from ln(4096) = 8.3
+        assert r["MFU % (measured matmul)"] > 0 and "MFU % (datasheet)" not in r  # no datasheet for a CPU
     comm = {r["system"]: r["comm Ψ/step"] for r in record["rows"] if "comm Ψ/step" in r}
     assert comm == pytest.approx({"zero0": 2, "zero1": 2, "zero2": 2, "zero3": 6}, rel=1e-3)  # 2 micro-steps
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["system"] == "ddp"

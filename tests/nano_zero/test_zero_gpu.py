@@ -1,4 +1,4 @@
-"""nano_zero on NCCL (run by hand on the lent GPU machine; written without GPU access, not yet run there).
+"""nano_zero on NCCL (marker `gpu`, run by hand on a GPU machine: `pytest tests/nano_zero -m gpu`).
 
 Stages must agree with each other in fp32 (they differ only in where sums happen) and stay close in bf16;
 the memory ledger must match the formula on CUDA too.

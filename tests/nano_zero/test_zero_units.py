@@ -151,6 +151,9 @@ def test_bad_inputs_get_clear_errors():
     state = engine.model.shard_state_dict()
     with pytest.raises(ValueError, match=r"resume state was saved with world=4, this run has 1"):
         engine.model.load_shard_state_dict({**state, "world": 4})
+    with pytest.raises(ValueError, match=r"train.seq_len \(4096\) exceeds the model's max_position_embeddings "
+                                         r"\(2048\)"):
+        ZeroEngine(TINY, TrainConfig(seq_len=4096), 3)
 
 
 def test_generic_module_stage3_reshards_after_forward_and_backward():

@@ -3,6 +3,7 @@ driven through the single-process LocalEngine (the oracle the parallel engines a
 
 import itertools
 import json
+import logging
 import math
 
 import pytest
@@ -171,3 +172,61 @@ def test_clip_coefficient_on_device_equals_the_host_one():
         t = torch.tensor(norm, dtype=torch.float64)
         assert float(clip_coefficient_on_device(t, 1.0)) == pytest.approx(clip_coefficient(t, 1.0), rel=1e-7)
     assert clip_coefficient_on_device(torch.tensor(5.0), 0.0) is None
+
+
+def test_resume_into_the_same_directory_logs_each_step_once(tmp_path):
+    """A run saved at step 4 and killed in step 6, then resumed into its own directory: metrics.jsonl
+    lists steps 1-8 once each (the killed run's step 5 is replaced by the resumed one's)."""
+    engine = LocalEngine(TINY, _cfg(tmp_path, steps=8, save_every=4))
+    step, calls = engine.train_step, []
+
+    def dies_in_step_6(*args):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt("killed")
+        return step(*args)
+
+    engine.train_step = dies_in_step_6
+    with pytest.raises(KeyboardInterrupt):
+        train(engine, _cfg(tmp_path, steps=8, save_every=4))
+    (tmp_path / "metrics.jsonl").open("a").write('{"step": 6, "lo')  # a line cut short by the kill
+    resumed = train(LocalEngine(TINY, _cfg(tmp_path, steps=8)),
+                    _cfg(tmp_path, steps=8, resume_from=str(tmp_path / "checkpoint")))
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert lines[4:] == resumed
+
+
+def test_seq_len_longer_than_the_model_raises(tmp_path):
+    cfg = _cfg(tmp_path, seq_len=4096)
+    with pytest.raises(ValueError, match=r"train.seq_len \(4096\) exceeds the model's max_position_embeddings "
+                                         r"\(2048\)"):
+        train(LocalEngine(TINY, cfg), cfg)
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_run_reports_where_the_checkpoint_went(tmp_path, capsys, caplog):
+    cfg = _cfg(tmp_path, steps=1)
+    train(LocalEngine(TINY, cfg), cfg)
+    ckpt = (tmp_path / "checkpoint").resolve()
+    assert f"checkpoint of step 1: {ckpt}" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="nano_infra"):  # logging set up, as in a Hydra app
+        train(LocalEngine(TINY, cfg), _cfg(tmp_path, steps=1))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("step      1 | loss") for m in messages)
+    assert f"checkpoint of step 1: {ckpt} (HF format" in messages[-1]
+
+
+def test_resume_point_survives_a_save_killed_between_its_renames(tmp_path):
+    """A save swaps `resume` out to `resume.old` before swapping the new one in: killed in between, the
+    previous resume point is still found."""
+    from shared.train import resume_directory
+
+    cfg = _cfg(tmp_path, steps=2)
+    train(LocalEngine(TINY, cfg), cfg)
+    ckpt = tmp_path / "checkpoint"
+    assert resume_directory(ckpt) == ckpt / "resume" and not (ckpt / "resume.old").exists()
+    (ckpt / "resume").rename(ckpt / "resume.old")
+    assert resume_directory(ckpt) == ckpt / "resume.old"
+    assert train(LocalEngine(TINY, cfg), _cfg(tmp_path / "b", steps=3, resume_from=str(ckpt)))[0]["step"] == 3
