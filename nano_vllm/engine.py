@@ -18,15 +18,14 @@ outside by the entry points: see nano_vllm.performance.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig
-from nano_vllm.inputs import parse_prompts, parse_sampling_params
+from nano_vllm.inputs import parse_prompts, parse_sampling_params, prompt_token_ids, prompts_token_ids
 from nano_vllm.model_runner import ModelRunner
-from nano_vllm.outputs import RequestOutput
+from nano_vllm.outputs import Progress, RequestOutput
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.scheduler import Scheduler, SchedulerConfig
 from nano_vllm.sequence import Sequence
@@ -73,30 +72,12 @@ class LLMEngine:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
-        """The token ids of a prompt (text or ids). Raises TypeError for anything else, ValueError for an
-        empty or too long prompt or ids outside the vocabulary."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Seq):
-            ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if not all(type(t) is int and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
-        return ids
-
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     **sequence_kwargs: Any) -> Sequence:
-        """Queue a request; `sequence_kwargs` go to `sequence_cls`. Raises (see `check_prompt`, and
-        TypeError for sampling_params that are not a SamplingParams) before anything is queued."""
-        ids = self.check_prompt(prompt)
+        """Queue a request; `sequence_kwargs` go to `sequence_cls`. Raises TypeError / ValueError for a bad
+        prompt (`inputs.prompt_token_ids`) or sampling_params before anything is queued."""
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -159,35 +140,20 @@ class LLM:
         """Generate for every prompt — strings, token-id lists, or vLLM's {"prompt": str} /
         {"prompt_token_ids": [...]} dicts; one SamplingParams for all or one each. Every prompt is checked
         before any is queued. Results in input order."""
-        prompts = parse_prompts(prompts)
+        engine, prompts = self.engine, parse_prompts(prompts)
         params = parse_sampling_params(sampling_params, len(prompts))
-        engine, ids = self.engine, []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids.append(engine.check_prompt(prompt))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompts[{i}]: {e}") from None
+        ids = prompts_token_ids(prompts, self.tokenizer, engine.model_config.vocab_size, engine.max_model_len)
         seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params)]
-        pbar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            pbar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
-        t0, generated = time.perf_counter(), 0
+        progress = Progress(len(seqs), use_tqdm)
         try:
             while engine.has_unfinished_requests():
-                stepped, finished = engine.step()
-                generated += len(stepped)
-                if pbar is not None:
-                    pbar.set_postfix_str(f"{generated / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
-                    pbar.update(len(finished))
+                progress.update(*engine.step())
         except BaseException:
             for seq in seqs:  # leave the engine clean for the next call
                 engine.abort_request(seq.request_id)
             raise
         finally:
-            if pbar is not None:
-                pbar.close()
+            progress.close()
         return [engine.output_of(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
 
     def shutdown(self) -> None:

@@ -1,8 +1,9 @@
-"""The arguments of `LLM.generate`, checked before anything is queued: vLLM's prompt forms and sampling params.
+"""A request's inputs, checked before anything is queued: vLLM's prompt forms, token ids, sampling params.
 
 A prompt is text, a list of token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`; the
 sampling parameters are one `SamplingParams` for every prompt or a list with one each. Anything else
-raises TypeError naming the argument (`prompts[2]`, `sampling_params`) and what was given.
+raises TypeError naming the argument (`prompts[2]`, `sampling_params`) and what was given; a prompt the
+engine cannot run (empty, too long, ids outside the vocabulary) raises ValueError.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -53,3 +55,33 @@ def parse_sampling_params(sampling_params: Any, num_prompts: int) -> list[Sampli
     if len(sampling_params) != num_prompts:
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
     return list(sampling_params)
+
+
+def prompt_token_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """The token ids of one prompt (text or ids). Raises TypeError for anything else, ValueError for an
+    empty or too long prompt or ids outside the vocabulary."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, Seq) and not isinstance(prompt, (bytes, bytearray)):
+        ids = list(prompt)
+    else:
+        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size})")
+    if len(ids) > max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({max_model_len})")
+    return ids
+
+
+def prompts_token_ids(prompts: list[Prompt], tokenizer: Tokenizer, vocab_size: int,
+                      max_model_len: int) -> list[list[int]]:
+    """`prompt_token_ids` of each prompt; an error names the prompt (`prompts[i]: ...`)."""
+    ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(prompt_token_ids(prompt, tokenizer, vocab_size, max_model_len))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"prompts[{i}]: {e}") from None
+    return ids

@@ -165,16 +165,12 @@ class ModelRunner:
                           lead, out.copies)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
-        """Cache rows for tokens [start, end) of `seq`; tokens already cached go to the scratch row."""
-        bs, table = self.block_size, seq.block_table
-        skip = min(max(seq.num_cached_tokens - start, 0), end - start)  # only a fully cached prompt's last token
-        slots, pos = [self.scratch_slot] * skip, start + skip
-        while pos < end:  # a block's worth of slots at a time
-            block, offset = divmod(pos, bs)
-            n = min(bs - offset, end - pos)
-            slots += range(table[block] * bs + offset, table[block] * bs + offset + n)
-            pos += n
-        return slots
+        """Cache rows (block * block_size + offset) of tokens [start, end) of `seq`; a token whose K/V are
+        already cached (only a fully cached prompt's last token is recomputed) writes to the scratch row."""
+        first = min(max(start, seq.num_cached_tokens), end)
+        pos = np.arange(first, end)
+        rows = np.asarray(seq.block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
+        return [self.scratch_slot] * (first - start) + rows.tolist()
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, through pinned memory on CUDA so the copy is asynchronous."""

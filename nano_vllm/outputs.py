@@ -1,7 +1,9 @@
-"""What `LLM.generate` returns, in vLLM's shape: one `RequestOutput` per prompt holding `CompletionOutput`s."""
+"""What `LLM.generate` returns, in vLLM's shape — one `RequestOutput` per prompt holding `CompletionOutput`s —
+and the progress bar it shows meanwhile."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from nano_vllm.sequence import Sequence
@@ -48,3 +50,26 @@ class RequestOutput:
         return cls(seq.request_id, prompt, seq.prompt_token_ids,
                    [CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)], seq.is_finished,
                    seq.num_cached_tokens, metrics)
+
+
+class Progress:
+    """vLLM's "Processed prompts" bar (tqdm) with the output tokens/s so far; does nothing when disabled."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.bar, self.t0, self.generated = None, time.perf_counter(), 0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+    def update(self, stepped: list[Sequence], finished: list[Sequence]) -> None:
+        """After an engine step: `stepped` sequences got a token, `finished` ones are done."""
+        self.generated += len(stepped)
+        if self.bar is not None:
+            rate = self.generated / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+            self.bar.update(len(finished))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
