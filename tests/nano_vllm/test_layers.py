@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cudagraph_logic import EagerReplay
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, EngineConfig, LLMEngine, SamplingParams
