@@ -140,7 +140,7 @@ class ModelRunner:
         """Pack the step's sequences into one batch: sequence i computes its tokens
         [num_computed_tokens, + num_new_tokens[i]), whose K/V go to the slots its block table names."""
         bs, scratch = self.block_size, self.scratch_slot
-        ids, positions, slots, cu_q, cu_k, tables = [], [], [], [0], [0], []
+        ids, positions, slots, cu_k, tables = [], [], [], [0], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             start, table = seq.num_computed_tokens, seq.block_table
             if n == 1:  # a decode (hundreds per step): no ranges built
@@ -152,9 +152,9 @@ class ModelRunner:
                 ids += seq.token_ids[start : start + n]
                 positions += range(start, start + n)
                 slots += self._slots(seq, start, start + n)
-            cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + start + n)
             tables.append(table)
+        cu_q = list(itertools.accumulate(out.num_new_tokens, initial=0))
         is_decode = len(ids) == len(tables)
         paged = cu_k[-1] > cu_q[-1]  # some sequence starts past 0: its earlier keys are in the cache
         lead = 0  # the running decodes lead a mixed step (the scheduler puts them first)
