@@ -35,8 +35,7 @@ class EngineConfig:
         graphs; a step of up to the largest size is padded to the next one instead of running eagerly
         (vLLM's cudagraph capture sizes cover mixed steps the same way). Empty: such steps run eagerly.
         None: the engine's default — empty for nano_vllm's LLMEngine, 64-512 for nano_sglang's SGLEngine
-        (jump-forward's extends). Read by the mixed-step graph layer (`nano_vllm.cudagraph_mixed`), which
-        `performance.with_performance_layers` applies (the bench, the server, nano_sglang, nano_distserve).
+        (jump-forward's extends). Read by the CUDA-graph layer (nano_vllm.cudagraph).
     enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).

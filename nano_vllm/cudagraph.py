@@ -20,7 +20,8 @@ step runs eagerly: same tokens, slower.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +118,7 @@ class MixedStepGraphs:
     """Graphs of steps that are not pure decode, one per token count in `sizes`. They share the decode
     graphs' pool, block tables and logits (one step runs at a time)."""
 
-    def __init__(self, runner: ModelRunner, decode: DecodeCudaGraphs, sizes: Sequence[int]):
+    def __init__(self, runner: ModelRunner, decode: DecodeCudaGraphs, sizes: Seq[int]):
         self.runner, self.decode = runner, decode
         max_bs = runner.config.max_num_seqs
         self.max_rows = min(sizes[-1], max_bs)
@@ -176,6 +177,7 @@ class MixedStepGraphs:
         return self.decode.logits[: len(rows)] if rows else None
 
 
+@torch.inference_mode()
 def capture_cudagraphs(runner: ModelRunner) -> list[StepGraphs]:
     """The decode graphs, and the mixed-step graphs when `mixed_cudagraph_sizes` names any."""
     decode = DecodeCudaGraphs(runner)

@@ -1,10 +1,10 @@
-"""How big the paged KV cache is (vLLM, arXiv 2309.06180, §5 "KV cache" sizing), and where the model comes from.
+"""How big the paged KV cache is (vLLM, arXiv 2309.06180, §5), and where the model's weights come from.
 
 The block pool is one tensor of (2, layers, num_blocks + 1, block_size, kv_heads, head_dim) — K and V of
 every layer, one scratch block at the end (`ModelRunner.allocate_kv_cache`). Its size comes from, in order:
-`num_kv_blocks`; `kv_cache_memory_bytes`; on CUDA, the memory left once the weights are loaded and the
-largest step has been profiled (§5: "we profile the peak memory ... and the rest goes to KV blocks",
-under `gpu_memory_utilization`); on a CPU, room for `max_num_seqs` full sequences, at most 1 GiB.
+`num_kv_blocks`; `kv_cache_memory_bytes`; on CUDA, the memory left under `gpu_memory_utilization` once
+the weights are loaded and the largest step has been profiled for its peak activation memory (§5); on a
+CPU, room for `max_num_seqs` full sequences, at most 1 GiB.
 """
 
 from __future__ import annotations
