@@ -12,9 +12,9 @@ One step, as `execute` runs it:
 3. `sample` draws the next tokens on the device (nano_vllm.sampler); reading them back is the step's one
    wait for the GPU.
 
-On CUDA, `run` replays a captured CUDA graph instead when one fits the step (nano_vllm.cudagraph, a
-performance layer: a small decode batch is otherwise bound by kernel launches on the host).
-The KV cache is sized by nano_vllm.kv_cache (§5); tensor parallelism (§4.6) is a subclass, nano_vllm.tp.
+The graphs come from a performance layer (nano_vllm.cudagraph) that registers its capture function in
+`graph_capturers`. The KV cache is sized by nano_vllm.kv_cache (§5); tensor parallelism (§4.6) is a
+subclass, nano_vllm.tp.
 """
 
 from __future__ import annotations
@@ -224,7 +224,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, logits: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:
-        """The next token of each sequence that samples this step, as a device tensor (no sync)."""
+        """The next token of each sequence that samples this step, as a device tensor (no sync): the argmax
+        for greedy requests, else a draw from softmax(logits / temperature) cut to top-k / top-p, from the
+        request's own generator when it has a seed (nano_vllm.sampler)."""
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         st = SamplingTensors.build([s.sampling_params for s in seqs], [self._generator(s) for s in seqs],
                                    self.vocab_size, self.device)
