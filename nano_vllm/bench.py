@@ -10,10 +10,14 @@ peak, plus every decode step at max(bytes / bandwidth, FLOPs / peak), where a st
 plus the K/V of every active sequence, all sequences decoding together (so it ignores what batching
 limits add); bandwidth is the measured device copy (shared.bench), peak the measured bf16 matmul.
 
+The engine runs with the performance layers on (`performance.with_performance_layers`: CUDA graphs, the
+kernel warm-up); `step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare
+included) and postprocess.
+
     python -m nano_vllm.bench                              # GPU: the workload above
     python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
     python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
-    python -m nano_vllm.bench rate=20                      # + open-loop serving at 20 req/s: TTFT / TPOT
+    python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
 """
 
