@@ -45,6 +45,8 @@ class LLMEngine:
       scheduler_cls      built as `scheduler_cls(SchedulerConfig, block_manager, eos_token_ids)`.
       model_runner_cls   built as `model_runner_cls(EngineConfig, ModelConfig, max_model_len)`;
                          `tensor_parallel_size > 1` always uses nano_vllm.tp.TPModelRunner.
+    A part that needs more constructor arguments is set on the instance before `super().__init__`, e.g.
+    `self.scheduler_cls = functools.partial(MyScheduler, policy=policy)`.
     """
 
     sequence_cls: type[Sequence] = Sequence

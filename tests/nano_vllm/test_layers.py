@@ -7,6 +7,8 @@ the performance layers change no token.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from vllm_checkpoints import random_prompts
@@ -62,6 +64,18 @@ class RecordingRunner(ModelRunner):
         return super().execute(out)
 
 
+class PolicyScheduler(Scheduler):
+    def __init__(self, *args, policy: str = "fcfs", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+
+
+class PolicyEngine(LLMEngine):
+    def __init__(self, config: EngineConfig, policy: str):
+        self.scheduler_cls = functools.partial(PolicyScheduler, policy=policy)  # an extra constructor argument
+        super().__init__(config)
+
+
 class CustomEngine(LLMEngine):
     sequence_cls = TaggedSequence
     block_manager_cls = CountingBlockManager
@@ -84,6 +98,7 @@ def test_extension_points_swap_one_part_each(qwen3_ckpt, hf_greedy):
     assert engine.block_manager.admitted >= 2 and engine.model_runner.executed == engine.num_steps
     with pytest.raises(TypeError, match="tag"):
         LLMEngine(EngineConfig(model="tiny", **SMALL)).add_request([1, 2], tag="x")  # plain Sequence: no tag
+    assert PolicyEngine(EngineConfig(model="tiny", **SMALL), "lpm").scheduler.policy == "lpm"
 
 
 def test_step_timer_sees_every_step_and_uninstalls(qwen3_ckpt):
