@@ -326,8 +326,8 @@ def run_interference(cfg: dict) -> dict:
         graphs = [int(v) for v in (c.get("mixed_cudagraph_sizes") or []) if int(v) <= budget]
         engine = with_performance_layers(LLMEngine(EngineConfig(**{
             **c["engine"], "max_num_batched_tokens": budget, "max_num_seqs": max(decodes + 1, 2),
-            "max_model_len": max_len, "enable_chunked_prefill": policy == "chunked", "mixed_cudagraph_sizes": graphs,
-            "enable_prefix_caching": False})))  # traced twice: no hits
+            "max_model_len": max_len, "enable_chunked_prefill": policy == "chunked",
+            "mixed_cudagraph_sizes": graphs, "enable_prefix_caching": False})))  # traced twice: no hits
         # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
         with KernelCompiles() as first:
             _interference_trace(engine, prompts, long_prompt, keep, before, after)

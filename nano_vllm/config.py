@@ -127,8 +127,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                              f"({model_config.max_position_embeddings})")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                             f"must be >= max_model_len ({max_len}), or a long prompt could never run")
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens})"
+                             f" must be >= max_model_len ({max_len}), or a long prompt could never run")
         return max_len
 
 

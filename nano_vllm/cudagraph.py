@@ -50,7 +50,8 @@ class StaticBuffer:
     host: torch.Tensor
 
     @classmethod
-    def full(cls, runner: ModelRunner, shape: tuple[int, ...], dtype: torch.dtype, value: int = 0) -> StaticBuffer:
+    def full(cls, runner: ModelRunner, shape: tuple[int, ...], dtype: torch.dtype,
+             value: int = 0) -> StaticBuffer:
         host = torch.full(shape, value, dtype=dtype, pin_memory=runner.device.type == "cuda")
         return cls(host.to(runner.device), host)
 
@@ -69,7 +70,8 @@ class DecodeCudaGraphs:
         self.tokens.device[2].fill_(runner.scratch_slot)
         self.context_lens = StaticBuffer.full(runner, (max_bs,), torch.int32, 1)
         self.block_tables = StaticBuffer.full(runner, (max_bs, width), torch.int32)
-        self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype, device=runner.device)
+        self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
+                                  device=runner.device)
         self.pool = None
         self.graphs = {bs: self.capture(functools.partial(self._body, bs))
                        for bs in reversed(cudagraph_batch_sizes(max_bs))}
@@ -98,13 +100,15 @@ class DecodeCudaGraphs:
         batch, rows, scratch = inputs.num_seqs, inputs.sample_rows, self.runner.scratch_slot
         bs = min(s for s in self.graphs if s >= batch)
         ins, lens = self.tokens.host.numpy(), self.context_lens.host.numpy()
-        ins[0, :batch], ins[1, :batch], ins[2, :batch] = inputs.token_ids, inputs.positions, inputs.slot_mapping
+        ins[0, :batch], ins[1, :batch] = inputs.token_ids, inputs.positions
+        ins[2, :batch] = inputs.slot_mapping
         ins[:2, batch:bs], ins[2, batch:bs], lens[batch:bs] = 0, scratch, 1
         cu_k = np.fromiter(inputs.cu_seqlens_k, np.int32, batch + 1)
         lens[:batch] = cu_k[1:] - cu_k[:-1]
         # Only the columns this batch uses: pages past a row's length are never read, stale ones included.
         width = max(map(len, inputs.block_tables))
-        fill_block_tables(self.block_tables.host[:bs, :width].numpy(), inputs.block_tables + [[0]] * (bs - batch))
+        tables = inputs.block_tables + [[0]] * (bs - batch)
+        fill_block_tables(self.block_tables.host[:bs, :width].numpy(), tables)
         self.tokens.upload(slice(None), slice(bs))
         self.context_lens.upload(slice(bs))
         self.block_tables.upload(slice(bs), slice(width))
@@ -135,12 +139,14 @@ class MixedStepGraphs:
         ids, positions, slots = self.tokens.device[:, :n]
         rows = min(n, self.runner.config.max_num_seqs)
         cu = self.cu_seqlens.device
-        ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device, cu_seqlens_q=cu[0],
-                               cu_seqlens_k=cu[1], max_seqlen_q=n, max_seqlen_k=self.runner.max_model_len,
+        ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
+                               cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
+                               max_seqlen_k=self.runner.max_model_len,
                                decode_lens=self.decode_lens.device[:rows])
         with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
             hidden = self.runner.model.model(ids[None], positions[None], ctx)
-        self.decode.logits[:rows] = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
+        logits = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
+        self.decode.logits[:rows] = logits
 
     def _size(self, inputs: StepInputs) -> int | None:
         """The captured token count the step is padded to, or None (run it eagerly)."""
@@ -158,12 +164,13 @@ class MixedStepGraphs:
         n, batch, rows = len(inputs.token_ids), inputs.num_seqs, inputs.sample_rows
         ins, cu = self.tokens.host.numpy(), self.cu_seqlens.host.numpy()
         ins[0, :n], ins[1, :n], ins[2, :n] = inputs.token_ids, inputs.positions, inputs.slot_mapping
-        ins[:2, n:size], ins[2, n:size] = 0, self.runner.scratch_slot  # padded tokens: no sequence, K/V to scratch
+        ins[:2, n:size], ins[2, n:size] = 0, self.runner.scratch_slot  # padding: no sequence, K/V to scratch
         cu_q, cu_k = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k
         cu[0, : batch + 1], cu[1, : batch + 1] = cu_q, cu_k
         cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_q[-1], cu_k[-1]  # empty sequences
         num_rows = min(size, self.runner.config.max_num_seqs)
-        hr, hd, dec = self.sample_rows.host.numpy(), self.decode_lens.host.numpy(), inputs.context_lens[: inputs.num_decodes]
+        hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
+        dec = inputs.context_lens[: inputs.num_decodes]
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
         hd[: len(dec)], hd[len(dec) : num_rows] = dec, 0
         width = max(map(len, inputs.block_tables))

@@ -19,7 +19,8 @@ Prompt = str | list[int]
 
 def parse_prompts(prompts: Any) -> list[Prompt]:
     """`prompts` (one prompt or a list of them) as a list of texts and token-id lists."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
+    one_ids = isinstance(prompts, Seq) and bool(prompts) and isinstance(prompts[0], int)
+    if isinstance(prompts, (str, dict)) or one_ids:
         prompts = [prompts]  # one prompt
     if not isinstance(prompts, Seq):
         raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
@@ -33,13 +34,14 @@ def _parse_prompt(prompt: Any, name: str) -> Prompt:
         elif "prompt" in prompt:
             prompt, name = prompt["prompt"], f"{name}['prompt']"
         else:
-            raise ValueError(f"{name}: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            raise ValueError(f"{name}: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys "
+                             f"{sorted(prompt)}")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Seq) and not isinstance(prompt, (bytes, bytearray)):
         return list(prompt)
-    raise TypeError(f"{name} must be a str, a list of token ids or a dict with 'prompt' / 'prompt_token_ids', "
-                    f"got {type(prompt).__name__}")
+    raise TypeError(f"{name} must be a str, a list of token ids or a dict with 'prompt' / "
+                    f"'prompt_token_ids', got {type(prompt).__name__}")
 
 
 def parse_sampling_params(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:

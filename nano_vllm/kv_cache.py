@@ -38,7 +38,8 @@ def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: t
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
     """Bytes of one block across all layers, K and V (shared.accounting.kv_cache_bytes' formula)."""
-    return 2 * model_config.num_hidden_layers * block_size * num_kv_heads * model_config.head_dim * dtype.itemsize
+    cfg = model_config
+    return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def decide_num_blocks(runner: ModelRunner) -> int:

@@ -107,7 +107,8 @@ class ModelRunner:
         self.model = self.load_model().eval()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams
-        self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads, config.torch_dtype)
+        self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
+                                          config.torch_dtype)
         self.num_blocks = decide_num_blocks(self)
         self.allocate_kv_cache(self.num_blocks)
         self.cudagraphs: list[StepGraphs] = []  # tried in order before the eager forward
@@ -125,8 +126,9 @@ class ModelRunner:
         end is scratch: padded rows and already-cached tokens write there, so a store needs no mask."""
         cfg = self.model_config
         self.scratch_slot = num_blocks * self.block_size
-        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks + 1, self.block_size, self.num_kv_heads,
-                                    cfg.head_dim, dtype=self.config.torch_dtype, device=self.device)
+        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks + 1, self.block_size,
+                                    self.num_kv_heads, cfg.head_dim, dtype=self.config.torch_dtype,
+                                    device=self.device)
         self.model.set_attention(PagedAttention(self.kv_cache))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -147,7 +149,8 @@ class ModelRunner:
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 # A fully cached prompt recomputes its last token only for its logits: K/V go to scratch.
-                slots.append(scratch if start < seq.num_cached_tokens else table[start // bs] * bs + start % bs)
+                cached = start < seq.num_cached_tokens
+                slots.append(scratch if cached else table[start // bs] * bs + start % bs)
             else:
                 ids += seq.token_ids[start : start + n]
                 positions += range(start, start + n)
@@ -161,8 +164,8 @@ class ModelRunner:
         while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] == 1:
             lead += 1
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
-        return StepInputs(ids, positions, slots, cu_q, cu_k, tables, sample_rows, is_decode, paged or is_decode,
-                          lead, out.copies)
+        return StepInputs(ids, positions, slots, cu_q, cu_k, tables, sample_rows, is_decode,
+                          paged or is_decode, lead, out.copies)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
         """Cache rows (block * block_size + offset) of tokens [start, end) of `seq`; a token whose K/V are
@@ -210,14 +213,16 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The eager step: the model over the packed batch, then the LM head on the rows that sample."""
-        ids, positions = self._tensor(inputs.token_ids, torch.long), self._tensor(inputs.positions, torch.long)
+        ids = self._tensor(inputs.token_ids, torch.long)
+        positions = self._tensor(inputs.positions, torch.long)
+        ctx = self.attention_context(inputs)
         # The block tables and lengths come from the block manager: skip nano_flashattn's value checks,
         # which would sync with the GPU in every layer.
         with trusted_metadata():
             if inputs.is_decode:  # q: (batch, 1)
-                hidden = self.model.model(ids[:, None], positions[:, None], self.attention_context(inputs))[:, -1]
+                hidden = self.model.model(ids[:, None], positions[:, None], ctx)[:, -1]
             else:  # q: (1, num_tokens), the sequences packed
-                hidden = self.model.model(ids[None], positions[None], self.attention_context(inputs))[0]
+                hidden = self.model.model(ids[None], positions[None], ctx)[0]
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(inputs.sample_rows, torch.long)])

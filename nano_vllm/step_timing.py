@@ -42,9 +42,11 @@ class StepTimer:
         sched, runner = engine.scheduler, engine.model_runner
         # (instance, method name, what the instance itself held under that name: another wrapper, or None)
         self._installed: list[tuple[Any, str, Any]] = []
-        for obj, name, wrapper in ((sched, "schedule", self._schedule), (runner, "prepare", self._timed("prepare")),
+        for obj, name, wrapper in ((sched, "schedule", self._schedule),
+                                   (runner, "prepare", self._timed("prepare")),
                                    (runner, "execute", self._timed("execute")),
-                                   (sched, "postprocess", self._postprocess), (runner, "forward", self._forward)):
+                                   (sched, "postprocess", self._postprocess),
+                                   (runner, "forward", self._forward)):
             self._installed.append((obj, name, vars(obj).get(name)))
             setattr(obj, name, _bind(wrapper, getattr(obj, name)))
 
@@ -71,7 +73,8 @@ class StepTimer:
         return {k: 1e3 * v / max(self.num_steps, 1) for k, v in self.seconds.items()}
 
     # ------------------------------------------------------------------ wrappers
-    def _schedule(self, schedule: Callable[..., SchedulerOutput], *args: Any, **kwargs: Any) -> SchedulerOutput:
+    def _schedule(self, schedule: Callable[..., SchedulerOutput], *args: Any,
+                  **kwargs: Any) -> SchedulerOutput:
         t0 = time.perf_counter()
         out = schedule(*args, **kwargs)
         if out.seqs:
@@ -88,7 +91,8 @@ class StepTimer:
                 self.seconds[phase] += time.perf_counter() - t0
         return timed
 
-    def _postprocess(self, postprocess: Callable[..., Any], out: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+    def _postprocess(self, postprocess: Callable[..., Any], out: SchedulerOutput, *args: Any,
+                     **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         finished = postprocess(out, *args, **kwargs)
         t1 = time.perf_counter()

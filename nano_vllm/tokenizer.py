@@ -118,7 +118,8 @@ def checkpoint_eos_ids(model: str, model_config: ModelConfig, tokenizer: Tokeniz
     ends chat turns with either), else the EOS of a tokenizer the checkpoint ships. A checkpoint that
     declares none stops only at `max_tokens` / `stop_token_ids`, as transformers' `generate` does."""
     ids: set[int] = set()
-    for eos in (model_config.eos_token_id, _read_json(Path(model) / "generation_config.json").get("eos_token_id")):
+    generation_config = _read_json(Path(model) / "generation_config.json")
+    for eos in (model_config.eos_token_id, generation_config.get("eos_token_id")):
         if isinstance(eos, int) and not isinstance(eos, bool):
             ids.add(eos)
         elif isinstance(eos, list):

@@ -135,14 +135,15 @@ class TPModelRunner(ModelRunner):
         self.procs: list[mp.Process] = []
         if rank == 0:
             if dist.is_initialized():
-                raise RuntimeError("tensor_parallel_size > 1 starts its own process group; one already exists")
+                raise RuntimeError("tensor_parallel_size > 1 starts its own process group; one already "
+                                   "exists")
             if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
                 raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found "
                                  f"{torch.cuda.device_count()}")
             port = find_free_port()
             ctx = mp.get_context("spawn")  # a forked child would inherit CUDA state and threads
-            self.procs = [ctx.Process(target=_worker, args=(r, world, port, config, model_config, max_model_len),
-                                      daemon=True) for r in range(1, world)]
+            args = (world, port, config, model_config, max_model_len)
+            self.procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(1, world)]
             for p in self.procs:
                 p.start()
             device = _device(config, 0)

@@ -30,7 +30,8 @@ def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
     with_performance_layers(llm.engine)  # the kernel warm-up runs first, as in the bench and the server
     runner = llm.engine.model_runner
     mixed = bool(extra.get("mixed_cudagraph_sizes")) and not eager
-    assert [type(g) for g in runner.cudagraphs] == ([] if eager else [DecodeCudaGraphs] + [MixedStepGraphs] * mixed)
+    graphs = [] if eager else [DecodeCudaGraphs] + [MixedStepGraphs] * mixed
+    assert [type(g) for g in runner.cudagraphs] == graphs
     timer = StepTimer(llm.engine)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS],
                         use_tqdm=False)

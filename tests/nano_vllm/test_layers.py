@@ -72,7 +72,8 @@ class PolicyScheduler(Scheduler):
 
 class PolicyEngine(LLMEngine):
     def __init__(self, config: EngineConfig, policy: str):
-        self.scheduler_cls = functools.partial(PolicyScheduler, policy=policy)  # an extra constructor argument
+        # an extra constructor argument
+        self.scheduler_cls = functools.partial(PolicyScheduler, policy=policy)
         super().__init__(config)
 
 
@@ -85,8 +86,10 @@ class CustomEngine(LLMEngine):
 
 def test_extension_points_swap_one_part_each(qwen3_ckpt, hf_greedy):
     engine = CustomEngine(EngineConfig(model=qwen3_ckpt, **SMALL))
-    assert isinstance(engine.block_manager, CountingBlockManager) and isinstance(engine.scheduler, LastInFirstScheduler)
-    assert engine.scheduler.block_manager is engine.block_manager and isinstance(engine.model_runner, RecordingRunner)
+    assert isinstance(engine.block_manager, CountingBlockManager)
+    assert isinstance(engine.scheduler, LastInFirstScheduler)
+    assert engine.scheduler.block_manager is engine.block_manager
+    assert isinstance(engine.model_runner, RecordingRunner)
     prompts = random_prompts(50, [5, 9])
     seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4), tag=f"t{i}")
             for i, p in enumerate(prompts)]
@@ -107,9 +110,11 @@ def test_step_timer_sees_every_step_and_uninstalls(qwen3_ckpt):
     seen = []
     timer = StepTimer(engine, on_step=lambda out, seconds: seen.append((out.num_new_tokens, seconds)))
     steps0 = engine.num_steps
-    llm.generate(random_prompts(51, [3, 20, 40]), SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    llm.generate(random_prompts(51, [3, 20, 40]), sp, use_tqdm=False)
     n = engine.num_steps - steps0
-    assert timer.num_steps == len(seen) == n > 0 and timer.num_eager_steps == n  # a CPU runs every step eagerly
+    assert timer.num_steps == len(seen) == n > 0
+    assert timer.num_eager_steps == n  # a CPU runs every step eagerly
     assert set(timer.seconds) == set(PHASES) and all(v > 0 for v in timer.seconds.values())
     assert timer.seconds["prepare"] <= timer.seconds["execute"]
     assert timer.step_seconds == pytest.approx(sum(v for k, v in timer.seconds.items() if k != "prepare"))

@@ -134,8 +134,8 @@ def _always_4095_checkpoint(path, eos_token_id=None) -> str:
     the fallback tokenizer's `<|endoftext|>`: every embedding carries +100 on feature 0, and only row 4095
     of the LM head reads that feature."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                    max_position_embeddings=256, bos_token_id=None, eos_token_id=eos_token_id,
                                    pad_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -188,9 +188,9 @@ def test_generate_checks_every_prompt_before_queueing_any(tiny):
 
 @pytest.mark.parametrize("call,error,match", [
     (lambda llm: llm.generate([None]), TypeError, r"prompts\[0\] must be a str, .* got NoneType"),
-    (lambda llm: llm.generate(None), TypeError, "prompts must be a prompt or a list of prompts, got NoneType"),
+    (lambda llm: llm.generate(None), TypeError, "prompts must be a prompt or a list of prompts, got None"),
     (lambda llm: llm.generate(["a", 3.5]), TypeError, r"prompts\[1\] must be .* got float"),
-    (lambda llm: llm.generate([{"prompt": None}]), TypeError, r"prompts\[0\]\['prompt'\] must be .* NoneType"),
+    (lambda llm: llm.generate([{"prompt": None}]), TypeError, r"prompts\[0\]\['prompt'\] must be .* None"),
     (lambda llm: llm.generate([{"text": "a"}]), ValueError, r"prompts\[0\]: a dict prompt needs"),
     (lambda llm: llm.generate([[1, "2"]]), ValueError, r"prompts\[0\]: prompt token ids must be ints"),
     (lambda llm: llm.generate(["a"], {"max_tokens": 2}), TypeError,
