@@ -28,6 +28,7 @@ from nano_distserve.kv_transfer import (
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request
+from nano_vllm.performance import with_performance_layers
 from shared.dist import find_free_port, run_distributed
 
 
@@ -98,7 +99,7 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
     args = dict(cfg.engine) if is_prefill else {**cfg.engine, **(cfg.decode_engine or {})}
     if torch.cuda.is_available():
         args["device"] = f"cuda:{torch.cuda.current_device()}"
-    engine = LLMEngine(EngineConfig(**args))
+    engine = with_performance_layers(LLMEngine(EngineConfig(**args)))
     runner = engine.model_runner
     name = "prefill0" if is_prefill else f"decode{rank}"
     register(store, name, KVGeometry.of_cache(runner.kv_cache), runner.num_blocks)

@@ -41,7 +41,9 @@ from nano_sglang.engine import SGLEngine
 from nano_sglang.scheduler import CacheAwareConfig
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
+from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.step_timing import StepTimer
 from shared.bench import print_table, release_memory, write_json
 from shared.hydra_utils import hydra_run_dir
 
@@ -150,7 +152,7 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeepin
     after the timed region)."""
     engine.block_manager.reset_prefix_cache()  # the previous workload's (or warm-up's) prompts must not hit
     gc.collect()  # the previous run's garbage is not this run's time (a collection inside it lands anywhere)
-    book_s0, steps_s0 = (book.seconds if book else 0.0), sum(engine.step_seconds.values())
+    book_s0, timer = (book.seconds if book else 0.0), StepTimer(engine)
     by_name0 = dict(book.by_name) if book else {}
     contexts = [[] for _ in programs]
     calls, total, cached = [], 0, 0
@@ -171,13 +173,13 @@ def run_programs(engine: LLMEngine, programs: list[list[Call]], book: Bookkeepin
             calls.append(seq)
             contexts[i] = contexts[i] + seq.output_token_ids
     seconds = time.perf_counter() - t0
+    timer.remove()
     row = {"programs": len(programs), "seconds": seconds, "programs/s": len(programs) / seconds,
            "prompt tokens": total, "hit rate": cached / total,
            "optimal hit rate": optimal_hit_rate([(list(s.prompt_token_ids), list(s.output_token_ids))
                                                  for s in calls])}
     if book is not None:
-        step_s = sum(engine.step_seconds.values()) - steps_s0
-        row["bookkeeping %"] = 100 * (book.seconds - book_s0) / max(step_s, 1e-9)
+        row["bookkeeping %"] = 100 * (book.seconds - book_s0) / max(timer.step_seconds, 1e-9)
         row["bookkeeping ms by method"] = {k: round(1e3 * (v - by_name0.get(k, 0.0)), 3) for k, v in book.by_name.items()}
     return row
 
@@ -187,11 +189,11 @@ def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
         "city": {"type": "string", "maxLength": 12}, "member": {"type": "boolean"}}}
     prompts = [f"Person {i} as JSON: " for i in range(n)]
-    runner = engine.model_runner
-    steps0, eager0, t0 = engine.num_steps, runner.num_eager_steps, time.perf_counter()
+    steps0, timer, t0 = engine.num_steps, StepTimer(engine), time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=128, seed=0), json_schema=schema,
                            jump_forward=jump_forward)
     seconds = time.perf_counter() - t0
+    timer.remove()
     valid = 0  # outputs that parse and carry exactly the schema's keys (a check of masks + jumps under graphs)
     for o in outs:
         with contextlib.suppress(ValueError):
@@ -199,7 +201,7 @@ def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
     return {"system": f"nano_sglang JSON, jump-forward {'on' if jump_forward else 'off'}", "programs": n,
             "valid %": 100 * valid / n,
             "seconds": seconds, "programs/s": n / seconds, "steps": engine.num_steps - steps0,
-            "eager steps": runner.num_eager_steps - eager0,
+            "eager steps": timer.num_eager_steps,
             "output tokens": sum(len(o.token_ids) for o in outs)}
 
 
@@ -218,9 +220,10 @@ def run(cfg: DictConfig) -> dict:
         shapes[name] = make_programs(name, shape, random.Random(cfg.seed), 4000)
     systems = [("nano_sglang", lambda: SGLEngine(EngineConfig(model=model, **engine_args),
                                                 CacheAwareConfig(cfg.policy))),
-               ("nano_vllm, prefix caching off", lambda: LLMEngine(EngineConfig(
-                   model=model, **engine_args, enable_prefix_caching=False))),
-               ("nano_vllm, prefix caching on", lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
+               ("nano_vllm, prefix caching off", lambda: with_performance_layers(LLMEngine(EngineConfig(
+                   model=model, **engine_args, enable_prefix_caching=False)))),
+               ("nano_vllm, prefix caching on", lambda: with_performance_layers(LLMEngine(EngineConfig(
+                   model=model, **engine_args))))]
     by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
     for system, make in systems if shapes else []:  # workloads=[]: the JSON part only
         engine = make()

@@ -28,6 +28,7 @@ from nano_sglang.scheduler import CacheAwareConfig, CacheAwareScheduler
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine, RequestOutput
 from nano_vllm.engine_loop import EngineLoop
+from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.sequence import Sequence
 
@@ -52,6 +53,7 @@ class SGLEngine(LLMEngine):
                                                config.enable_prefix_caching)
         self.scheduler = CacheAwareScheduler(base.config, self.block_manager, base.eos_token_ids, policy)
         self._index: TokenIndex | None = None
+        with_performance_layers(self)  # the kernel warm-up on CUDA, through the radix cache and scheduler
 
     @property
     def token_index(self) -> TokenIndex:

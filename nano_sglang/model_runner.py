@@ -10,16 +10,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from nano_vllm.model_runner import ModelRunner
+from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import SchedulerOutput
 
 
 class SGLModelRunner(ModelRunner):
-    def prepare(self, out: SchedulerOutput) -> dict[str, Any]:
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
         inputs = super().prepare(out)
         rows, owners = [], []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
@@ -29,24 +27,14 @@ class SGLModelRunner(ModelRunner):
             start = seq.num_computed_tokens
             # the logits of position p score token p + 1
             for p in range(max(start, score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
-                rows.append(inputs["cu_q"][i] + p - start)
+                rows.append(inputs.cu_seqlens_q[i] + p - start)
                 owners.append((seq, seq.token_ids[p + 1]))
-        inputs["sample_rows"] = rows + inputs["sample_rows"]
+        inputs.sample_rows = rows + inputs.sample_rows
         self._score_owners = owners
         return inputs
 
-    def run(self, inputs: dict[str, Any]) -> torch.Tensor | None:
-        if self._score_owners and inputs["is_decode"] and self.graphs:
-            # a replayed graph returns logits in batch order; score rows come first, so run eagerly
-            graphs, self.graphs = self.graphs, {}
-            try:
-                return super().run(inputs)
-            finally:
-                self.graphs = graphs
-        return super().run(inputs)
-
     def execute(self, out: SchedulerOutput) -> list[int]:
-        logits = self.run(self.timed_prepare(out))
+        logits = self.run(self.prepare(out))
         if logits is None:
             return []
         k = len(self._score_owners)
@@ -65,4 +53,4 @@ class SGLModelRunner(ModelRunner):
             logits = logits.clone()  # may be a CUDA graph's static output buffer
             for i, c in masked:
                 logits[i].masked_fill_(~c.mask(logits.device), float("-inf"))
-        return self.sample(logits, out)
+        return self.sample(logits, out).tolist()

@@ -10,10 +10,14 @@ peak, plus every decode step at max(bytes / bandwidth, FLOPs / peak), where a st
 plus the K/V of every active sequence, all sequences decoding together (so it ignores what batching
 limits add); bandwidth is the measured device copy (shared.bench), peak the measured bf16 matmul.
 
+The engine runs with the performance layers on (`performance.with_performance_layers`: CUDA graphs, the
+kernel warm-up); `step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare
+included) and postprocess.
+
     python -m nano_vllm.bench                              # GPU: the workload above
     python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
     python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
-    python -m nano_vllm.bench rate=20                      # + open-loop serving at 20 req/s: TTFT / TPOT
+    python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
 """
 
@@ -27,10 +31,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nano_vllm.engine import LLM, engine_args_from, kv_cache_summary
+from nano_vllm.config import engine_args_from
+from nano_vllm.engine import LLM
+from nano_vllm.kv_cache import kv_cache_summary
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import summarize
+from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.step_timing import StepTimer
 from shared.accounting import kv_cache_bytes, matmul_param_count, param_count
 from shared.bench import KernelCompiles, measure_copy_bandwidth, measure_matmul_flops, print_table, write_json
 from shared.config import ModelConfig, resolve_model_config
@@ -76,8 +84,15 @@ def _workload(w: DictConfig) -> list[Request]:
                               int(w.max_output_len), int(w.vocab), float(w.temperature), int(w.seed))
 
 
-def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
+def make_llm(cfg: DictConfig) -> LLM:
+    """`LLM` of the config's model and engine arguments, with the performance layers on."""
     llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+    with_performance_layers(llm.engine)
+    return llm
+
+
+def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
+    llm = make_llm(cfg)
     print(kv_cache_summary(llm.engine), flush=True)
     if cfg.warmup:  # nano-vllm's one short request, plus a slice of the workload with 2 output tokens each:
         # large prefill chunks and mixed steps of the real shapes, so no Triton compilation is timed
@@ -85,8 +100,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
         llm.generate([r.prompt for r in reqs[:32]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         llm.engine.block_manager.reset_prefix_cache()  # the timed run must not hit the warm-up's prompts
     sync()
-    warm_steps, warm_times = llm.engine.num_steps, dict(llm.engine.step_seconds)
-    warm_prepare = llm.engine.model_runner.prepare_seconds
+    timer = StepTimer(llm.engine)
     with KernelCompiles() as compiles:  # any Triton compilation inside the timed run is a bench defect
         t0 = time.perf_counter()
         outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs],
@@ -94,12 +108,10 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
         sync()
         seconds = time.perf_counter() - t0
     print(f"timed run: {compiles.summary()}", flush=True)
+    timer.remove()
     tokens = sum(len(o.token_ids) for o in outs)
-    engine = llm.engine
-    steps = max(engine.num_steps - warm_steps, 1)
-    phases = {k: v - warm_times[k] for k, v in engine.step_seconds.items()}
-    phases["prepare"] = engine.model_runner.prepare_seconds - warm_prepare
-    print("per step (ms): " + ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in phases.items())
+    steps, phases = max(timer.num_steps, 1), timer.seconds
+    print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in timer.per_step_ms().items())
           + "  (execute includes prepare, the launches and the wait for the sampled tokens)", flush=True)
     row = {"system": "nano_vllm", "requests": len(reqs), "output tokens": tokens, "seconds": seconds,
            "output tok/s": tokens / seconds, "steps": steps,
@@ -199,7 +211,7 @@ def run(cfg: DictConfig) -> dict:
     row["% of roofline"] = 100 * row["output tok/s"] / bound["roofline_tok_per_s"]
     rows = [row]
     if cfg.serving_rate is not None:  # open-loop serving on a fresh engine: TTFT / TPOT under load
-        llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+        llm = make_llm(cfg)
         metrics, seconds = run_engine_open_loop(llm.engine, reqs, poisson_arrivals(len(reqs), float(cfg.serving_rate)))
         serving = summarize(metrics, seconds)
         print_table([{k: v for k, v in serving.items() if "p90" not in k and "normalized" not in k}],

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from shared.config import ModelConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -31,7 +35,7 @@ class EngineConfig:
         graphs; a step of up to the largest size is padded to the next one instead of running eagerly
         (vLLM's cudagraph capture sizes cover mixed steps the same way). Empty: such steps run eagerly.
         None: the engine's default — empty for nano_vllm's LLMEngine, 64-512 for nano_sglang's SGLEngine
-        (jump-forward's extends).
+        (jump-forward's extends). Read by the CUDA-graph layer (nano_vllm.cudagraph).
     enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
@@ -107,3 +111,29 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def check_args(cls, args: Mapping[str, Any]) -> None:
+        """Raise TypeError naming every key of `args` that is not an engine argument."""
+        unknown = sorted(set(args) - cls.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(cls.field_names())}")
+
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        """`max_model_len`, defaulted to min(max_position_embeddings, 4096), checked against the model and,
+        without chunked prefill, against the token budget (a longer prompt could never be scheduled)."""
+        max_len = self.max_model_len or min(model_config.max_position_embeddings, 4096)
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
+                             f"({model_config.max_position_embeddings})")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens})"
+                             f" must be >= max_model_len ({max_len}), or a long prompt could never run")
+        return max_len
+
+
+def engine_args_from(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine arguments of a dict (e.g. a Hydra node), dropping nulls so defaults apply; an unknown key
+    raises TypeError (`EngineConfig.check_args`)."""
+    EngineConfig.check_args(node)
+    return {k: v for k, v in node.items() if v is not None}

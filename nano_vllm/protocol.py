@@ -69,8 +69,9 @@ class _Base(BaseModel):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # vLLM's extensions: top_k, ignore_eos, stop_token_ids, seed
+    top_k: int = -1  # vLLM's extensions: top_k, ignore_eos, stop_token_ids, seed, skip_special_tokens
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     stream: bool = False

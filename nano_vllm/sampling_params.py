@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: keep generating past the end-of-sequence token (benchmarks).
     stop_token_ids: extra token ids that end the request (the stop token is kept in the output, like EOS).
     seed: per-request random seed; the same seed and prompt give the same tokens whatever else is batched.
+    skip_special_tokens: leave special tokens (`<|endoftext|>`, `<|im_end|>`, ...) out of the text.
 
     Bad values raise ValueError naming the field.
     """
@@ -40,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = field(default=None)
     seed: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -60,6 +62,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         if self.top_k == 0:

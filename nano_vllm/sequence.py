@@ -28,6 +28,9 @@ class Sequence:
     num_computed_tokens: how many leading tokens have their K/V in the cache (computed or cache hits).
     num_cached_tokens: how many leading tokens came from the prefix cache at the last admission.
     block_table: physical block ids holding the K/V of token i in block `block_table[i // block_size]`.
+
+    An engine that needs more per-request state subclasses it (`LLMEngine.sequence_cls`) and takes the
+    extra fields as keyword arguments of its constructor.
     """
 
     _ids = itertools.count()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nano_vllm.config import EngineConfig
-from nano_vllm.engine import LLMEngine, engine_args_from, kv_cache_summary
+from nano_vllm.config import EngineConfig, engine_args_from
+from nano_vllm.engine import LLMEngine
 from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.http_server import HTTPConfig, HTTPServer
+from nano_vllm.kv_cache import kv_cache_summary
+from nano_vllm.performance import with_performance_layers
 from nano_vllm.server import make_server
 
 
@@ -30,7 +32,7 @@ def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config; the loop is started, the server not yet."""
     http = http_config(cfg)
     args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
-    engine = LLMEngine(EngineConfig(model=str(cfg.model), **args))
+    engine = with_performance_layers(LLMEngine(EngineConfig(model=str(cfg.model), **args)))
     loop = EngineLoop(engine).start()
     name = cfg.get("served_model_name") or str(cfg.model)
     return make_server(loop, name, cfg.host, int(cfg.port), http), loop

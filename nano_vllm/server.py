@@ -121,7 +121,8 @@ class OpenAIServer:
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                    stop_token_ids=req.stop_token_ids, seed=req.seed)
+                                    stop_token_ids=req.stop_token_ids, seed=req.seed,
+                                    skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split()[0]) from None
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -193,7 +194,7 @@ class OpenAIServer:
                     reason = event.finish_reason
         except ConnectionResetError:
             return Response(status_code=499)  # nobody reads it: the connection is gone
-        text = self.tokenizer.decode(stream.output_token_ids)
+        text = self.tokenizer.decode(stream.output_token_ids, params.skip_special_tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -209,7 +210,7 @@ class OpenAIServer:
         after the headers went out is reported in the stream, as OpenAI does."""
         base = {"id": stream.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
         def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
             if chat:

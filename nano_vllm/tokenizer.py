@@ -4,6 +4,9 @@ A checkpoint directory that ships `tokenizer.json` is read with the `tokenizers`
 installed); everything else — presets with random weights, checkpoints saved by nano_megatron / nano_zero
 — uses shared.tokenizer (a 4096-token byte-level BPE). Chat prompts use the checkpoint's Jinja chat
 template when it has one and jinja2 is installed, else a plain ChatML layout.
+
+The ids that end a generation come from the checkpoint alone (`checkpoint_eos_ids`), never from the
+fallback tokenizer: to a model that did not ship it, its `<|endoftext|>` is an ordinary token.
 """
 
 from __future__ import annotations
@@ -13,19 +16,24 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.config import ModelConfig
+
 
 class Tokenizer:
     """encode / decode plus the ids that end a generation."""
 
     name: str = "tokenizer"
     eos_token_ids: set[int]
+    from_checkpoint: bool = False  # shipped by the checkpoint (its EOS counts), not the fallback
     chat_template: str | None = None
     special_tokens: dict[str, str]  # passed to the chat template (bos_token, eos_token, ...)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens (`<|endoftext|>`, `<|im_end|>`, ...) are left out unless
+        `skip_special_tokens` is False (vLLM's `SamplingParams.skip_special_tokens`)."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
@@ -59,17 +67,21 @@ class SharedTokenizer(Tokenizer):
         self.enc = get_tokenizer()
         self.eos_token_ids = {self.enc.eot_token}
         self.special_tokens = {"eos_token": "<|endoftext|>"}
+        self.special_ids = {self.enc.encode_single_token(t) for t in self.enc.special_tokens_set}
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         n = self.enc.n_vocab  # a model with a larger vocabulary can emit ids the tokenizer does not know
-        return self.enc.decode([i for i in ids if i < n], errors="replace")
+        skip = self.special_ids if skip_special_tokens else set()
+        return self.enc.decode([i for i in ids if i < n and i not in skip], errors="replace")
 
 
 class HFTokenizer(Tokenizer):
     """A checkpoint's `tokenizer.json` through the `tokenizers` library."""
+
+    from_checkpoint = True
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as RustTokenizer
@@ -88,16 +100,31 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def checkpoint_eos_ids(model: str, model_config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+    """The ids that end a generation: config.json's `eos_token_id` plus generation_config.json's (Qwen3
+    ends chat turns with either), else the EOS of a tokenizer the checkpoint ships. A checkpoint that
+    declares none stops only at `max_tokens` / `stop_token_ids`, as transformers' `generate` does."""
+    ids: set[int] = set()
+    generation_config = _read_json(Path(model) / "generation_config.json")
+    for eos in (model_config.eos_token_id, generation_config.get("eos_token_id")):
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(e for e in eos if isinstance(e, int) and not isinstance(e, bool))
+    return ids or (set(tokenizer.eos_token_ids) if tokenizer.from_checkpoint else set())
 
 
 def get_engine_tokenizer(model: str) -> Tokenizer:
@@ -115,12 +142,13 @@ class IncrementalDetokenizer:
     """Text deltas of a growing token list, for streaming. Decodes the whole output each time (simple,
     exact for merges across tokens) and holds back a trailing U+FFFD: an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
-        text = self.tokenizer.decode(token_ids)
+        text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
         if not final and text.endswith("\ufffd"):
             text = text.rstrip("\ufffd")
         if not text.startswith(self.text):  # a later token changed earlier text (rare): send nothing new

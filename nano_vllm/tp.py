@@ -15,7 +15,7 @@ Sharding (applied from outside, shared.model stays plain — torchtitan's rule):
 * embeddings, norms and the LM head are replicated (simple; costs vocab·hidden memory per GPU).
 
 Workers are processes this module spawns (NCCL on CUDA, gloo on a CPU, where CI tests it); the engine's
-process is rank 0.
+process is rank 0. Every rank runs a `TPModelRunner`, the paper path's ModelRunner loading a shard.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nano_vllm.config import EngineConfig
-from nano_vllm.model_runner import ModelRunner
+from nano_vllm.kv_cache import load_engine_model
+from nano_vllm.model_runner import ModelRunner, StepInputs
 from shared.config import ModelConfig
 from shared.dist import find_free_port
 from shared.model import CausalLM
@@ -106,13 +107,13 @@ def _init_group(rank: int, world: int, port: int, device: torch.device) -> None:
 
 def _worker(rank: int, world: int, port: int, config: EngineConfig, model_config: ModelConfig,
             max_model_len: int) -> None:
-    """Ranks 1..N-1: build the shard, then run whatever rank 0 broadcasts until it sends None."""
+    """Ranks 1..N-1: build the shard, then run every step rank 0 broadcasts until it sends None."""
     device = _device(config, rank)
     if device.type == "cpu":
         torch.set_num_threads(1)  # N ranks on one CPU: do not oversubscribe the cores
     _init_group(rank, world, port, device)
     try:
-        runner = ModelRunner(config, model_config, max_model_len, tp_rank=rank, tp_size=world, device=device)
+        runner = TPModelRunner(config, model_config, max_model_len, rank, device)
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=_CPU_GROUP)
@@ -123,42 +124,43 @@ def _worker(rank: int, world: int, port: int, config: EngineConfig, model_config
         dist.destroy_process_group()
 
 
-class TPModelRunner:
-    """Rank 0 of a tensor-parallel group: the engine's ModelRunner, broadcasting every step to the workers."""
+class TPModelRunner(ModelRunner):
+    """The ModelRunner of one tensor-parallel rank: it loads its shard of the model (§4.6). Rank 0 is the
+    engine's runner: it starts the other ranks and broadcasts each step's inputs before running it; its
+    logits are complete after the all-reduces, so it alone samples."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
-        if dist.is_initialized():
-            raise RuntimeError("tensor_parallel_size > 1 starts its own process group; one already exists")
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, rank: int = 0,
+                 device: torch.device | None = None):
         world = config.tensor_parallel_size
-        if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}")
-        port = find_free_port()
-        ctx = mp.get_context("spawn")  # a forked child would inherit CUDA state and threads
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, config, model_config, max_model_len),
-                                  daemon=True) for r in range(1, world)]
-        for p in self.procs:
-            p.start()
-        device = _device(config, 0)
-        _init_group(0, world, port, device)
-        self.runner = ModelRunner(config, model_config, max_model_len, tp_rank=0, tp_size=world, device=device)
-        self.num_blocks = self.runner.num_blocks
-        self.block_bytes = self.runner.block_bytes * world  # all ranks' shards of one block
+        self.procs: list[mp.Process] = []
+        if rank == 0:
+            if dist.is_initialized():
+                raise RuntimeError("tensor_parallel_size > 1 starts its own process group; one already "
+                                   "exists")
+            if config.torch_device.type == "cuda" and torch.cuda.device_count() < world:
+                raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, found "
+                                 f"{torch.cuda.device_count()}")
+            port = find_free_port()
+            ctx = mp.get_context("spawn")  # a forked child would inherit CUDA state and threads
+            args = (world, port, config, model_config, max_model_len)
+            self.procs = [ctx.Process(target=_worker, args=(r, *args), daemon=True) for r in range(1, world)]
+            for p in self.procs:
+                p.start()
+            device = _device(config, 0)
+            _init_group(0, world, port, device)
+        super().__init__(config, model_config, max_model_len, tp_rank=rank, tp_size=world, device=device)
 
-    @property
-    def prepare_seconds(self) -> float:
-        return self.runner.prepare_seconds
+    def load_model(self) -> CausalLM:
+        model = load_engine_model(self.config, self.model_config, torch.device("cpu"))
+        return shard_model(model, self.tp_rank, self.tp_size).to(self.device)
 
-    def execute(self, out) -> list[int]:
-        inputs = self.runner.timed_prepare(out)
-        dist.broadcast_object_list([inputs], src=0, group=_CPU_GROUP)
-        logits = self.runner.run(inputs)
-        return [] if logits is None else self.runner.sample(logits, out)
-
-    def release(self, seq) -> None:
-        self.runner.release(seq)
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        if self.tp_rank == 0:
+            dist.broadcast_object_list([inputs], src=0, group=_CPU_GROUP)
+        return super().run(inputs)
 
     def shutdown(self) -> None:
-        if not dist.is_initialized():
+        if self.tp_rank != 0 or not dist.is_initialized():
             return
         dist.broadcast_object_list([None], src=0, group=_CPU_GROUP)
         for p in self.procs:

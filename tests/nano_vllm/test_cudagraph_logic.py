@@ -9,7 +9,8 @@ import pytest
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, EngineConfig, SamplingParams
-from nano_vllm.model_runner import ModelRunner, cudagraph_batch_sizes
+from nano_vllm.cudagraph import DecodeCudaGraphs, MixedStepGraphs, capture_cudagraphs, cudagraph_batch_sizes
+from nano_vllm.model_runner import ModelRunner
 
 
 class EagerReplay:
@@ -30,19 +31,33 @@ def test_batch_size_ladder():
     assert cudagraph_batch_sizes(512)[-3:] == [480, 496, 512]
 
 
-def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_capture", lambda self, body: EagerReplay(body))
-    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6)
+def test_cudagraphs_are_a_registered_layer():
+    """The paper path's runner knows no graphs: nano_vllm/__init__.py registers the layer's capture."""
+    assert ModelRunner.graph_capturers == [capture_cudagraphs]
+    runner = LLM("tiny", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64).engine.model_runner
+    assert runner.cudagraphs == []  # a CPU runner captures nothing
+
+
+def _captured(llm, monkeypatch):
+    """The runner of `llm` with the graph layer captured on a CPU (each graph an EagerReplay)."""
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: EagerReplay(body))
     runner = llm.engine.model_runner
-    runner.capture_cudagraphs()
-    assert sorted(runner.graphs) == [1, 2, 4, 6]
+    runner.cudagraphs = capture_cudagraphs(runner)
+    return runner
+
+
+def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
+    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6)
+    runner = _captured(llm, monkeypatch)
+    [decode] = runner.cudagraphs
+    assert sorted(decode.graphs) == [1, 2, 4, 6]
     prompts = random_prompts(30, [40, 3, 70, 9, 22])  # 5 requests decode in the graph of 6 (1 padded row)
     max_tokens = [12, 30, 5, 20, 16]  # as they finish the batch shrinks through the graphs of 4, 2, 1
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
                         use_tqdm=False)
     for p, n, o in zip(prompts, max_tokens, outs):
         assert o.token_ids == hf_greedy(qwen3_ckpt, p, n)
-    used = {bs for bs, g in runner.graphs.items() if g.replays}
+    used = {bs for bs, g in decode.graphs.items() if g.replays}
     assert used == {1, 2, 4, 6}, used
 
 
@@ -50,17 +65,17 @@ def test_padded_mixed_step_graphs_match_transformers(qwen3_ckpt, hf_greedy, monk
     """Every step replays a graph: prefill chunks, prefix-cache hits and decodes mixed with prefills in the
     mixed graphs of 8 and 32 tokens (padded tokens, empty sequences up to max_num_seqs), decodes alone in
     the decode graphs."""
-    monkeypatch.setattr(ModelRunner, "_capture", lambda self, body: EagerReplay(body))
     llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=32,
               mixed_cudagraph_sizes=[32, 8, 8])
-    runner = llm.engine.model_runner
-    runner.capture_cudagraphs()
-    assert sorted(runner.mixed_graphs) == [8, 32]
+    runner = _captured(llm, monkeypatch)
+    decode, mixed = runner.cudagraphs
+    assert isinstance(decode, DecodeCudaGraphs) and isinstance(mixed, MixedStepGraphs)
+    assert sorted(mixed.graphs) == [8, 32]
 
     def no_eager_step(inputs):
-        raise AssertionError(f"an eager step: {len(inputs['ids'])} tokens, decode={inputs['is_decode']}")
+        raise AssertionError(f"an eager step: {len(inputs.token_ids)} tokens, decode={inputs.is_decode}")
 
-    monkeypatch.setattr(runner, "_eager_inputs", no_eager_step)
+    monkeypatch.setattr(runner, "forward", no_eager_step)
     base = random_prompts(31, [40, 3, 70, 9, 22])
     prompts = [*base, [*base[0][:35], 5, 6, 7]]  # the last shares 2 full blocks with the first: a cache hit
     max_tokens = [12, 30, 5, 20, 16, 9]
@@ -70,7 +85,7 @@ def test_padded_mixed_step_graphs_match_transformers(qwen3_ckpt, hf_greedy, monk
     outs += llm.generate([short], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     for p, n, o in zip([*prompts, short], [*max_tokens, 4], outs):
         assert o.token_ids == hf_greedy(qwen3_ckpt, p, n)
-    assert {n for n, g in runner.mixed_graphs.items() if g.replays} == {8, 32}
+    assert {n for n, g in mixed.graphs.items() if g.replays} == {8, 32}
     assert sum(o.num_cached_tokens for o in outs) >= 32
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 

@@ -1,4 +1,4 @@
-"""GPU-only checks (marker `gpu`; run by hand on the lent GPU machine: `pytest tests/nano_vllm -m gpu`).
+"""GPU-only checks (marker `gpu`; run by hand on a GPU machine: `pytest tests/nano_vllm -m gpu`).
 
 The Triton paged kernels, CUDA graphs, KV sizing from free memory, device sampling and NCCL tensor
 parallelism. fp32 keeps token-for-token comparisons with transformers meaningful (nano_flashattn's fp32
@@ -12,6 +12,9 @@ import torch
 from vllm_checkpoints import make_checkpoint, random_prompts
 
 from nano_vllm import LLM, SamplingParams
+from nano_vllm.cudagraph import DecodeCudaGraphs, MixedStepGraphs
+from nano_vllm.performance import with_performance_layers
+from nano_vllm.step_timing import StepTimer
 
 pytestmark = pytest.mark.gpu
 
@@ -24,14 +27,23 @@ LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
 def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
     prompts = random_prompts(40, LENGTHS)
     llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager, **extra)
+    with_performance_layers(llm.engine)  # the kernel warm-up runs first, as in the bench and the server
     runner = llm.engine.model_runner
-    assert bool(runner.graphs) != eager and bool(runner.mixed_graphs) == bool(extra.get("mixed_cudagraph_sizes")
-                                                                             and not eager)
+    mixed = bool(extra.get("mixed_cudagraph_sizes")) and not eager
+    graphs = [] if eager else [DecodeCudaGraphs] + [MixedStepGraphs] * mixed
+    assert [type(g) for g in runner.cudagraphs] == graphs
+    timer = StepTimer(llm.engine)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS],
                         use_tqdm=False)
     for p, n, o in zip(prompts, MAX_TOKENS, outs):
         assert o.token_ids == hf_greedy(ckpt, p, n)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    if eager:
+        assert timer.num_eager_steps == timer.num_steps
+    elif mixed:  # every step fits a graph: at most 64 tokens, at most 4 sequences
+        assert timer.num_eager_steps == 0
+    else:  # decode graphs only: the steps that carry prompt tokens run eagerly
+        assert 0 < timer.num_eager_steps < timer.num_steps
 
 
 def test_kv_cache_sized_from_free_memory(qwen3_ckpt):
@@ -71,6 +83,7 @@ def test_no_kernel_compiles_mid_serving_for_new_token_counts(ckpt):
     from shared.bench import KernelCompiles
 
     llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128)
+    with_performance_layers(llm.engine)  # the kernel warm-up, as in the bench and the server
     one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(random_prompts(41, [17]), one, use_tqdm=False)  # warm-up: one prefill of 17 tokens
     with KernelCompiles() as built:

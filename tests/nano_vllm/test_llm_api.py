@@ -126,3 +126,82 @@ def test_serve_hydra_app_builds_a_server():
         server.server_close()
         loop.stop()
     assert torch.get_num_threads() == 1  # the autouse fixture is in force
+
+
+# ---------------------------------------------------------------------- EOS, special tokens, bad arguments
+def _always_4095_checkpoint(path, eos_token_id=None) -> str:
+    """A random Llama checkpoint (transformers-made, no tokenizer) whose greedy choice is always token 4095 —
+    the fallback tokenizer's `<|endoftext|>`: every embedding carries +100 on feature 0, and only row 4095
+    of the LM head reads that feature."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                   max_position_embeddings=256, bos_token_id=None, eos_token_id=eos_token_id,
+                                   pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[4095, 0] = 10.0
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_eos_comes_from_the_checkpoint_only(tmp_path, hf_greedy):
+    """A checkpoint that declares no EOS and ships no tokenizer runs to max_tokens, like transformers'
+    generate: the fallback tokenizer's `<|endoftext|>` (4095) is an ordinary token to it."""
+    ckpt = _always_4095_checkpoint(tmp_path)
+    llm = LLM(ckpt, max_model_len=64)
+    assert llm.engine.scheduler.eos_token_ids == set()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(ckpt, [1, 2, 3], 6) == [4095] * 6
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_special_tokens_are_skipped_in_text_by_default(tmp_path):
+    """vLLM's `skip_special_tokens=True`: the EOS the request stopped at is in token_ids, not in text."""
+    llm = LLM(_always_4095_checkpoint(tmp_path, eos_token_id=4095), max_model_len=64)
+    assert llm.engine.scheduler.eos_token_ids == {4095}
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert out.token_ids == [4095] and out.outputs[0].finish_reason == "stop" and out.text == ""
+    kept = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, skip_special_tokens=False),
+                        use_tqdm=False)[0]
+    assert kept.text == "<|endoftext|>"
+    tok = llm.tokenizer
+    ids = [*tok.encode("hi"), 4095]
+    assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) == "hi<|endoftext|>"
+
+
+def test_generate_checks_every_prompt_before_queueing_any(tiny):
+    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
+        tiny.generate(["ok", [99999]], use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests()  # "ok" was not queued
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt token ids must be ints in \[0, 4096\)"):
+        tiny.generate(["ok", [99999]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[2\]: prompt has 65 tokens"):
+        tiny.generate([[1], [2], [3] * 65], use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests()
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    assert len(tiny.generate(["ok"], sp, use_tqdm=False)[0].token_ids) == 2  # nothing left over ran along
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda llm: llm.generate([None]), TypeError, r"prompts\[0\] must be a str, .* got NoneType"),
+    (lambda llm: llm.generate(None), TypeError, "prompts must be a prompt or a list of prompts, got None"),
+    (lambda llm: llm.generate(["a", 3.5]), TypeError, r"prompts\[1\] must be .* got float"),
+    (lambda llm: llm.generate([{"prompt": None}]), TypeError, r"prompts\[0\]\['prompt'\] must be .* None"),
+    (lambda llm: llm.generate([{"text": "a"}]), ValueError, r"prompts\[0\]: a dict prompt needs"),
+    (lambda llm: llm.generate([[1, "2"]]), ValueError, r"prompts\[0\]: prompt token ids must be ints"),
+    (lambda llm: llm.generate(["a"], {"max_tokens": 2}), TypeError,
+     "sampling_params must be a SamplingParams or a list of them .* got dict"),
+    (lambda llm: llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 2}]), TypeError,
+     r"sampling_params\[1\] must be a SamplingParams, got dict"),
+    (lambda llm: llm.engine.add_request(None), TypeError, "prompt must be a str or a list of token ids"),
+    (lambda llm: llm.engine.add_request("a", {"max_tokens": 2}), TypeError,
+     "sampling_params must be a SamplingParams, got dict"),
+])  # fmt: skip
+def test_bad_generate_arguments_name_the_argument(tiny, call, error, match):
+    with pytest.raises(error, match=match):
+        call(tiny)
+    assert not tiny.engine.has_unfinished_requests()

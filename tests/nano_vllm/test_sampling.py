@@ -13,6 +13,7 @@ from nano_vllm.sampler import Sampler, SamplingTensors, apply_top_k_top_p
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"), ("top_p", 0.0),
     ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5), ("max_tokens", 0), ("max_tokens", 2.0),
     ("ignore_eos", 1), ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("seed", "x"),
+    ("skip_special_tokens", "yes"),
 ])  # fmt: skip
 def test_sampling_params_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -21,8 +22,8 @@ def test_sampling_params_errors_name_the_field(field, value):
 
 def test_sampling_params_defaults():
     sp = SamplingParams()
-    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.ignore_eos, sp.stop_token_ids, sp.seed) == \
-        (1.0, 1.0, -1, 16, False, None, None)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.ignore_eos, sp.stop_token_ids, sp.seed,
+            sp.skip_special_tokens) == (1.0, 1.0, -1, 16, False, None, None, True)  # vLLM's defaults
     assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=0).top_k == -1
 
 

@@ -176,6 +176,29 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert isinstance(err["error"]["message"], str) and err["error"]["message"]
 
 
+def test_skip_special_tokens_reaches_the_detokenizer(server, monkeypatch):
+    """vLLM's `skip_special_tokens` (default true) decides how the text of both paths is decoded."""
+    srv, loop = server
+    seen = []
+    decode = loop.engine.tokenizer.decode
+
+    def recording(ids, skip_special_tokens=True):
+        seen.append(skip_special_tokens)
+        return decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(loop.engine.tokenizer, "decode", recording)
+    for stream in (False, True):
+        for flag in (None, False):
+            seen.clear()
+            body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "stream": stream}
+            if flag is not None:
+                body["skip_special_tokens"] = flag
+            status, _ = post(srv, "/v1/completions", body)
+            assert status == 200 and seen and set(seen) == {flag is None}, (stream, flag, seen)
+    status, err = post(srv, "/v1/completions", {"prompt": [1], "skip_special_tokens": "no"})
+    assert_openai_error(status, err, 400, param="skip_special_tokens")
+
+
 def test_malformed_json_unknown_model_and_bad_messages(server):
     srv, _loop = server
     status, err = post(srv, "/v1/completions", None, raw=b'{"prompt": [1, 2')

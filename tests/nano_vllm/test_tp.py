@@ -23,7 +23,7 @@ def test_tensor_parallel_2_matches_transformers(gqa_ckpt, hf_greedy):
     prompts = random_prompts(20, [3, 18, 40])
     llm = LLM(gqa_ckpt, tensor_parallel_size=2, max_model_len=96, num_kv_blocks=12)
     try:
-        assert llm.engine.model_runner.runner.num_kv_heads == 1  # each rank caches its own kv head
+        assert llm.engine.model_runner.num_kv_heads == 1  # each rank caches its own kv head
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.token_ids == hf_greedy(gqa_ckpt, p, 10)

@@ -1,7 +1,7 @@
 """Random small HF checkpoints made with transformers (never by us) and random prompts, for tests/nano_vllm.
 
 A module with a unique name rather than conftest, so `from vllm_checkpoints import ...` cannot pick up
-another package's conftest when the whole suite runs in one session.
+another package's conftest when the whole suite runs in one pytest process.
 """
 
 from __future__ import annotations

@@ -1,0 +1,192 @@
+"""CUDA graphs for the model runner — a performance layer: the same step, replayed instead of launched.
+
+An eager step launches every kernel from the host (tens of µs each for Triton), so a small decode batch is
+bound by launches; a replayed graph launches them all at once. `capture_cudagraphs` is registered in
+`ModelRunner.graph_capturers` by nano_vllm/__init__.py and runs on every CUDA runner unless `enforce_eager`:
+
+* `DecodeCudaGraphs` — nano-vllm's: one graph per decode batch size 1, 2, 4, 8, then every 16 up to
+  max_num_seqs; a batch replays the graph of the next size up (padded rows write K/V to the scratch slot
+  and attend to one key of block 0, harmlessly).
+* `MixedStepGraphs` — at each of `EngineConfig.mixed_cudagraph_sizes` (none by default): steps that are
+  not pure decode (prefill chunks, short extends such as nano_sglang's jump-forward, decodes mixed with
+  either) of up to that many tokens, padded with tokens of no sequence and with empty sequences up to
+  max_num_seqs; paged attention throughout (a step's own K/V are in the cache once it has written them).
+
+A graph reads static device buffers; each step fills their pinned host twins with numpy and copies them
+over asynchronously (`StaticBuffer`). Delete this file and its line in nano_vllm/__init__.py, and every
+step runs eagerly: same tokens, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nano_flashattn import trusted_metadata
+from nano_vllm.attention import AttentionContext
+from nano_vllm.model_runner import ModelRunner, StepGraphs, StepInputs, fill_block_tables
+
+
+def cudagraph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 (nano-vllm's ladder) up to max_num_seqs, which is always included."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+@dataclass
+class StaticBuffer:
+    """A graph's static input on the device and its pinned host twin.
+
+    Reusing the twin every step is safe: each step ends by reading the sampled tokens back (a sync), after
+    which its copies are complete. (A tensor-parallel worker does not sample, but its next inputs arrive
+    only after rank 0 has its tokens, which needs this step's all-reduces, which follow its copies.)"""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+    @classmethod
+    def full(cls, runner: ModelRunner, shape: tuple[int, ...], dtype: torch.dtype,
+             value: int = 0) -> StaticBuffer:
+        host = torch.full(shape, value, dtype=dtype, pin_memory=runner.device.type == "cuda")
+        return cls(host.to(runner.device), host)
+
+    def upload(self, *index: slice | int) -> None:
+        self.device[index].copy_(self.host[index], non_blocking=True)
+
+
+class DecodeCudaGraphs:
+    """One graph per decode batch size, captured largest first in one memory pool; each writes its logits
+    into the static `logits`."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        max_bs, width = runner.config.max_num_seqs, -(-runner.max_model_len // runner.block_size)
+        self.tokens = StaticBuffer.full(runner, (3, max_bs), torch.long)  # ids, positions, slot mapping
+        self.tokens.device[2].fill_(runner.scratch_slot)
+        self.context_lens = StaticBuffer.full(runner, (max_bs,), torch.int32, 1)
+        self.block_tables = StaticBuffer.full(runner, (max_bs, width), torch.int32)
+        self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
+                                  device=runner.device)
+        self.pool = None
+        self.graphs = {bs: self.capture(functools.partial(self._body, bs))
+                       for bs in reversed(cudagraph_batch_sizes(max_bs))}
+
+    def _body(self, bs: int) -> None:
+        ids, positions, slots = self.tokens.device[:, :bs]
+        ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=self.context_lens.device[:bs],
+                               block_tables=self.block_tables.device[:bs])
+        hidden = self.runner.model.model(ids[:, None], positions[:, None], ctx)
+        self.logits[:bs] = self.runner.model.compute_logits(hidden[:, -1])
+
+    def capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of `body` in the shared pool (run once first: Triton compiles outside the capture)."""
+        body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            body()
+        self.pool = self.pool or graph.pool()
+        torch.cuda.synchronize(self.runner.device)
+        return graph
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return inputs.is_decode and inputs.num_seqs <= self.runner.config.max_num_seqs
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        batch, rows, scratch = inputs.num_seqs, inputs.sample_rows, self.runner.scratch_slot
+        bs = min(s for s in self.graphs if s >= batch)
+        ins, lens = self.tokens.host.numpy(), self.context_lens.host.numpy()
+        ins[0, :batch], ins[1, :batch] = inputs.token_ids, inputs.positions
+        ins[2, :batch] = inputs.slot_mapping
+        ins[:2, batch:bs], ins[2, batch:bs], lens[batch:bs] = 0, scratch, 1
+        cu_k = np.fromiter(inputs.cu_seqlens_k, np.int32, batch + 1)
+        lens[:batch] = cu_k[1:] - cu_k[:-1]
+        # Only the columns this batch uses: pages past a row's length are never read, stale ones included.
+        width = max(map(len, inputs.block_tables))
+        tables = inputs.block_tables + [[0]] * (bs - batch)
+        fill_block_tables(self.block_tables.host[:bs, :width].numpy(), tables)
+        self.tokens.upload(slice(None), slice(bs))
+        self.context_lens.upload(slice(bs))
+        self.block_tables.upload(slice(bs), slice(width))
+        self.graphs[bs].replay()
+        if len(rows) == batch and rows == list(range(batch)):  # the usual decode step: every row samples
+            return self.logits[:batch]
+        return self.logits[torch.tensor(rows, device=self.runner.device)] if rows else None
+
+
+class MixedStepGraphs:
+    """Graphs of steps that are not pure decode, one per token count in `sizes`. They share the decode
+    graphs' pool, block tables and logits (one step runs at a time)."""
+
+    def __init__(self, runner: ModelRunner, decode: DecodeCudaGraphs, sizes: Seq[int]):
+        self.runner, self.decode = runner, decode
+        max_bs = runner.config.max_num_seqs
+        self.max_rows = min(sizes[-1], max_bs)
+        self.tokens = StaticBuffer.full(runner, (3, sizes[-1]), torch.long)  # ids, positions, slot mapping
+        self.cu_seqlens = StaticBuffer.full(runner, (2, max_bs + 1), torch.int32)  # q (attention's), k
+        self.sample_rows = StaticBuffer.full(runner, (self.max_rows,), torch.long)  # padded with row 0
+        # key counts of the leading one-token sequences (the decode kernel's), 0 past them
+        self.decode_lens = StaticBuffer.full(runner, (self.max_rows,), torch.int32)
+        self.graphs = {n: decode.capture(functools.partial(self._body, n)) for n in reversed(sizes)}
+
+    def _body(self, n: int) -> None:
+        """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, max_num_seqs)
+        rows. max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
+        ids, positions, slots = self.tokens.device[:, :n]
+        rows = min(n, self.runner.config.max_num_seqs)
+        cu = self.cu_seqlens.device
+        ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
+                               cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
+                               max_seqlen_k=self.runner.max_model_len,
+                               decode_lens=self.decode_lens.device[:rows])
+        with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
+            hidden = self.runner.model.model(ids[None], positions[None], ctx)
+        logits = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
+        self.decode.logits[:rows] = logits
+
+    def _size(self, inputs: StepInputs) -> int | None:
+        """The captured token count the step is padded to, or None (run it eagerly)."""
+        n, rows = len(inputs.token_ids), len(inputs.sample_rows)
+        if inputs.is_decode or inputs.num_seqs > self.runner.config.max_num_seqs:
+            return None
+        return min((s for s in self.graphs if s >= n and min(s, self.runner.config.max_num_seqs) >= rows),
+                   default=None)
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return self._size(inputs) is not None
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        size = self._size(inputs)
+        n, batch, rows = len(inputs.token_ids), inputs.num_seqs, inputs.sample_rows
+        ins, cu = self.tokens.host.numpy(), self.cu_seqlens.host.numpy()
+        ins[0, :n], ins[1, :n], ins[2, :n] = inputs.token_ids, inputs.positions, inputs.slot_mapping
+        ins[:2, n:size], ins[2, n:size] = 0, self.runner.scratch_slot  # padding: no sequence, K/V to scratch
+        cu_q, cu_k = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k
+        cu[0, : batch + 1], cu[1, : batch + 1] = cu_q, cu_k
+        cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_q[-1], cu_k[-1]  # empty sequences
+        num_rows = min(size, self.runner.config.max_num_seqs)
+        hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
+        dec = inputs.context_lens[: inputs.num_decodes]
+        hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
+        hd[: len(dec)], hd[len(dec) : num_rows] = dec, 0
+        width = max(map(len, inputs.block_tables))
+        fill_block_tables(self.decode.block_tables.host[:batch, :width].numpy(), inputs.block_tables)
+        self.tokens.upload(slice(None), slice(size))
+        self.cu_seqlens.upload()
+        self.sample_rows.upload(slice(num_rows))
+        self.decode_lens.upload(slice(num_rows))
+        self.decode.block_tables.upload(slice(batch), slice(width))
+        self.graphs[size].replay()
+        return self.decode.logits[: len(rows)] if rows else None
+
+
+@torch.inference_mode()
+def capture_cudagraphs(runner: ModelRunner) -> list[StepGraphs]:
+    """The decode graphs, and the mixed-step graphs when `mixed_cudagraph_sizes` names any."""
+    decode = DecodeCudaGraphs(runner)
+    sizes = runner.config.mixed_cudagraph_sizes or ()
+    return [decode, MixedStepGraphs(runner, decode, sizes)] if sizes else [decode]

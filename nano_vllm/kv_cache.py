@@ -1,0 +1,107 @@
+"""How big the paged KV cache is (vLLM, arXiv 2309.06180, §5), and where the model's weights come from.
+
+The block pool is one tensor of (2, layers, num_blocks + 1, block_size, kv_heads, head_dim) — K and V of
+every layer, one scratch block at the end (`ModelRunner.allocate_kv_cache`). Its size comes from, in order:
+`num_kv_blocks`; `kv_cache_memory_bytes`; on CUDA, the memory left under `gpu_memory_utilization` once
+the weights are loaded and the largest step has been profiled for its peak activation memory (§5); on a
+CPU, room for `max_num_seqs` full sequences, at most 1 GiB.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from nano_vllm.attention import AttentionContext
+from nano_vllm.config import EngineConfig
+from nano_vllm.sampler import SamplingTensors
+from nano_vllm.sampling_params import SamplingParams
+from shared.checkpoint import load_model
+from shared.config import PRESETS, ModelConfig
+from shared.model import CausalLM, build_model
+
+if TYPE_CHECKING:
+    from nano_vllm.engine import LLMEngine
+    from nano_vllm.model_runner import ModelRunner
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache budget on a CPU (when not given)
+
+
+def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> CausalLM:
+    """An HF checkpoint directory through shared.checkpoint, or a preset with seeded random weights."""
+    if config.model in PRESETS:
+        return build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+    return load_model(config.model, device=device, dtype=config.torch_dtype)
+
+
+def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V (shared.accounting.kv_cache_bytes' formula)."""
+    cfg = model_config
+    return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def decide_num_blocks(runner: ModelRunner) -> int:
+    """The number of KV blocks of `runner`'s cache (see the module docstring); every tensor-parallel rank
+    agrees on the smallest, since a block id must name the same block on all of them. Raises ValueError
+    when not even one `max_model_len` sequence fits."""
+    cfg, needed = runner.config, math.ceil(runner.max_model_len / runner.block_size)
+    if cfg.num_kv_blocks is not None:
+        num = cfg.num_kv_blocks
+    elif cfg.kv_cache_memory_bytes is not None:
+        num = cfg.kv_cache_memory_bytes // runner.block_bytes
+    elif runner.device.type == "cuda":
+        num = profile_num_blocks(runner)
+    else:
+        num = min(cfg.max_num_seqs * needed, CPU_KV_CACHE_BYTES // runner.block_bytes)
+    if runner.tp_size > 1:
+        from nano_vllm.tp import all_reduce_min  # only tensor-parallel runs need torch.distributed
+
+        num = all_reduce_min(num, runner.device)
+    if num < needed:
+        raise ValueError(f"the KV cache holds {num} blocks of {runner.block_size} tokens, fewer than one "
+                         f"max_model_len ({runner.max_model_len}) sequence needs ({needed}); give it more "
+                         f"memory or lower max_model_len")
+    return num
+
+
+@torch.inference_mode()
+def profile_num_blocks(runner: ModelRunner) -> int:
+    """§5: run the largest step (`max_num_batched_tokens` tokens, then the sampler over `max_num_seqs`
+    rows), take its peak activation memory, and give everything else the engine may use to KV blocks."""
+    dev, config = runner.device, runner.config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    tokens = config.max_num_batched_tokens
+    seq_len = min(runner.max_model_len, tokens)
+    lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    runner.allocate_kv_cache(1)  # a dummy cache: the profiling pass attends to k, v directly
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])[None]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    slots = torch.full((tokens,), 0, dtype=torch.long, device=dev)
+    ctx = AttentionContext(slot_mapping=slots, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
+                           max_seqlen_k=seq_len)
+    hidden = runner.model.model(ids, positions, ctx)
+    logits = runner.model.compute_logits(hidden[0, cu[1:] - 1][: config.max_num_seqs])
+    rows = logits.shape[0]  # the sampler's vocab-sized temporaries count too
+    runner.sampler.sample(logits, SamplingTensors.build([SamplingParams(temperature=1.0, top_k=2)] * rows,
+                                                        [None] * rows, runner.vocab_size, dev))
+    del hidden, logits, ids, positions, slots, ctx
+    torch.cuda.synchronize(dev)
+    stats = torch.cuda.memory_stats(dev)
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    torch.cuda.empty_cache()  # so that `used` below counts weights and contexts, not cached activations
+    free, total = torch.cuda.mem_get_info(dev)
+    used = total - free  # everything on the GPU now, this process's and anyone else's
+    budget = total * config.gpu_memory_utilization - used - (peak - current)
+    return max(int(budget) // runner.block_bytes, 0)
+
+
+def kv_cache_summary(engine: LLMEngine) -> str:
+    """One line: blocks, tokens, GiB (all tensor-parallel ranks) and how many full-length sequences fit."""
+    r, bs = engine.model_runner, engine.config.block_size
+    return (f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
+            f"{r.num_blocks * r.block_bytes * r.tp_size / 2**30:.2f} GiB "
+            f"({math.floor(r.num_blocks * bs / engine.max_model_len)} full-length sequences)")
