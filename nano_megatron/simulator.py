@@ -123,7 +123,8 @@ def simulate(schedule: str, num_stages: int, num_micro: int, t_f: int | Fraction
     return SimResult(timelines, max(clock), busy)
 
 
-def main(argv: list[str] | None = None) -> SimResult:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m nano_megatron.simulator`."""
     ap = argparse.ArgumentParser(prog="python -m nano_megatron.simulator", description=__doc__.split("\n")[0])
     ap.add_argument("--stages", "-p", type=int, default=4)
     ap.add_argument("--micro", "-m", type=int, default=8)
@@ -131,7 +132,11 @@ def main(argv: list[str] | None = None) -> SimResult:
     ap.add_argument("--chunks", "-v", type=int, default=1, help="model chunks per device (interleaved)")
     ap.add_argument("--t-f", type=int, default=1, help="forward cost of a full stage")
     ap.add_argument("--t-b", type=int, default=2, help="backward cost of a full stage")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> SimResult:
+    a = build_parser().parse_args(argv)
     v = a.chunks if a.schedule == "interleaved" else 1
     res = simulate(a.schedule, a.stages, a.micro, a.t_f, a.t_b, v)
     print(f"{a.schedule}: p={a.stages}, m={a.micro}, v={v}, t_f={a.t_f}, t_b={a.t_b}")

@@ -165,13 +165,18 @@ def figure1(num_params: float = 7.5e9, dp: int = 64, k: int = 12) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    from shared.bench import print_table
-
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m nano_zero.ledger`."""
     p = argparse.ArgumentParser(prog="python -m nano_zero.ledger", description="ZeRO Figure 1")
     p.add_argument("--params", type=float, default=7.5e9, help="Ψ (default: the paper's 7.5B)")
     p.add_argument("--dp", type=int, default=64, help="N data-parallel devices (default 64)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from shared.bench import print_table
+
+    args = build_parser().parse_args(argv)
     print_table(figure1(args.params, args.dp), title=f"ZeRO Figure 1: Ψ = {args.params:.3g}, N = {args.dp}, K = 12")
 
 

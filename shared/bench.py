@@ -263,6 +263,13 @@ def write_json(path: str | os.PathLike, record: dict) -> dict:
     return full
 
 
+def build_parser():
+    """The command line of `python -m shared.bench` (shared.bench_kernels.build_parser)."""
+    from shared.bench_kernels import build_parser as parser
+
+    return parser()
+
+
 def main(argv: list[str] | None = None) -> dict:
     """`python -m shared.bench` (see shared.bench_kernels.main)."""
     from shared.bench_kernels import main as bench_main

@@ -222,7 +222,8 @@ def run_model_bench(preset: str, device: str, batch: int, seq_len: int, dtype: t
             "peak_TFLOPs_datasheet": datasheet_flops / 1e12 if datasheet_flops else None, "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.bench`."""
     p = argparse.ArgumentParser(prog="python -m shared.bench", description="the shared kernels and the model's "
                                 "training step against their peers, with the device's physical limits")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -241,7 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "default: on CUDA only (inductor on a CPU needs a C++ compiler and minutes)")
     p.add_argument("--batch", type=int, default=None, help="model bench batch (default: 4 CUDA, 2 CPU)")
     p.add_argument("--seq-len", type=int, default=None, help="model bench seq_len (default: 2048 CUDA, 128 CPU)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
     cuda = torch.device(a.device).type == "cuda"
     tokens = a.tokens or ((4096 if cuda else 32) if a.quick else (32768 if cuda else 256))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[

@@ -233,7 +233,8 @@ def bytes_per_token(enc: tiktoken.Encoding, text: str) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.tokenizer`."""
     parser = argparse.ArgumentParser(prog="python -m shared.tokenizer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     train = sub.add_parser("train", help="retrain the BPE ranks on the embedded corpus")
@@ -241,7 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--out", type=Path, default=Path(__file__).with_name(RANK_FILE))
     enc_p = sub.add_parser("encode", help="show the tokens of a text")
     enc_p.add_argument("text")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     if args.cmd == "encode":
         enc = get_tokenizer()

@@ -150,10 +150,15 @@ def write_gz(text: str, path: Path) -> None:
         gz.write(text.encode("utf-8"))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.corpus.build_corpus`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT, help="output .txt.gz path")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     text = build_text(stdlib_docs())
     write_gz(text, args.out)
     print(f"{args.out}: {text.count(EOT) + 1} documents, {len(text.encode()) / 1e6:.2f} MB raw, "

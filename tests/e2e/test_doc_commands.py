@@ -28,14 +28,7 @@ PACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
                   and (p.name == "shared" or p.name.startswith("nano_")))
 
 # argparse entry points whose parser is built inside main(): their examples are not checked.
-NO_PARSER = {
-    "shared.bench": "builds its argparse parser inside main(); exposing build_parser() would let this test "
-                    "check its examples",
-    "shared.tokenizer": "builds its argparse parser inside main()",
-    "shared.corpus.build_corpus": "builds its argparse parser inside main()",
-    "nano_megatron.simulator": "builds its argparse parser inside main()",
-    "nano_zero.ledger": "builds its argparse parser inside main()",
-}
+NO_PARSER: dict[str, str] = {}  # module -> why its examples cannot be parsed (none today)
 
 # Examples known to be wrong in files this test does not fix itself: (file, module, the override or flag
 # that fails). Strict: once an example is fixed, its entry must go.
