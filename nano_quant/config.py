@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .quant import FORMATS, check_bits
+from .quant import FORMATS
 
 QUANT_METHODS = ("awq", "w8a8")
 # method (what `python -m nano_quant.quantize method=...` runs) -> how it is stored
@@ -50,7 +50,8 @@ class QuantizationConfig:
         if self.quant_method not in QUANT_METHODS:
             raise ValueError(f"quantization_config.quant_method must be one of {QUANT_METHODS}, "
                              f"got {self.quant_method!r}")
-        check_bits(self.bits)
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantization_config.bits must be 4 or 8, got {self.bits!r}")
         if self.quant_method == "awq":
             if self.bits != 4:
                 raise ValueError(f"quantization_config.bits must be 4 for quant_method 'awq', got {self.bits}")
