@@ -20,6 +20,7 @@ CPU tests use fp16 / fp32 activations.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -109,6 +110,7 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K, stride_am, stride_bn, stri
     tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@functools.lru_cache(maxsize=1024)
 def scaled_mm_config(m: int, n: int, k: int, fp8: bool) -> dict:
     """Tile sizes for `_scaled_mm_kernel`: small tiles while M is decode-sized, Hopper-sized ones after."""
     if m <= 16:
@@ -147,9 +149,9 @@ def _expand8(t):
     return tl.interleave(t, t)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, GROUP_SIZE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, SPLIT_K, GROUP_SIZE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,6 +189,7 @@ def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl
     tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
+@functools.lru_cache(maxsize=1024)
 def awq_gemm_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
     """Tiles for `_awq_gemm_kernel`, and SPLIT_K chosen so the grid covers the SMs about twice."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -198,6 +201,7 @@ def awq_gemm_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> di
             "num_warps": 4, "num_stages": 4}
 
 
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -219,7 +223,8 @@ def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     split = cfg["SPLIT_K"]
     partial = out if split == 1 and bias is None else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (cdiv(m, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]), split)
-    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, partial, m, n, k, x.stride(0), GROUP_SIZE=group_size, **cfg)
+    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, partial, m, n, k, x.stride(0), split, GROUP_SIZE=group_size,
+                           **{key: v for key, v in cfg.items() if key != "SPLIT_K"})
     if partial is not out:
         block = 1024
         _split_k_sum_kernel[(cdiv(m * n, block),)](partial, bias if bias is not None else partial, out, m * n, n,
