@@ -1,15 +1,15 @@
 """AWQ (Lin et al. 2023, arXiv 2306.00978): activation-aware weight quantization, W4A16 with groups of 128.
 
-§3.1: keeping 1% of the weight channels in fp16 recovers most of the INT4 loss — if the channels are chosen
-by *activation* magnitude, not weight magnitude. §3.2: mixed precision is unfriendly to hardware, so AWQ
-protects those channels by scaling instead: for s > 1, Q(w·s)·(x/s) has the same rounding error as
-Q(w)·x relative to a larger weight, so the salient channels' relative error shrinks by ~s while the rest
-barely change. §3.3 ("searching to scale"): with s_X the average magnitude of each input channel,
-s = s_X^α and α* = argmin_α L(s_X^α), L(s) = ‖Q(W·diag(s))·(diag(s)⁻¹·X) − W·X‖² (Eq. 4-5), α over a
-grid of 20 points in [0, 1), measured on the output of the block the weights belong to (attention for
-q/k/v, the MLP for gate/up). The division of X is folded into the preceding operator exactly as in
-SmoothQuant (`smoothquant.fold_scales`). A weight clipping search then shrinks each group's range where
-that lowers the group's output error. No gradients, no reconstruction: calibration only measures.
+§3.1: keeping 1% of the weight channels in fp16 recovers most of the INT4 loss — if the channels are
+chosen by *activation* magnitude, not weight magnitude. §3.2: mixed precision is unfriendly to hardware,
+so AWQ protects those channels by scaling instead: multiplying a salient channel's weights by s > 1 before
+rounding and its input by 1/s barely changes the group's step Δ, so that channel's rounding error, as
+seen at the output, shrinks by about 1/s. §3.3 ("searching to scale"): with s_X the average magnitude of
+each input channel, s = s_X^α and α* = argmin_α L(s_X^α), L(s) = ‖Q(W·diag(s))·(diag(s)⁻¹·X) − W·X‖²
+(Eq. 4-5), α over a grid of 20 points in [0, 1), measured on the output of the block the weights belong
+to (attention for q/k/v, the MLP for gate/up). The division of X is folded into the preceding operator
+as in SmoothQuant (`smoothquant.fold_scales`). A weight clipping search then shrinks each group's range
+where that lowers the group's output error. No gradients, no reconstruction: calibration only measures.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ random weights quantized once:
 | `bf16` | `x @ Wᵀ`, cuBLAS | — |
 | `w4a16` | ours: AWQ GEMM, INT4 dequantized in registers (M ≤ 64), else dequantize + cuBLAS | `tinygemm` |
 | `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
-| `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (activations already quantized) | `int_mm+scale` |
+| `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
 | `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | `int_mm+scale` |
 | `int_mm` / `int_mm+scale` | `torch._int_mm` (cuBLAS INT8, int32 out) / then the scales in eager torch | |
 | `fp8` | ours: the same GEMM on float8 e4m3 | `scaled_mm` |
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from shared.bench import (
     benchmark,
@@ -45,6 +45,7 @@ from shared.hydra_utils import hydra_run_dir
 
 from . import kernels
 from .linear import awq_dequantize_torch
+from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
@@ -62,8 +63,8 @@ def weights(k: int, n: int, device: torch.device) -> dict:
     """One random bf16 weight (N, K) and its INT4 (AWQ layout and tinygemm's), INT8 and FP8 versions."""
     w = torch.randn(n, k, device=device) * 0.02
     q, scales, zeros = quantize_groupwise(w, GROUP)
-    ops = {"w": w.to(torch.bfloat16 if device.type == "cuda" else torch.float32), "qweight": pack_awq(q.t()), "qzeros": pack_awq(zeros.t()),
-           "scales": scales.t().contiguous()}
+    ops = {"w": w.to(torch.bfloat16 if device.type == "cuda" else torch.float32), "qweight": pack_awq(q.t()),
+           "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
     ops["w4_dense"] = awq_dequantize_torch(ops["qweight"], ops["qzeros"], ops["scales"], GROUP).t()
     ops["int8"], ops["fp8"] = quantize_rowwise(w, "int8"), quantize_rowwise(w, "fp8")
     if device.type == "cuda":  # tinygemm: (q - 8)·Δ + zero with zero = (8 - z)·Δ is the same grid
@@ -89,10 +90,11 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
         "bf16": (lambda: x @ ops["w"].t(), n * k * 2 + m * k * 2 + out, x.float() @ ops["w"].float().t()),
         "w4a16": (lambda: kernels.awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None),
                   w4_bytes + m * k * 2 + out, ref4),
-        "w8a8": (lambda: kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16), n * k + m * k + out + 4 * (m + n),
-                 ref8),
+        "w8a8": (lambda: kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16),
+                 n * k + m * k + out + 4 * (m + n), ref8),
         "w8a8 linear": (lambda: _w8a8_linear(x, qw, sw), n * k + m * k * 3 + out, ref8),
-        "fp8": (lambda: kernels.scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out, ref_fp8),
+        "fp8": (lambda: kernels.scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out,
+                ref_fp8),
     }
     if x.is_cuda:
         found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
@@ -100,12 +102,15 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
                              w4_bytes + m * k * 2 + out, ref4)
         if m > 16:  # cuBLAS INT8 needs M > 16
             wt = qw.t()
-            found["int_mm"] = (lambda: torch._int_mm(qa, wt), n * k + m * k + m * n * 4, ref8 / sa[:, None] / sw)
-            found["int_mm+scale"] = (lambda: (torch._int_mm(qa, wt).float() * sa[:, None] * sw).to(torch.bfloat16),
-                                     n * k + m * k + out, ref8)
+            found["int_mm"] = (lambda: torch._int_mm(qa, wt), n * k + m * k + m * n * 4,
+                               ref8 / sa[:, None] / sw)
+            found["int_mm+scale"] = (
+                lambda: (torch._int_mm(qa, wt).float() * sa[:, None] * sw).to(torch.bfloat16),
+                n * k + m * k + out, ref8)
         w8t = qw8.t()
         found["scaled_mm"] = (lambda: torch._scaled_mm(qa8, w8t, scale_a=sa8[:, None], scale_b=sw8[None, :],
-                                                       out_dtype=torch.bfloat16), n * k + m * k + out, ref_fp8)
+                                                       out_dtype=torch.bfloat16),
+                              n * k + m * k + out, ref_fp8)
     return found
 
 
@@ -114,7 +119,8 @@ def _w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.T
     return kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16)
 
 
-def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int, repeats: int) -> list[dict]:
+def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int,
+              repeats: int) -> list[dict]:
     ops = weights(k, n, device)
     rows = []
     for m in ms:
@@ -125,9 +131,9 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, wa
             y = fn()
             err = float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
             times[system] = benchmark(fn, warmup=warmup, repeats=repeats, device=device)
-            rows.append({"shape": name, "K": k, "N": n, "M": m, "system": system, "us": times[system] * 1e6,
-                         "TFLOP/s": 2 * m * n * k / times[system] / 1e12, "TB/s": nbytes / times[system] / 1e12,
-                         "rel err": err})
+            t = times[system]
+            rows.append({"shape": name, "K": k, "N": n, "M": m, "system": system, "us": t * 1e6,
+                         "TFLOP/s": 2 * m * n * k / t / 1e12, "TB/s": nbytes / t / 1e12, "rel err": err})
         for row in rows[-len(found):]:
             row["vs bf16"] = times["bf16"] / times[row["system"]]
             peer = PEERS.get(row["system"])
@@ -142,8 +148,9 @@ def tune_configs(kind: str, m: int) -> list[dict]:
     """Candidate tile configs for the sweep (`tune=true`)."""
     if kind == "awq":
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
-                for bn, bk, sk, w, st in itertools.product((64, 128), (64, 128), (1, 2, 4, 8, 16), (4,), (3, 4))]
+        grid = itertools.product((64, 128), (64, 128), (1, 2, 4, 8, 16), (3, 4))
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
+                for bn, bk, sk, st in grid]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -158,8 +165,8 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
             "w8a8": (lambda c: kernels.scaled_mm_triton(qa, ops["int8"][0], sa, ops["int8"][1], None,
                                                           torch.bfloat16, c), "mm")}
     if x.shape[0] <= kernels.AWQ_LARGE_M:
-        jobs["w4a16"] = (lambda c: kernels.awq_gemm_triton(x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP,
-                                                            None, c), "awq")
+        jobs["w4a16"] = (lambda c: kernels.awq_gemm_triton(x, ops["qweight"], ops["qzeros"], ops["scales"],
+                                                            GROUP, None, c), "awq")
     return jobs
 
 
@@ -204,7 +211,8 @@ def run(cfg: DictConfig) -> dict:
     for name in cfg.shapes or shapes:
         k, n = shapes[name]
         shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats))
-        print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, group {GROUP} for INT4")
+        print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
+                                      f"{GROUP}")
         rows += shape_rows
         if cfg.tune and cuda:
             tuned += tune_shape(name, k, n, ms, device)
@@ -213,7 +221,7 @@ def run(cfg: DictConfig) -> dict:
           "(read + write)", flush=True)
     record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,
               "copy_TBps": copy / 1e12, "rows": rows, "tuned": tuned,
-              "config": OmegaConf.to_container(cfg, resolve=True)}
+              "config": config_record(cfg)}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print(f"wrote {path}", flush=True)

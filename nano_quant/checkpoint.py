@@ -56,7 +56,8 @@ def save_quantized(model: CausalLM, path: str | os.PathLike, qcfg: QuantizationC
     with open(p / "config.json") as f:
         hf = json.load(f)
     hf["quantization_config"] = qcfg.to_dict()
-    hf["torch_dtype"] = hf["dtype"] = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    float_dtype = dtype or model.model.embed_tokens.weight.dtype
+    hf["torch_dtype"] = hf["dtype"] = str(float_dtype).removeprefix("torch.")
     with open(p / "config.json", "w") as f:
         json.dump(hf, f, indent=2)
     return p
@@ -95,19 +96,21 @@ def load_quantized_model(path: str | os.PathLike, device: str | torch.device = "
     what = f"quantization_config {qcfg.to_dict()}"
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"checkpoint {str(p)!r} is missing tensor(s) {missing[:5]}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else "") + f" that its {what} implies")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {str(p)!r} is missing tensor(s) {missing[:5]}{more} that its {what} "
+                         "implies")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise ValueError(f"checkpoint {str(p)!r} has unexpected tensor(s) {unexpected[:5]} for its {what}")
     for name, meta in expected.items():
         t = state[name]
         if tuple(t.shape) != tuple(meta.shape):
-            raise ValueError(f"tensor {name!r} in {str(p)!r} has shape {tuple(t.shape)}, expected {tuple(meta.shape)} "
-                             f"from config.json ({what})")
+            raise ValueError(f"tensor {name!r} in {str(p)!r} has shape {tuple(t.shape)}, expected "
+                             f"{tuple(meta.shape)} from config.json ({what})")
         want = _layout_dtype(name, meta)
         if want is not None and t.dtype != want:
-            raise ValueError(f"tensor {name!r} in {str(p)!r} has dtype {t.dtype}, expected {want} for its {what}")
+            raise ValueError(f"tensor {name!r} in {str(p)!r} has dtype {t.dtype}, expected {want} for its "
+                             f"{what}")
         if want is None and t.is_floating_point() and not name.endswith(".scales"):
             t = t.to(dtype)
         state[name] = t.to(device)

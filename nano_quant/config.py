@@ -54,14 +54,18 @@ class QuantizationConfig:
             raise ValueError(f"quantization_config.bits must be 4 or 8, got {self.bits!r}")
         if self.quant_method == "awq":
             if self.bits != 4:
-                raise ValueError(f"quantization_config.bits must be 4 for quant_method 'awq', got {self.bits}")
+                raise ValueError(f"quantization_config.bits must be 4 for quant_method 'awq', got "
+                                 f"{self.bits}")
             if not isinstance(self.group_size, int) or self.group_size <= 0:
-                raise ValueError(f"quantization_config.group_size must be a positive int, got {self.group_size!r}")
+                raise ValueError("quantization_config.group_size must be a positive int, got "
+                                 f"{self.group_size!r}")
             if str(self.version).lower() != "gemm":
-                raise ValueError(f"quantization_config.version {self.version!r} is not supported (only 'gemm')")
+                raise ValueError(f"quantization_config.version {self.version!r} is not supported "
+                                 "(only 'gemm')")
         else:
             if self.bits != 8:
-                raise ValueError(f"quantization_config.bits must be 8 for quant_method 'w8a8', got {self.bits}")
+                raise ValueError(f"quantization_config.bits must be 8 for quant_method 'w8a8', got "
+                                 f"{self.bits}")
             if self.format not in FORMATS:
                 raise ValueError(f"quantization_config.format must be one of {FORMATS}, got {self.format!r}")
             if self.activation_scheme != "dynamic":
@@ -86,7 +90,8 @@ class QuantizationConfig:
         if "q_group_size" in d:
             d.setdefault("group_size", d.pop("q_group_size"))
         if "quant_method" not in d or "bits" not in d:
-            raise ValueError(f"{source}: quantization_config needs 'quant_method' and 'bits', got {sorted(d)}")
+            raise ValueError(f"{source}: quantization_config needs 'quant_method' and 'bits', got "
+                             f"{sorted(d)}")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in d.items() if k in names})

@@ -48,7 +48,7 @@ def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, 
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / QMAX, 1e-8)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), 1e-8)  # IEEE division, as torch
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.math.div_rn(tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32), scale)
@@ -123,13 +123,14 @@ def scaled_mm_config(m: int, n: int, k: int, fp8: bool) -> dict:
 
 
 def scaled_mm_triton(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                     bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None, out_dtype: torch.dtype,
+                     config: dict | None = None) -> torch.Tensor:
     """`linear.scaled_mm_torch` in one kernel: a (M, K), b (N, K), both int8 or both float8_e4m3fn."""
     m, k = a.shape
     n = b.shape[0]
     if b.dtype != a.dtype or b.shape[1] != k or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"scaled_mm: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must share "
-                         "dtype and K, with K contiguous")
+        raise ValueError(f"scaled_mm: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must "
+                         "share dtype and K, with K contiguous")
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0:
         return c
@@ -164,7 +165,8 @@ def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, SPLIT_K, GROUP_SIZE:
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(pid_k * k_blocks // SPLIT_K, (pid_k + 1) * k_blocks // SPLIT_K):
         k0 = kb * BLOCK_K
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :], mask=rm[:, None] < M,
+                    other=0.0)
         packed = _expand8(tl.load(QW + (k0 + rk)[:, None].to(tl.int64) * (N // 8) + rp[None, :],
                                   mask=p_ok[None, :], other=0))
         g = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: one scale row per tile
@@ -178,7 +180,8 @@ def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, SPLIT_K, GROUP_SIZE:
 
 
 @triton.jit
-def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -207,13 +210,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                    group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                    group_size: int, bias: torch.Tensor | None = None,
+                    config: dict | None = None) -> torch.Tensor:
     """x (M, K) @ Ŵ (K, N) with Ŵ dequantized tile by tile in registers (AutoAWQ GEMM layout)."""
     m, k = x.shape
     n = scales.shape[1]
     if qweight.shape != (k, n // 8) or k % group_size or x.stride(1) != 1:
-        raise ValueError(f"awq_gemm: x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / scales "
-                         f"{tuple(scales.shape)} with group_size {group_size}")
+        raise ValueError(f"awq_gemm: x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / "
+                         f"scales {tuple(scales.shape)} with group_size {group_size}")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
@@ -221,14 +225,17 @@ def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     if group_size % cfg["BLOCK_K"]:
         raise ValueError(f"awq_gemm: BLOCK_K {cfg['BLOCK_K']} must divide group_size {group_size}")
     split = cfg["SPLIT_K"]
-    partial = out if split == 1 and bias is None else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    partial = out
+    if split > 1 or bias is not None:  # fp32 partial sums, reduced (+ bias) by a second kernel
+        partial = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (cdiv(m, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]), split)
-    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, partial, m, n, k, x.stride(0), split, GROUP_SIZE=group_size,
-                           **{key: v for key, v in cfg.items() if key != "SPLIT_K"})
+    tiles = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
+    _awq_gemm_kernel[grid](x, qweight, qzeros, scales, partial, m, n, k, x.stride(0), split,
+                           GROUP_SIZE=group_size, **tiles)
     if partial is not out:
         block = 1024
-        _split_k_sum_kernel[(cdiv(m * n, block),)](partial, bias if bias is not None else partial, out, m * n, n,
-                                                    SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
+        _split_k_sum_kernel[(cdiv(m * n, block),)](partial, bias if bias is not None else partial, out, m * n,
+                                                    n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
     return out
 
 
@@ -240,13 +247,14 @@ def _awq_dequantize_kernel(QW, QZ, S, W, N, GROUP_SIZE: tl.constexpr, BLOCK_K: t
     rp = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     shifts = ((rn % 8) // 2 + (rn % 2) * 4) * 4
     p_ok, n_ok = rp < N // 8, rn < N
-    packed = _expand8(tl.load(QW + rk[:, None].to(tl.int64) * (N // 8) + rp[None, :], mask=p_ok[None, :], other=0))
+    packed = _expand8(tl.load(QW + rk[:, None].to(tl.int64) * (N // 8) + rp[None, :], mask=p_ok[None, :],
+                              other=0))
     g = rk // GROUP_SIZE
     zeros = _expand8(tl.load(QZ + g[:, None] * (N // 8) + rp[None, :], mask=p_ok[None, :], other=0))
     scale = tl.load(S + g[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
     q = ((packed >> shifts[None, :]) & 0xF) - ((zeros >> shifts[None, :]) & 0xF)
-    tl.store(W + rk[:, None].to(tl.int64) * N + rn[None, :], (q.to(tl.float32) * scale).to(W.dtype.element_ty),
-             mask=n_ok[None, :])
+    w = (q.to(tl.float32) * scale).to(W.dtype.element_ty)
+    tl.store(W + rk[:, None].to(tl.int64) * N + rn[None, :], w, mask=n_ok[None, :])
 
 
 def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

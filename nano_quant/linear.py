@@ -98,7 +98,8 @@ class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
             raise ValueError(f"bits must be 4 for AutoAWQ's GEMM layout, got {w_bit!r}")
         quant.check_group_size(in_features, group_size)
         if out_features % 8:
-            raise ValueError(f"out_features ({out_features}) must be a multiple of 8 (eight nibbles per int32)")
+            raise ValueError(f"out_features ({out_features}) must be a multiple of 8 (eight nibbles per "
+                             "int32)")
         self.w_bit, self.group_size = w_bit, group_size
         self.in_features, self.out_features = in_features, out_features
         k, n, groups = in_features, out_features, in_features // group_size
@@ -112,11 +113,13 @@ class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, zero_point: bool = True) -> WQLinear_GEMM:
         """Round-to-nearest of an nn.Linear's weight (after AWQ's scaling and clipping, or plain: RTN)."""
         w = linear.weight
-        m = cls(4, group_size, linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
+        bias = linear.bias is not None
+        m = cls(4, group_size, linear.in_features, linear.out_features, bias, w.device, w.dtype)
         q, scales, zeros = quant.quantize_groupwise(w, group_size, 4, zero_point)
         if zeros is None:  # symmetric: store q + 8 with zero point 8, the same layout
             q, zeros = q + 8, torch.full_like(scales, 8, dtype=torch.int32)
-        m.qweight, m.qzeros, m.scales = quant.pack_awq(q.t()), quant.pack_awq(zeros.t()), scales.t().contiguous()
+        m.qweight, m.qzeros = quant.pack_awq(q.t()), quant.pack_awq(zeros.t())
+        m.scales = scales.t().contiguous()
         if linear.bias is not None:
             m.bias = linear.bias.detach().clone()
         return m

@@ -5,7 +5,7 @@
 | `rtn-w4` | INT4, groups of 128, zero points | 16-bit | nothing (round to nearest) |
 | `awq` | same | 16-bit | AWQ's scale search and clipping (`awq.awq_model`) |
 | `naive-w8a8` | INT8 per channel | INT8 per token | nothing |
-| `smoothquant` | INT8 per channel | INT8 per token | SmoothQuant's smoothing, α = 0.5 (`smoothquant.smooth_lm`) |
+| `smoothquant` | INT8 per channel | INT8 per token | smoothing, α = 0.5 (`smoothquant.smooth_lm`) |
 | `naive-fp8`, `smoothquant-fp8` | FP8 e4m3 per channel | FP8 e4m3 per token | as above |
 """
 
@@ -39,7 +39,8 @@ def empty_quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig, dtype: t
     bias = linear.bias is not None
     with torch.device("meta"):
         if qcfg.quant_method == "awq":
-            return WQLinear_GEMM(4, qcfg.group_size, linear.in_features, linear.out_features, bias, dtype=dtype)
+            return WQLinear_GEMM(4, qcfg.group_size, linear.in_features, linear.out_features, bias,
+                                 dtype=dtype)
         return W8A8Linear(linear.in_features, linear.out_features, bias, qcfg.format, dtype=dtype)
 
 
@@ -64,8 +65,9 @@ def quantize_model(model: CausalLM, method: str, samples: torch.Tensor | None = 
     elif method == "awq":
         awq = awq or AWQConfig(group_size=qcfg.group_size, zero_point=qcfg.zero_point)
         if (awq.group_size, awq.zero_point, awq.bits) != (qcfg.group_size, qcfg.zero_point, qcfg.bits):
-            raise ValueError(f"awq (group_size={awq.group_size}, zero_point={awq.zero_point}, bits={awq.bits}) "
-                             f"disagrees with the checkpoint's quantization_config {qcfg.to_dict()}")
+            raise ValueError(f"awq (group_size={awq.group_size}, zero_point={awq.zero_point}, "
+                             f"bits={awq.bits}) disagrees with the checkpoint's quantization_config "
+                             f"{qcfg.to_dict()}")
         awq_model(model, samples, awq, progress=progress)
     replace_linears(model, lambda name, fc: quantized_linear(fc, qcfg), skip_fn(qcfg))
     model.quantization_config = qcfg

@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from shared.bench import print_table, write_json
@@ -54,6 +54,11 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def config_record(cfg: DictConfig) -> dict:
+    """The run's config as plain data for its JSON record (Hydra's own node left out)."""
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
 
 
 def run(cfg: DictConfig) -> dict:

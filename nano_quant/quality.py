@@ -32,7 +32,7 @@ from .calibration import calibration_samples, input_stats
 from .checkpoint import load_quantized_model, save_quantized
 from .config import METHODS
 from .methods import quantize_model
-from .perplexity import perplexity, resolve_device
+from .perplexity import config_record, perplexity, resolve_device
 from .quant import fake_quantize_groupwise, quantize_rowwise
 from .smoothquant import smoothing_factors
 
@@ -46,14 +46,15 @@ def outlier_table(stats: dict) -> list[dict]:
         ratios = [s.outlier_ratio() for name, s in stats.items() if name.endswith(proj)]
         peak = max((s.absmax.max().item() for name, s in stats.items() if name.endswith(proj)), default=0.0)
         rows.append({"input of": proj.split(".")[-1] + (" (= k, v)" if proj.endswith("q_proj") else ""),
-                     "max/median, worst layer": max(ratios), "max/median, median layer": statistics.median(ratios),
-                     "largest |X|": peak})
+                     "max/median, worst layer": max(ratios),
+                     "max/median, median layer": statistics.median(ratios), "largest |X|": peak})
     return rows
 
 
 @torch.no_grad()
 def synthetic_outliers(tokens: int = 2048, k: int = 1024, n: int = 1024, outlier_frac: float = 0.01,
-                       magnitude: float = 50.0, seed: int = 0, device: str | torch.device = "cpu") -> list[dict]:
+                       magnitude: float = 50.0, seed: int = 0,
+                       device: str | torch.device = "cpu") -> list[dict]:
     """The papers' setting on one Linear: X ~ N(0, 1) with `outlier_frac` of the input channels scaled by
     `magnitude`, W ~ N(0, 0.02). Relative output error ‖Ŷ − Y‖ / ‖Y‖ of naive W8A8 vs SmoothQuant
     (α = 0.5), and of RTN W4 g128 vs AWQ's scale search."""
@@ -113,9 +114,10 @@ def run(cfg: DictConfig) -> dict:
     for method in methods:
         model = load_model(model_dir, device=device, dtype=torch.float32)
         t0 = time.perf_counter()
-        quantize_model(model, method, samples, float(cfg.alpha), awq if method == "awq" else None, progress=True)
+        quantize_model(model, method, samples, float(cfg.alpha), awq if method == "awq" else None,
+                       progress=True)
         seconds = time.perf_counter() - t0
-        path = save_quantized(model, out_dir / method, dtype=None)  # fp32 floats: bf16 happens at load, as for bf16
+        path = save_quantized(model, out_dir / method, dtype=None)  # fp32: cast to bf16 at load, as bf16 was
         del model
         release_memory()
         qmodel = load_quantized_model(path, device, torch.bfloat16)
@@ -136,14 +138,15 @@ def run(cfg: DictConfig) -> dict:
         if "naive-w8a8" in by:
             summary["smoothquant_minus_naive_w8a8"] = by["smoothquant"] - by["naive-w8a8"]
     synthetic = synthetic_outliers(device=device)
-    print_table(outliers, title=f"activation outliers of {model_dir} (SmoothQuant §3 statistic: max / median over "
-                                f"input channels of max|X_j|, {int(cfg.outlier_samples)} calibration windows)")
+    print_table(outliers, title=f"activation outliers of {model_dir} (SmoothQuant §3 statistic: max / "
+                                f"median over input channels of max|X_j|, {int(cfg.outlier_samples)} "
+                                "calibration windows)")
     print_table(synthetic, title="synthetic outlier channels: relative output error of one Linear")
     print_table(rows, title=f"held-out perplexity, {tokens.numel():,} tokens of {cfg.corpus}/val, seq_len "
                             f"{cfg.seq_len}, {device}")
-    print("summary:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}, flush=True)
+    print("summary:", {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, flush=True)
     record = {"model": str(model_dir), "rows": rows, "outliers": outliers, "synthetic": synthetic,
-              "summary": summary, "config": OmegaConf.to_container(cfg, resolve=True)}
+              "summary": summary, "config": config_record(cfg)}
     write_json(out_dir / "quality.json", record)
     return record
 

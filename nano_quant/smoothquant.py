@@ -51,7 +51,8 @@ def kv_channels(t: torch.Tensor, attn: Attention) -> torch.Tensor:
 
 def q_channels(s: torch.Tensor, attn: Attention) -> torch.Tensor:
     """The inverse direction: repeat a per-v-channel factor for every query head of its group."""
-    n_kv, group = attn.v_proj.out_features // attn.head_dim, attn.o_proj.in_features // attn.v_proj.out_features
+    n_kv = attn.v_proj.out_features // attn.head_dim
+    group = attn.o_proj.in_features // attn.v_proj.out_features
     return s.reshape(n_kv, 1, attn.head_dim).expand(n_kv, group, attn.head_dim).reshape(-1)
 
 
@@ -71,7 +72,8 @@ def fold_scales(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.
         fc.weight.mul_(s_in.to(fc.weight.dtype))
 
 
-def smooth_layer(layer: DecoderLayer, stats: dict[str, ChannelStats], prefix: str, alpha: float = 0.5) -> None:
+def smooth_layer(layer: DecoderLayer, stats: dict[str, ChannelStats], prefix: str,
+                 alpha: float = 0.5) -> None:
     """Smooth the four Linear inputs of one decoder layer (table above); `stats` by HF Linear name."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]

@@ -168,7 +168,8 @@ def _stdlib_cache_key(base: Path, files: list[str], enc: tiktoken.Encoding) -> s
     return h.hexdigest()[:24]
 
 
-def _tokenize_stdlib(base: Path, files: list[str], enc: tiktoken.Encoding, workers: int) -> dict[str, np.ndarray]:
+def _tokenize_stdlib(base: Path, files: list[str], enc: tiktoken.Encoding,
+                     workers: int) -> dict[str, np.ndarray]:
     dtype = np.uint16 if enc.n_vocab <= 1 << 16 else np.int32
     eot = np.array([enc.eot_token], dtype=dtype)
 
@@ -229,7 +230,8 @@ def stdlib_tokens(split: str = "train", encoding: tiktoken.Encoding | None = Non
             arrays = _tokenize_stdlib(base, files, enc, workers or os.cpu_count() or 1)
             _save_atomic(path, arrays)
             print(f"stdlib corpus: {len(files)} files under {base} -> {arrays['train'].size:,} train + "
-                  f"{arrays['val'].size:,} held-out tokens in {time.perf_counter() - t0:.1f}s; cached at {path}",
+                  f"{arrays['val'].size:,} held-out tokens in {time.perf_counter() - t0:.1f}s; cached at "
+                  f"{path}",
                   file=sys.stderr, flush=True)
         _STDLIB[key] = {s: torch.from_numpy(a.astype(np.int64)) for s, a in arrays.items()}
     return _STDLIB[key][split]

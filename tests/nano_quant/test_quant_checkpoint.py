@@ -66,12 +66,14 @@ def test_awq_round_trip_and_layout(tmp_path):
     quantize_model(model, "rtn-w4", group_size=G)
     path = save_quantized(model, tmp_path / "q")
     hf = json.loads((path / "config.json").read_text())
-    assert hf["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True,
-                                         "version": "gemm", "modules_to_not_convert": None}
+    expected = {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": None}
+    assert hf["quantization_config"] == expected
     tensors = load_file(path / "model.safetensors")
     q = "model.layers.0.mlp.down_proj"
     assert tensors[q + ".qweight"].dtype == torch.int32 and tensors[q + ".qweight"].shape == (256, 128 // 8)
-    assert tensors[q + ".qzeros"].dtype == torch.int32 and tensors[q + ".qzeros"].shape == (256 // G, 128 // 8)
+    assert tensors[q + ".qzeros"].dtype == torch.int32
+    assert tensors[q + ".qzeros"].shape == (256 // G, 128 // 8)
     assert tensors[q + ".scales"].dtype == torch.float16 and tensors[q + ".scales"].shape == (256 // G, 128)
     assert q + ".weight" not in tensors and tensors["model.norm.weight"].dtype == torch.float16
     loaded = load_quantized_model(path)
@@ -96,7 +98,8 @@ def test_checkpoint_written_by_autoawq_loads(tmp_path):
         scales = (torch.rand(k // G, n, generator=gen) * 0.02 + 0.001).half()
         state[name + ".qweight"], state[name + ".qzeros"] = autoawq_pack(intweight), autoawq_pack(zeros)
         state[name + ".scales"] = scales
-        dense[name + ".weight"] = autoawq_dequantize(state[name + ".qweight"], state[name + ".qzeros"], scales, G).t()
+        qweight, qzeros = state[name + ".qweight"], state[name + ".qzeros"]
+        dense[name + ".weight"] = autoawq_dequantize(qweight, qzeros, scales, G).t()
     state.pop("lm_head.weight", None)
     (tmp_path / "awq").mkdir()
     save_file(state, str(tmp_path / "awq" / "model.safetensors"))
@@ -114,14 +117,17 @@ def test_checkpoint_written_by_autoawq_loads(tmp_path):
 
 
 def fake_quant_inputs(model: CausalLM, fmt: str) -> None:
-    """Per-token absmax fake quantization (INT8 or e4m3) of every decoder Linear's input (W8A8's activations)."""
+    """Per-token absmax fake quantization (INT8 or e4m3) of every decoder Linear's input (W8A8's inputs)."""
     qmax = 127 if fmt == "int8" else 448
 
     def hook(module, args):
         x = args[0]
         scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-8)
         y = x / scale
-        y = y.round().clamp(-127, 127) if fmt == "int8" else y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        if fmt == "int8":
+            y = y.round().clamp(-127, 127)
+        else:
+            y = y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
         return (y * scale,)
 
     for name, m in model.named_modules():
@@ -139,13 +145,15 @@ def test_greedy_decoding_equals_the_dequantized_model(tmp_path, method):
     path = save_quantized(model, tmp_path / method, dtype=None)
     quantized = load_quantized_model(path)
     tensors = load_file(path / "model.safetensors")
-    dense = {k: v for k, v in tensors.items() if not k.endswith((".qweight", ".qzeros", ".scales", "weight_scale"))}
+    layout = (".qweight", ".qzeros", ".scales", "weight_scale")
+    dense = {k: v for k, v in tensors.items() if not k.endswith(layout)}
     for name in linear_names(cfg):
         if method == "awq":
-            dense[name + ".weight"] = autoawq_dequantize(tensors[name + ".qweight"], tensors[name + ".qzeros"],
-                                                         tensors[name + ".scales"], G).t()
+            packed = [tensors[name + suffix] for suffix in (".qweight", ".qzeros", ".scales")]
+            dense[name + ".weight"] = autoawq_dequantize(*packed, G).t()
         else:
-            dense[name + ".weight"] = tensors[name + ".weight"].float() * tensors[name + ".weight_scale"][:, None]
+            scale = tensors[name + ".weight_scale"][:, None]
+            dense[name + ".weight"] = tensors[name + ".weight"].float() * scale
     reference = plain_from(cfg, dense)
     if method != "awq":
         fake_quant_inputs(reference, "fp8" if method.endswith("fp8") else "int8")
@@ -182,15 +190,19 @@ QZ = "model.layers.0.self_attn.q_proj.qzeros"
     (lambda q: q.update(group_size=64), None, rf"tensor '{QZ}' in .* has shape \(4, 16\), expected \(2, 16\) "
                                               r"from config.json .*'group_size': 64"),
     (lambda q: q.update(bits=3), None, r"config.json: quantization_config.bits must be 4 or 8, got 3"),
-    (lambda q: q.update(bits=8), None, r"config.json: quantization_config.bits must be 4 for quant_method 'awq'"),
-    (lambda q: q.update(quant_method="gptq"), None, r"config.json: quantization_config.quant_method must be one of"),
-    (lambda q: q.update(version="gemv"), None, r"config.json: quantization_config.version 'gemv' is not supported"),
+    (lambda q: q.update(bits=8), None,
+     r"config.json: quantization_config.bits must be 4 for quant_method 'awq'"),
+    (lambda q: q.update(quant_method="gptq"), None,
+     r"config.json: quantization_config.quant_method must be one of"),
+    (lambda q: q.update(version="gemv"), None,
+     r"config.json: quantization_config.version 'gemv' is not supported"),
     (lambda q: q.update(group_size=48), None, r"group_size \(48\) must be a positive int dividing the input"),
     (lambda q: q.pop("bits"), None, r"config.json: quantization_config needs 'quant_method' and 'bits'"),
     (None, lambda t: t.pop(QZ), rf"is missing tensor\(s\) \['{QZ}'\] that its quantization_config"),
     (None, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(256, 128)}),
      r"unexpected tensor\(s\) \['model.layers.0.mlp.up_proj.weight'\]"),
-    (None, lambda t: t.update({QZ: t[QZ].float()}), rf"tensor '{QZ}' in .* has dtype torch.float32, expected torch.int32"),
+    (None, lambda t: t.update({QZ: t[QZ].float()}),
+     rf"tensor '{QZ}' in .* has dtype torch.float32, expected torch.int32"),
 ])
 def test_config_and_tensors_that_disagree(tmp_path, edit_config, edit_tensors, error):
     path = _save_awq(tmp_path, edit_config, edit_tensors)

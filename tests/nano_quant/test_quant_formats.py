@@ -72,7 +72,8 @@ def test_groupwise_bound_per_group(bits, group_size, zero_point):
     q, scales, zeros = quantize_groupwise(w, group_size, bits, zero_point)
     assert q.shape == w.shape and scales.shape == (24, 384 // group_size) and scales.dtype == torch.float16
     if zero_point:
-        assert int(q.min()) >= 0 and int(q.max()) <= 2**bits - 1 and 0 <= int(zeros.min()) <= int(zeros.max()) < 2**bits
+        assert int(q.min()) >= 0 and int(q.max()) <= 2**bits - 1
+        assert 0 <= int(zeros.min()) <= int(zeros.max()) < 2**bits
     else:
         assert zeros is None and -(2 ** (bits - 1)) <= int(q.min()) and int(q.max()) < 2 ** (bits - 1)
     err = (dequantize_groupwise(q, scales, zeros, group_size) - w).abs().reshape(24, -1, group_size)
@@ -116,7 +117,8 @@ def test_bad_arguments():
     w = torch.randn(8, 256)
     with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
         quantize_groupwise(w, 128, bits=3)
-    with pytest.raises(ValueError, match=r"group_size \(100\) must be a positive int dividing the input dimension K = 256"):
+    with pytest.raises(ValueError, match=r"group_size \(100\) must be a positive int dividing the input "
+                                         r"dimension K = 256"):
         quantize_groupwise(w, 100)
     with pytest.raises(ValueError, match=r"group_size \(0\)"):
         quantize_groupwise(w, 0)
