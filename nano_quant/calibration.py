@@ -1,7 +1,7 @@
 """Calibration: a few hundred windows of text, run through the model, and what the quantizers measure on them.
 
-Both papers calibrate offline on a small sample: AWQ uses 128 sequences of 512 tokens (§5.1, from the
-Pile), SmoothQuant 512 sentences (§5). We draw ours from the training split of the project's corpora
+Both papers calibrate offline on a small sample of the Pile (AWQ: 128 sequences of 512 tokens, as
+AutoAWQ's defaults; SmoothQuant: 512 sentences). We draw ours from the training split of the project's corpora
 (`shared.data`: the stdlib source by default), so calibration needs no download and never sees the
 held-out modules that perplexity is measured on.
 

@@ -63,11 +63,12 @@ def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, QMAX: tl.constexpr, 
 def quantize_per_token_triton(x: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """`quant.quantize_rowwise` of a (M, K) activation, one program per row."""
     check_format(fmt)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     scale = torch.empty(m, device=x.device, dtype=torch.float32)
     if m:
-        _per_token_quant_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=INT8_MAX if fmt == "int8"
+        _per_token_quant_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=float(INT8_MAX) if fmt == "int8"
                                       else FP8_MAX, IS_FP8=fmt == "fp8", BLOCK=min(next_pow2(k), 2048))
     return q, scale
 
@@ -213,9 +214,10 @@ def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
                     group_size: int, bias: torch.Tensor | None = None,
                     config: dict | None = None) -> torch.Tensor:
     """x (M, K) @ Ŵ (K, N) with Ŵ dequantized tile by tile in registers (AutoAWQ GEMM layout)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = scales.shape[1]
-    if qweight.shape != (k, n // 8) or k % group_size or x.stride(1) != 1:
+    if qweight.shape != (k, n // 8) or k % group_size:
         raise ValueError(f"awq_gemm: x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / "
                          f"scales {tuple(scales.shape)} with group_size {group_size}")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)

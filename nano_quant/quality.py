@@ -137,7 +137,7 @@ def run(cfg: DictConfig) -> dict:
         summary["smoothquant_vs_bf16"] = by["smoothquant"] / by["bf16"] - 1
         if "naive-w8a8" in by:
             summary["smoothquant_minus_naive_w8a8"] = by["smoothquant"] - by["naive-w8a8"]
-    synthetic = synthetic_outliers(device=device)
+    synthetic = synthetic_outliers(**cfg.synthetic, device=device)
     print_table(outliers, title=f"activation outliers of {model_dir} (SmoothQuant §3 statistic: max / "
                                 f"median over input channels of max|X_j|, {int(cfg.outlier_samples)} "
                                 "calibration windows)")
