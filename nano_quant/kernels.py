@@ -35,7 +35,7 @@ from .quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
 
 # Adding then subtracting 1.5·2^23 rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (as
 # torch.round), with plain IEEE adds: portable to every Triton version and to its interpreter.
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # a jitted kernel may read only constexpr globals
 AWQ_LARGE_M = 64  # above this many rows: dequantize once, then a cuBLAS GEMM
 
 
@@ -176,7 +176,7 @@ def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, SPLIT_K, GROUP_SIZE:
         bias = -((zeros >> shifts) & 0xF).to(tl.float32) * scale  # w = q·Δ − z·Δ: one FMA per weight
         w = ((packed >> shifts[None, :]) & 0xF).to(tl.float32) * scale[None, :] + bias[None, :]
         acc += tl.dot(x, w.to(X.dtype.element_ty))
-    out_ptrs = OUT + pid_k * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    out_ptrs = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
 
