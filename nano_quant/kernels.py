@@ -68,8 +68,9 @@ def quantize_per_token_triton(x: torch.Tensor, fmt: str = "int8") -> tuple[torch
     q = torch.empty(m, k, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     scale = torch.empty(m, device=x.device, dtype=torch.float32)
     if m:
-        _per_token_quant_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=float(INT8_MAX) if fmt == "int8"
-                                      else FP8_MAX, IS_FP8=fmt == "fp8", BLOCK=min(next_pow2(k), 2048))
+        qmax = float(INT8_MAX) if fmt == "int8" else FP8_MAX
+        _per_token_quant_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=qmax,
+                                      IS_FP8=fmt == "fp8", BLOCK=min(next_pow2(k), 2048))
     return q, scale
 
 

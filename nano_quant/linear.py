@@ -1,7 +1,7 @@
 """The quantized Linear layers and the module swap that installs them in shared.model.
 
-`W8A8Linear` is SmoothQuant's linear layer (§4, W8A8 precision mapping): INT8 weights with one scale per output
-channel (static), the input quantized per token at run time (dynamic), an INT8 × INT8 → INT32 GEMM, and
+`W8A8Linear` is SmoothQuant's linear layer (§4, W8A8 precision mapping): INT8 weights with one scale per
+output channel (static), the input quantized per token at run time (dynamic), an INT8 × INT8 → INT32 GEMM, and
 both scales applied to the INT32 accumulator: Y = (X̄ W̄ᵀ) ⊙ (Δ_X Δ_Wᵀ), out in the input's dtype.
 `fmt="fp8"` is the same layer with float8 e4m3 weights and activations (Hopper's FP8 tensor cores).
 

@@ -17,6 +17,7 @@ from test_quant_formats import autoawq_dequantize, autoawq_pack
 
 from nano_quant import (
     dequantize_model,
+    load_for_inference,
     load_quantized_model,
     quantization_config_of,
     quantize_model,
@@ -233,3 +234,24 @@ def test_more_bad_inputs(tmp_path):
     plain = save_checkpoint(build_model(cfg), cfg, tmp_path / "float")  # no quantization_config: a plain load
     assert quantization_config_of(plain) is None
     assert not any(isinstance(m, W8A8Linear) for m in load_quantized_model(plain).modules())
+
+
+def test_load_for_inference(tmp_path):
+    """The one call an engine makes: quantized checkpoints load quantized, float ones as they are or quantized
+    on the fly by a method that needs no calibration."""
+    cfg = tiny_cfg()
+    plain = save_checkpoint(trained_like(cfg), cfg, tmp_path / "float")
+    assert not any(isinstance(m, WQLinear_GEMM) for m in load_for_inference(plain).modules())
+    model = load_for_inference(plain, quantization="naive-w8a8")
+    assert isinstance(model.model.layers[0].mlp.up_proj, W8A8Linear)
+    assert model.quantization_config.format == "int8"
+    quantized = trained_like(cfg)
+    quantize_model(quantized, "rtn-w4", group_size=G)
+    path = save_quantized(quantized, tmp_path / "w4")
+    assert isinstance(load_for_inference(path).model.layers[0].mlp.up_proj, WQLinear_GEMM)
+    with pytest.raises(ValueError, match="quantization='naive-w8a8' was requested, but .* is already"):
+        load_for_inference(path, quantization="naive-w8a8")
+    with pytest.raises(ValueError, match="quantization='awq' needs calibration: run `python -m nano_quant"):
+        load_for_inference(plain, quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization must be one of \[.*\] or None, got 'int4'"):
+        load_for_inference(plain, quantization="int4")
