@@ -1,6 +1,6 @@
 """Held-out perplexity of a checkpoint, float or quantized:
 
-    python -m nano_quant.perplexity model=DIR [corpus=stdlib split=val seq_len=512 dtype=bf16]
+    python -m nano_quant.perplexity model=DIR corpus=stdlib split=val seq_len=512 dtype=bf16
 
 Perplexity is exp of the mean next-token cross-entropy over every non-overlapping `seq_len` window of the
 split (`shared.data.sequential_batches`), the way both papers report WikiText-2 perplexity. The stdlib

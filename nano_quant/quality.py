@@ -1,7 +1,8 @@
 """Quantization quality in one run: every method on one trained checkpoint, held-out perplexity, outliers.
 
-    python -m nano_megatron.train model=llama-100m train.corpus=stdlib ... hydra.run.dir=outputs/llama-100m
     python -m nano_quant.quality model=outputs/llama-100m/checkpoint
+
+(the checkpoint from the training command in nano_quant/README.md).
 
 For the checkpoint: the bf16 perplexity on the held-out stdlib modules; the activation outlier statistic of
 SmoothQuant §3 (max / median over input channels of max|X_j|, per projection, from the calibration run);

@@ -18,6 +18,7 @@ is what makes "DP training equals single-process training" testable.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gzip
 import hashlib
@@ -363,13 +364,17 @@ def sequential_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, rank
         yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m shared.data`."""
+    parser = argparse.ArgumentParser(prog="python -m shared.data",
+                                     description="documents, bytes and tokens of each split of a corpus")
+    parser.add_argument("corpus", nargs="?", default="stdlib", choices=CORPORA)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m shared.data [docs|stdlib]`: documents, bytes and tokens of each split of a corpus."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m shared.data", description=main.__doc__)
-    parser.add_argument("corpus", nargs="?", default="stdlib", choices=CORPORA)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.corpus == "docs":
         docs = {s: corpus_documents(s) for s in SPLITS}
         sizes = {s: sum(len(d.encode()) for d in docs[s]) for s in SPLITS}
