@@ -6,7 +6,8 @@
 `method` is one of awq, rtn-w4, smoothquant, naive-w8a8, smoothquant-fp8, naive-fp8. The float model is
 calibrated in fp32 on `calibration.n_samples` × `calibration.seq_len` tokens of the corpus' training split
 (AWQ's 128 × 512), quantized in place (`nano_quant.methods.quantize_model`, tqdm over the layers) and saved
-with `quantization_config` in config.json (AutoAWQ's GEMM layout for awq and rtn-w4). `python -m nano_quant.perplexity model=OUT` then measures it.
+with `quantization_config` in config.json (AutoAWQ's GEMM layout for awq and rtn-w4);
+`python -m nano_quant.perplexity model=OUT` then measures it.
 """
 
 from __future__ import annotations
