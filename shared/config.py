@@ -198,6 +198,14 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=2048, qk_norm=True,
         eos_token_id=4095,
     ),
+    # Llama shape at ~107M parameters, sized for the stdlib source corpus (~10M tokens, shared.data):
+    # nano_quant's quantization-quality model, trained in a few minutes on one GPU (nano_quant/README.md).
+    "llama-100m": ModelConfig(
+        vocab_size=4096, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=2048,
+        eos_token_id=4095,
+    ),
     "qwen3-0.6b": ModelConfig(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,

@@ -74,6 +74,7 @@ class TrainConfig:
     out_dir: str = "."  # the Hydra run directory
     resume_from: str | None = None
     stop_at: int | None = None  # end this run after this many steps (the schedule still spans `steps`)
+    corpus: str = "docs"  # shared.data corpus to train on: "docs" (embedded docstrings) | "stdlib" (source)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_every"):
@@ -369,7 +370,7 @@ def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
     check_seq_len(cfg, engine.model_config)
     local_batch = cfg.global_batch_size // engine.dp_world_size
     data = TokenBatches.from_corpus("train", batch_size=local_batch, seq_len=cfg.seq_len, seed=cfg.seed,
-                                    rank=engine.dp_rank, world_size=engine.dp_world_size)
+                                    rank=engine.dp_rank, world_size=engine.dp_world_size, corpus=cfg.corpus)
     start = 0
     if cfg.resume_from:
         start = load_training_checkpoint(engine, cfg.resume_from, data)

@@ -27,6 +27,7 @@ STANDS_ON = {
     "nano_megatron": ["shared", "nano_flashattn"],
     "nano_zero": ["shared", "nano_flashattn"],
     "nano_vllm": ["shared", "nano_flashattn"],
+    "nano_quant": ["shared", "nano_flashattn"],
     "nano_sglang": ["nano_vllm", "shared", "nano_flashattn"],
     "nano_distserve": ["nano_vllm", "shared", "nano_flashattn"],
 }
@@ -41,7 +42,7 @@ CHECK = textwrap.dedent('''
     for info in pkgutil.walk_packages(mod.__path__, package + "."):
         importlib.import_module(info.name)
     for other in {"shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang",
-                  "nano_distserve"} - allowed - {package}:
+                  "nano_distserve", "nano_quant"} - allowed - {package}:
         try:
             importlib.import_module(other)
         except ImportError:

@@ -3,6 +3,7 @@
     nano_flashattn   <- torch, triton only
     shared           <- nano_flashattn
     nano_megatron, nano_zero, nano_vllm   <- shared (+ nano_flashattn)
+    nano_quant                            <- shared (+ nano_flashattn); nano_vllm may import it
     nano_sglang, nano_distserve           <- nano_vllm (+ shared, nano_flashattn)
 
 Every `import` / `from ... import` anywhere in a package's files (function bodies included) is read with
@@ -22,7 +23,8 @@ ALLOWED = {
     "shared": {"nano_flashattn"},
     "nano_megatron": {"shared", "nano_flashattn"},
     "nano_zero": {"shared", "nano_flashattn"},
-    "nano_vllm": {"shared", "nano_flashattn"},
+    "nano_vllm": {"shared", "nano_flashattn", "nano_quant"},
+    "nano_quant": {"shared", "nano_flashattn"},
     "nano_sglang": {"nano_vllm", "shared", "nano_flashattn"},
     "nano_distserve": {"nano_vllm", "shared", "nano_flashattn"},
 }

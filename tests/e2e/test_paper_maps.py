@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang", "nano_distserve"]
+PACKAGES = ["shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang", "nano_distserve",
+            "nano_quant"]
 CODE_COLUMNS = ("code", "where", "module")
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 

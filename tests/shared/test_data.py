@@ -150,3 +150,114 @@ def test_from_corpus_and_sequential_batches():
     assert sorted(int(w[0]) for p in per_rank for w in p) == list(range(0, 100, 10))
     with pytest.raises(ValueError, match="rank must be"):
         next(sequential_batches(tokens, 4, 10, rank=3, world_size=3))
+
+
+# ------------------------------------------------------------------ the stdlib source corpus
+# CI never tokenizes the whole stdlib (~10M tokens): these tests build a small stand-in tree.
+
+def _small_stdlib(root):
+    """A few dozen modules, one package, a non-UTF-8 file, and directories the corpus must skip."""
+    from shared.data import stdlib_split
+
+    (root / "pkg").mkdir(parents=True)
+    for i in range(40):
+        (root / f"mod_{i:02d}.py").write_text(f'"""Module {i}."""\n\ndef f_{i}(x):\n    return x * {i}\n')
+    (root / "pkg" / "__init__.py").write_text("from .core import *\n")
+    (root / "pkg" / "core.py").write_text("# -*- coding: latin-1 -*-\nNAME = 'caf\xe9'\n", encoding="latin-1")
+    (root / "notes.txt").write_text("not python")
+    for skipped in ("site-packages", "__pycache__", "config-3.11-x86_64-linux-gnu"):
+        (root / skipped).mkdir()
+        (root / skipped / "skipped.py").write_text("SKIPPED = True\n")
+    splits = {stdlib_split(p.relative_to(root).as_posix()) for p in root.rglob("mod_*.py")}
+    assert splits == {"train", "val"}, "the stand-in tree needs files in both splits"
+    return root
+
+
+def test_stdlib_files_and_split(tmp_path):
+    from shared.data import read_source, stdlib_files, stdlib_root, stdlib_split
+
+    root = _small_stdlib(tmp_path / "lib")
+    files = stdlib_files(root)
+    assert files == sorted(files) and len(files) == 42
+    assert "pkg/core.py" in files and not any("skipped" in f for f in files)
+    assert read_source(root / "pkg" / "core.py") == "# -*- coding: latin-1 -*-\nNAME = 'caf\xe9'\n"
+    (root / "bad.py").write_bytes(b"# -*- coding: no-such-codec -*-\nx = '\xff'\n")
+    assert "\ufffd" in read_source(root / "bad.py")  # undecodable: replacement characters, no error
+    # the real stdlib: ~5% of the modules held out, the same rule on every machine
+    real = stdlib_files()
+    val = [f for f in real if stdlib_split(f) == "val"]
+    assert len(real) > 500 and 0.03 < len(val) / len(real) < 0.07
+    assert stdlib_root().is_dir() and stdlib_split("json/decoder.py") == stdlib_split("json/decoder.py")
+    with pytest.raises(FileNotFoundError, match="stdlib root .*nowhere.* is not a directory"):
+        stdlib_files(tmp_path / "nowhere")
+
+
+def test_stdlib_tokens_decode_and_cache(tmp_path, monkeypatch):
+    import shared.data as data
+
+    root, cache = _small_stdlib(tmp_path / "lib"), tmp_path / "cache"
+    enc = get_tokenizer()
+    files = data.stdlib_files(root)
+    for split in ("train", "val"):
+        toks = data.stdlib_tokens(split, root=root, cache_dir=cache, workers=2)
+        docs = [data.read_source(root / f) for f in files if data.stdlib_split(f) == split]
+        assert toks.dtype == torch.int64 and int((toks == EOT_ID).sum()) == len(docs)
+        assert enc.decode(toks.tolist()) == "".join(d + EOT for d in docs)  # file order, EOT after each
+    [cached] = list(cache.glob("stdlib-*.npz"))
+    assert not list(cache.glob("*.tmp"))  # written beside, then renamed over: no partial file remains
+    train = data.stdlib_tokens("train", root=root, cache_dir=cache)
+
+    # a fresh process (empty in-memory cache) reads the file instead of tokenizing again
+    monkeypatch.setattr(data, "_STDLIB", {})
+    monkeypatch.setattr(data, "_tokenize_stdlib", lambda *a: pytest.fail("tokenized although cached"))
+    assert torch.equal(data.stdlib_tokens("train", root=root, cache_dir=cache), train)
+    monkeypatch.undo()
+
+    # an edited module changes the key: re-tokenized, the old cache file is left alone
+    (root / "mod_00.py").write_text("changed = 1\n")
+    data.stdlib_tokens("train", root=root, cache_dir=cache)
+    assert len(list(cache.glob("stdlib-*.npz"))) == 2 and cached.exists()
+    # a damaged cache file is rebuilt, not trusted
+    monkeypatch.setattr(data, "_STDLIB", {})
+    for f in cache.glob("stdlib-*.npz"):
+        f.write_bytes(b"not an npz")
+    assert data.stdlib_tokens("val", root=root, cache_dir=cache).numel() > 0
+
+    with pytest.raises(ValueError, match="has no .py files"):
+        data.stdlib_tokens("train", root=tmp_path / "cache", cache_dir=cache)
+    with pytest.raises(ValueError, match="split must be one of"):
+        data.stdlib_tokens("test", root=root, cache_dir=cache)
+
+
+def test_corpus_option_routes_to_stdlib(tmp_path, monkeypatch):
+    import shared.data as data
+
+    root = _small_stdlib(tmp_path / "lib")
+    monkeypatch.setattr(data, "stdlib_root", lambda: root)
+    monkeypatch.setattr(data, "default_cache_dir", lambda: tmp_path / "cache")
+    x, y = TokenBatches.from_corpus("train", batch_size=2, seq_len=8, corpus="stdlib").next_batch()
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(corpus_tokens("val", corpus="stdlib"), data.stdlib_tokens("val", root=root))
+    with pytest.raises(ValueError, match=r"corpus must be one of \('docs', 'stdlib'\), got 'pypi'"):
+        corpus_tokens("train", corpus="pypi")
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        TokenBatches.from_corpus("train", corpus="pypi")
+
+
+def test_training_reads_the_configured_corpus(monkeypatch):
+    """`train.corpus=stdlib` (TrainConfig.corpus) is what nano_megatron.train and shared.train draw from."""
+    import shared.data as data
+    from shared.config import ModelConfig
+    from shared.train import LocalEngine, TrainConfig, train
+
+    class Drawn(Exception):
+        pass
+
+    def from_corpus(cls, *args, **kwargs):
+        raise Drawn(kwargs["corpus"])
+
+    monkeypatch.setattr(data.TokenBatches, "from_corpus", classmethod(from_corpus))
+    cfg = TrainConfig(steps=1, global_batch_size=2, micro_batch_size=2, seq_len=8, corpus="stdlib")
+    with pytest.raises(Drawn, match="stdlib"):
+        train(LocalEngine(ModelConfig.from_name("tiny").replace(num_hidden_layers=1), cfg), cfg)
+    assert TrainConfig().corpus == "docs"

@@ -1,0 +1,242 @@
+"""`python -m nano_quant.bench`: the quantized GEMMs against bf16 cuBLAS and torch's own kernels, same run.
+
+    python -m nano_quant.bench                         # GPU: llama3-8b layer shapes, M = 1 .. 8192
+    python -m nano_quant.bench tune=true ms=[1,16,64]  # also sweep our kernels' tile configs (a tool)
+
+For each projection of the model's layers (qkv, o, gate_up, down as (K, N)) and each token count M, with
+random weights quantized once:
+
+| system | what runs | peer |
+|---|---|---|
+| `bf16` | `x @ Wᵀ`, cuBLAS | — |
+| `w4a16` | ours: AWQ GEMM, INT4 dequantized in registers (M ≤ 64), else dequantize + cuBLAS | `tinygemm` |
+| `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
+| `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
+| `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | `int_mm+scale` |
+| `int_mm` / `int_mm+scale` | `torch._int_mm` (cuBLAS INT8, int32 out) / then the scales in eager torch | |
+| `fp8` | ours: the same GEMM on float8 e4m3 | `scaled_mm` |
+| `scaled_mm` | `torch._scaled_mm`, row-wise scales, bf16 out (cuBLASLt FP8) | |
+
+Rows report GPU time (CUDA events, L2 flushed), TFLOP/s (2·M·N·K), TB/s (operand bytes read + output
+written), the ratio to bf16 and to the peer, and the relative error against an fp32 evaluation of the same
+quantized operands (a fast wrong kernel shows here). The physical limits (bf16 matmul 8192³, device copy)
+are measured in the same process. Without CUDA a tiny smoke run on the torch references says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from shared.bench import (
+    benchmark,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    print_table,
+    release_memory,
+    write_json,
+)
+from shared.config import resolve_model_config
+from shared.hydra_utils import hydra_run_dir
+
+from . import kernels
+from .linear import awq_dequantize_torch
+from .perplexity import config_record
+from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
+
+GROUP = 128
+PEERS = {"w4a16": "tinygemm", "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
+
+
+def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(K, N) of the four projections of one decoder layer of a preset / checkpoint."""
+    c = resolve_model_config(model)
+    return {"qkv": (c.hidden_size, c.q_size + 2 * c.kv_size), "o": (c.q_size, c.hidden_size),
+            "gate_up": (c.hidden_size, 2 * c.intermediate_size), "down": (c.intermediate_size, c.hidden_size)}
+
+
+def weights(k: int, n: int, device: torch.device) -> dict:
+    """One random bf16 weight (N, K) and its INT4 (AWQ layout and tinygemm's), INT8 and FP8 versions."""
+    w = torch.randn(n, k, device=device) * 0.02
+    q, scales, zeros = quantize_groupwise(w, GROUP)
+    ops = {"w": w.to(torch.bfloat16 if device.type == "cuda" else torch.float32), "qweight": pack_awq(q.t()),
+           "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
+    ops["w4_dense"] = awq_dequantize_torch(ops["qweight"], ops["qzeros"], ops["scales"], GROUP).t()
+    ops["int8"], ops["fp8"] = quantize_rowwise(w, "int8"), quantize_rowwise(w, "fp8")
+    if device.type == "cuda":  # tinygemm: (q - 8)·Δ + zero with zero = (8 - z)·Δ is the same grid
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        ops["int4pack"] = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        sz = torch.stack([scales.float(), (8 - zeros).float() * scales.float()], -1)
+        ops["scales_and_zeros"] = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+    return ops
+
+
+def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
+    """name -> (callable, bytes moved, fp32 reference of what it computes)."""
+    m, k = x.shape
+    n = ops["w"].shape[0]
+    (qa, sa), (qa8, sa8) = quantize_rowwise(x, "int8"), quantize_rowwise(x, "fp8")
+    (qw, sw), (qw8, sw8) = ops["int8"], ops["fp8"]
+    out = m * n * 2
+    ref8 = dequantize_rowwise(qa, sa) @ dequantize_rowwise(qw, sw).t()
+    ref_fp8 = dequantize_rowwise(qa8, sa8) @ dequantize_rowwise(qw8, sw8).t()
+    ref4 = x.float() @ ops["w4_dense"].t()
+    w4_bytes = n * k // 2 + 2 * (n * k // GROUP) * 2
+    found = {
+        "bf16": (lambda: x @ ops["w"].t(), n * k * 2 + m * k * 2 + out, x.float() @ ops["w"].float().t()),
+        "w4a16": (lambda: kernels.awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None),
+                  w4_bytes + m * k * 2 + out, ref4),
+        "w8a8": (lambda: kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16),
+                 n * k + m * k + out + 4 * (m + n), ref8),
+        "w8a8 linear": (lambda: _w8a8_linear(x, qw, sw), n * k + m * k * 3 + out, ref8),
+        "fp8": (lambda: kernels.scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out,
+                ref_fp8),
+    }
+    if x.is_cuda:
+        found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
+                                                                          ops["scales_and_zeros"]),
+                             w4_bytes + m * k * 2 + out, ref4)
+        if m > 16:  # cuBLAS INT8 needs M > 16
+            wt = qw.t()
+            found["int_mm"] = (lambda: torch._int_mm(qa, wt), n * k + m * k + m * n * 4,
+                               ref8 / sa[:, None] / sw)
+            found["int_mm+scale"] = (
+                lambda: (torch._int_mm(qa, wt).float() * sa[:, None] * sw).to(torch.bfloat16),
+                n * k + m * k + out, ref8)
+        w8t = qw8.t()
+        found["scaled_mm"] = (lambda: torch._scaled_mm(qa8, w8t, scale_a=sa8[:, None], scale_b=sw8[None, :],
+                                                       out_dtype=torch.bfloat16),
+                              n * k + m * k + out, ref_fp8)
+    return found
+
+
+def _w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    qa, sa = kernels.quantize_per_token(x, "int8")
+    return kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16)
+
+
+def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int,
+              repeats: int) -> list[dict]:
+    ops = weights(k, n, device)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        found = systems(ops, x)
+        times = {}
+        for system, (fn, nbytes, ref) in list(found.items()):
+            try:
+                y = fn()
+            except RuntimeError as e:  # a peer's shape constraint (e.g. M a multiple of 16): no row
+                print(f"note: {system} at M={m}: {str(e).splitlines()[0]}", flush=True)
+                del found[system]
+                continue
+            err = float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+            times[system] = benchmark(fn, warmup=warmup, repeats=repeats, device=device)
+            t = times[system]
+            rows.append({"shape": name, "K": k, "N": n, "M": m, "system": system, "us": t * 1e6,
+                         "TFLOP/s": 2 * m * n * k / t / 1e12, "TB/s": nbytes / t / 1e12, "rel err": err})
+        for row in rows[-len(found):]:
+            row["vs bf16"] = times["bf16"] / times[row["system"]]
+            peer = PEERS.get(row["system"])
+            row["vs peer"] = times[peer] / times[row["system"]] if peer in times else None
+        del x, found
+    del ops
+    release_memory()
+    return rows
+
+
+def tune_configs(kind: str, m: int) -> list[dict]:
+    """Candidate tile configs for the sweep (`tune=true`)."""
+    if kind == "awq":
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        grid = itertools.product((64, 128), (64, 128), (1, 2, 4, 8, 16), (3, 4))
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
+                for bn, bk, sk, st in grid]
+    small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
+    large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
+             (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+            for bm, bn, bk, w, st in (small if m <= 64 else large)]
+
+
+def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
+    (qa, sa), (qa8, sa8) = quantize_rowwise(x, "int8"), quantize_rowwise(x, "fp8")
+    jobs = {"fp8": (lambda c: kernels.scaled_mm_triton(qa8, ops["fp8"][0], sa8, ops["fp8"][1], None,
+                                                         torch.bfloat16, c), "mm"),
+            "w8a8": (lambda c: kernels.scaled_mm_triton(qa, ops["int8"][0], sa, ops["int8"][1], None,
+                                                          torch.bfloat16, c), "mm")}
+    if x.shape[0] <= kernels.AWQ_LARGE_M:
+        jobs["w4a16"] = (lambda c: kernels.awq_gemm_triton(x, ops["qweight"], ops["qzeros"], ops["scales"],
+                                                            GROUP, None, c), "awq")
+    return jobs
+
+
+def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device) -> list[dict]:
+    """Time every candidate config of our kernels; the best per (shape, M, kernel) against the default."""
+    ops = weights(k, n, device)
+    rows = []
+    for m in ms:
+        jobs = _tune_jobs(ops, torch.randn(m, k, device=device, dtype=torch.bfloat16))
+        for system, (fn, kind) in jobs.items():
+            default = benchmark(fn, None, device=device)
+            best, best_t = None, default
+            for c in tune_configs(kind, m):
+                try:
+                    t = benchmark(fn, c, warmup=2, repeats=10, device=device)
+                except Exception as e:  # a config that does not fit (shared memory, registers): skip it
+                    print(f"  skip {system} {c}: {type(e).__name__}", flush=True)
+                    continue
+                if t < best_t:
+                    best, best_t = c, t
+            rows.append({"shape": name, "M": m, "system": system, "default us": default * 1e6,
+                         "best us": best_t * 1e6, "speedup": default / best_t, "best config": str(best)})
+    release_memory()
+    return rows
+
+
+def run(cfg: DictConfig) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model, ms = str(cfg.model), [int(m) for m in cfg.ms]
+    if not cuda:
+        print("note: no GPU: a smoke run of the torch references on tiny shapes; it says nothing about speed",
+              flush=True)
+        model, ms = "tiny", [1, 32]
+    shapes = layer_shapes(model)
+    unknown = sorted(set(cfg.shapes or shapes) - set(shapes))
+    if unknown:
+        raise ValueError(f"shapes {unknown} are unknown; choose from {sorted(shapes)}")
+    peak = measure_matmul_flops(device, n=None if cuda else 256)
+    copy = measure_copy_bandwidth(device)
+    rows, tuned = [], []
+    for name in cfg.shapes or shapes:
+        k, n = shapes[name]
+        shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats))
+        print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
+                                      f"{GROUP}")
+        rows += shape_rows
+        if cfg.tune and cuda:
+            tuned += tune_shape(name, k, n, ms, device)
+            print_table(tuned[-3 * len(ms):], title=f"tile sweep, {name}")
+    print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
+          "(read + write)", flush=True)
+    record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,
+              "copy_TBps": copy / 1e12, "rows": rows, "tuned": tuned,
+              "config": config_record(cfg)}
+    path = Path(hydra_run_dir()) / "bench.json"
+    write_json(path, record)
+    print(f"wrote {path}", flush=True)
+    return record
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

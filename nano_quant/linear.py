@@ -1,0 +1,154 @@
+"""The quantized Linear layers and the module swap that installs them in shared.model.
+
+`W8A8Linear` is SmoothQuant's linear layer (§4, W8A8 precision mapping): INT8 weights with one scale per
+output channel (static), the input quantized per token at run time (dynamic), an INT8 × INT8 → INT32 GEMM, and
+both scales applied to the INT32 accumulator: Y = (X̄ W̄ᵀ) ⊙ (Δ_X Δ_Wᵀ), out in the input's dtype.
+`fmt="fp8"` is the same layer with float8 e4m3 weights and activations (Hopper's FP8 tensor cores).
+
+`WQLinear_GEMM` is AWQ's W4A16 layer in AutoAWQ's "GEMM" layout (its class name): `qweight` int32
+(K, N/8) and `qzeros` int32 (K/G, N/8) packed eight nibbles per int32, `scales` fp16 (K/G, N);
+Y = X·Ŵ with Ŵ = (q − z)·Δ computed on the fly, activations stay in 16 bits.
+
+Each layer calls its operations through `OPS`; the entries here are the torch references (exact:
+INT8 products are summed in float64). `nano_quant.kernels` registers Triton kernels for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import quant
+
+
+def scaled_mm_torch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(a bᵀ) ⊙ (scale_a scale_bᵀ) + bias: a (M, K), b (N, K) int8 or fp8, scales fp32 (M,), (N,)."""
+    acc = a.double() @ b.double().t()  # exact for INT8 (|sum| < 2^53) and for e4m3 products
+    out = acc.float() * scale_a[:, None] * scale_b[None, :]
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def awq_dequantize_torch(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                         group_size: int) -> torch.Tensor:
+    """The (K, N) fp32 weight Ŵ = (q − z)·Δ of AutoAWQ's GEMM layout."""
+    shifts = torch.tensor(quant.AWQ_SHIFTS, device=qweight.device, dtype=torch.int32)
+    q = ((qweight[..., None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    z = ((qzeros[..., None] >> shifts) & 0xF).reshape(qzeros.shape[0], -1)
+    return quant.dequantize_groupwise(q.t(), scales.t(), z.t(), group_size).t()
+
+
+def awq_gemm_torch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) @ Ŵ (K, N) + bias in x's dtype."""
+    out = x @ awq_dequantize_torch(qweight, qzeros, scales, group_size).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+OPS: dict[str, Callable] = {
+    "quantize_per_token": quant.quantize_rowwise,
+    "scaled_mm": scaled_mm_torch,
+    "awq_gemm": awq_gemm_torch,
+}
+
+
+class W8A8Linear(nn.Module):
+    """SmoothQuant's W8A8 linear: per-channel static weight scales, per-token dynamic activation scales."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fmt: str = "int8",
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        quant.check_format(fmt)
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        wdtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=wdtype, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, fmt: str = "int8") -> W8A8Linear:
+        """Quantize an nn.Linear's weight per output channel (round to nearest)."""
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt, w.device, w.dtype)
+        m.weight, m.weight_scale = quant.quantize_rowwise(w, fmt)
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        q, scale = OPS["quantize_per_token"](x2, self.fmt)
+        y = OPS["scaled_mm"](q, self.weight, scale, self.weight_scale, self.bias, x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
+    """AWQ's W4A16 linear in AutoAWQ's GEMM layout (group-wise asymmetric INT4, fp16 scales)."""
+
+    def __init__(self, w_bit: int, group_size: int, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        if w_bit != 4:
+            raise ValueError(f"bits must be 4 for AutoAWQ's GEMM layout, got {w_bit!r}")
+        quant.check_group_size(in_features, group_size)
+        if out_features % 8:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of 8 (eight nibbles per "
+                             "int32)")
+        self.w_bit, self.group_size = w_bit, group_size
+        self.in_features, self.out_features = in_features, out_features
+        k, n, groups = in_features, out_features, in_features // group_size
+        self.register_buffer("qweight", torch.zeros(k, n // 8, dtype=torch.int32, device=device))
+        self.register_buffer("qzeros", torch.zeros(groups, n // 8, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.ones(groups, n, dtype=torch.float16, device=device))
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, zero_point: bool = True) -> WQLinear_GEMM:
+        """Round-to-nearest of an nn.Linear's weight (after AWQ's scaling and clipping, or plain: RTN)."""
+        w = linear.weight
+        bias = linear.bias is not None
+        m = cls(4, group_size, linear.in_features, linear.out_features, bias, w.device, w.dtype)
+        q, scales, zeros = quant.quantize_groupwise(w, group_size, 4, zero_point)
+        if zeros is None:  # symmetric: store q + 8 with zero point 8, the same layout
+            q, zeros = q + 8, torch.full_like(scales, 8, dtype=torch.int32)
+        m.qweight, m.qzeros = quant.pack_awq(q.t()), quant.pack_awq(zeros.t())
+        m.scales = scales.t().contiguous()
+        if linear.bias is not None:
+            m.bias = linear.bias.detach().clone()
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        """The (out, in) fp32 weight this layer multiplies by: (q − z)·Δ."""
+        return awq_dequantize_torch(self.qweight, self.qzeros, self.scales, self.group_size).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = OPS["awq_gemm"](x2, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, w_bit={self.w_bit}, "
+                f"group_size={self.group_size}")
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module],
+                    skip: Callable[[str], bool] = lambda name: False) -> nn.Module:
+    """Swap every nn.Linear of the decoder layers (`model.layers.*`; never the LM head) for `make(name,
+    linear)`, in place, and return the model (the torchtitan way: the model file stays plain)."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and full.startswith("model.layers.") and not skip(full):
+                setattr(module, child_name, make(full, child))
+    return model
+
+
+__all__ = ["OPS", "W8A8Linear", "WQLinear_GEMM", "awq_dequantize_torch", "awq_gemm_torch",
+           "replace_linears", "scaled_mm_torch"]
