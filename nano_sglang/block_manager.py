@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from nano_sglang.radix_cache import RadixCache, TreeNode
+from nano_sglang.sequence import SGLSequence
 from nano_vllm.block_manager import BlockManager
-from nano_vllm.sequence import Sequence
 
 
 class RadixBlockManager(BlockManager):
@@ -36,20 +36,16 @@ class RadixBlockManager(BlockManager):
         self.num_evicted_blocks = 0
 
     # ------------------------------------------------------------------ admission
-    def prefix_limit(self, seq: Sequence) -> int:
-        """Tokens of `seq` that may come from the cache. A request scoring its prompt (`select`) needs the
-        logits of every token from `score_from - 1` on, so those must be computed, not matched."""
-        score_from = getattr(seq, "score_from", None)
-        return seq.num_tokens if score_from is None else max(score_from - 1, 0)
-
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: SGLSequence) -> list[int]:
+        """Pages of the longest cached prefix of `seq` (up to its cacheable tokens: a request scoring its
+        prompt computes the scored tokens' logits); remembers the node for the allocation that follows."""
         if not self.enabled:
             return []
-        pages, node = self.tree.match_prefix(seq.token_ids[: self.prefix_limit(seq)])
+        pages, node = self.tree.match_prefix(seq.token_ids[: seq.num_cacheable_tokens])
         self.matched[seq.seq_id] = node  # an abort now leaves nothing behind: no lock is taken yet
         return pages
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
+    def allocate_slots(self, seq: SGLSequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
                        num_computed_tokens: int | None = None) -> bool:
         if num_computed_tokens is None:  # a running sequence grows
             return self._allocate_evicting(seq, num_new_tokens)
@@ -64,7 +60,7 @@ class RadixBlockManager(BlockManager):
         self.tree.unlock(node)
         return False
 
-    def _allocate_evicting(self, seq: Sequence, n: int, cached: Seq[int] = (), start: int | None = None) -> bool:
+    def _allocate_evicting(self, seq: SGLSequence, n: int, cached: Seq[int] = (), start: int | None = None) -> bool:
         while not super().allocate_slots(seq, n, cached, start):
             table = len(cached) if start is not None else len(seq.block_table)
             end = (start if start is not None else seq.num_computed_tokens) + n
@@ -76,7 +72,7 @@ class RadixBlockManager(BlockManager):
         return True
 
     # ------------------------------------------------------------------ insertion
-    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def cache_blocks(self, seq: SGLSequence, num_tokens: int) -> None:
         """Insert the full blocks of `seq`'s first `num_tokens` tokens and re-match (module docstring)."""
         k = min(num_tokens // self.block_size, len(seq.block_table))
         if not self.enabled or k == 0 or seq.seq_id not in self.locked:
@@ -95,7 +91,7 @@ class RadixBlockManager(BlockManager):
         self.locked[seq.seq_id] = node
 
     # ------------------------------------------------------------------ release
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SGLSequence) -> None:
         """Finish, abort or preemption: unlock the request's path (its blocks stay cached in the tree)
         and drop its references; duplicates of cached blocks return to the pool here."""
         self.matched.pop(seq.seq_id, None)
@@ -104,7 +100,7 @@ class RadixBlockManager(BlockManager):
             self.tree.unlock(node)
         super().free(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: SGLSequence, child: SGLSequence) -> None:
         super().fork(parent, child)
         node = self.locked.get(parent.seq_id)
         if node is not None:

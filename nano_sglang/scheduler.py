@@ -30,7 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nano_sglang.block_manager import RadixBlockManager
+from nano_sglang.constrained import Constraint
 from nano_sglang.radix_cache import TreeNode
+from nano_sglang.sequence import SGLSequence
 from nano_vllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
 
@@ -90,16 +92,16 @@ class CacheAwareScheduler(Scheduler):
         self.enqueued_at: dict[int, int] = {}  # seq_id -> step it first waited
         self.num_deferred = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SGLSequence) -> None:
         super().add(seq)
         self.enqueued_at.setdefault(seq.seq_id, self.num_steps)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: SGLSequence, reason: str) -> None:
         super()._finish(seq, reason)
         self.enqueued_at.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ ordering
-    def order_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
+    def order_waiting(self) -> tuple[list[SGLSequence], list[SGLSequence]]:
         """(this step's admission order, requests deferred to a later step)."""
         p, waiting = self.policy, self.waiting
         aged = [s for s in waiting if self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
@@ -115,7 +117,7 @@ class CacheAwareScheduler(Scheduler):
         else:
             nodes = {}
             for s in rest:
-                pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: bm.prefix_limit(s)])
+                pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: s.num_cacheable_tokens])
                 match_len[s.seq_id] = len(pages) * bm.block_size
             bm.matched.update(nodes)
             rest = lpm_order(rest, match_len) if p.policy == "lpm" else dfs_weight_order(rest, nodes, bm.tree.root)
@@ -147,16 +149,17 @@ class CacheAwareScheduler(Scheduler):
             self.num_steps += 1
 
     # ------------------------------------------------------------------ constrained decoding
-    def postprocess(self, out: SchedulerOutput, sampled: list[int], now: float | None = None) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: list[int],
+                    now: float | None = None) -> list[SGLSequence]:
+        """nano_vllm's postprocess, then §4 for constrained requests: advance the FSM by the sampled token,
+        jump forward over the compressed edge it now stands on, finish when the FSM accepts and nothing may
+        follow."""
         finished = super().postprocess(out, sampled, now)
         for seq, samples in zip(out.seqs, out.samples):
-            constraint = getattr(seq, "constraint", None)
-            if constraint is None or not samples or seq.status is SequenceStatus.WAITING:
-                continue
-            token = seq.token_ids[-1]
-            if seq.is_finished:
-                continue  # EOS in an accepting state, or the length limit
-            constraint.advance(token)
+            constraint = seq.constraint
+            if constraint is None or not samples or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished already (EOS in an accepting state, the length limit) or aborted
+            constraint.advance(seq.token_ids[-1])
             forced = constraint.forced_string() if constraint.jump_forward else ""
             if forced:
                 self._jump_forward(seq, constraint, forced)
@@ -171,7 +174,7 @@ class CacheAwareScheduler(Scheduler):
                 finished.append(seq)
         return finished
 
-    def _jump_forward(self, seq: Sequence, constraint, forced: str) -> None:
+    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, forced: str) -> None:
         """§4 jump-forward: append the forced string without model calls. The last sampled token is not
         computed yet, so it is re-tokenized together with the forced string (a boundary token such as
         `"` followed by `name` may merge differently); the next step prefills the new tokens."""
