@@ -60,7 +60,8 @@ class RadixBlockManager(BlockManager):
         self.tree.unlock(node)
         return False
 
-    def _allocate_evicting(self, seq: SGLSequence, n: int, cached: Seq[int] = (), start: int | None = None) -> bool:
+    def _allocate_evicting(self, seq: SGLSequence, n: int, cached: Seq[int] = (),
+                           start: int | None = None) -> bool:
         while not super().allocate_slots(seq, n, cached, start):
             table = len(cached) if start is not None else len(seq.block_table)
             end = (start if start is not None else seq.num_computed_tokens) + n
@@ -112,8 +113,3 @@ class RadixBlockManager(BlockManager):
         self.tree.clear()
         self.locked.clear()
         self.matched.clear()
-
-    # ------------------------------------------------------------------ accounting
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.tree.total_pages()

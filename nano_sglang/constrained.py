@@ -70,10 +70,8 @@ class TokenIndex:
         return m
 
 
-@functools.lru_cache(maxsize=256)
-def cached_fsm(pattern: str) -> RegexFSM:
-    """Compiled FSMs are shared by every request with the same regex (and so are their masks)."""
-    return compile_regex(pattern)
+# Compiled FSMs are shared by every request with the same regex (and so are their token masks).
+cached_fsm = functools.lru_cache(maxsize=256)(compile_regex)
 
 
 class Constraint:
@@ -99,17 +97,14 @@ class Constraint:
         return self.index.mask(self.fsm, self.state, device)
 
     def advance(self, token_id: int) -> None:
-        text = self.index.strings.get(token_id)
+        """Read a sampled token's text (the mask allowed only tokens the FSM can read)."""
+        self.advance_string(self.index.strings.get(token_id), f"token {token_id} ")
+
+    def advance_string(self, text: str | None, what: str = "") -> None:
+        """Read `text` (a token's, or jump-forward's forced string)."""
         nxt = None if text is None else self.fsm.step(self.state, text)
         if nxt is None:
-            raise RuntimeError(f"token {token_id} ({text!r}) violates regex {self.fsm.pattern!r} "
-                               f"in state {self.state}")
-        self.state = nxt
-
-    def advance_string(self, text: str) -> None:
-        nxt = self.fsm.step(self.state, text)
-        if nxt is None:
-            raise RuntimeError(f"{text!r} violates regex {self.fsm.pattern!r}")
+            raise RuntimeError(f"{what}{text!r} violates regex {self.fsm.pattern!r} in state {self.state}")
         self.state = nxt
 
     def forced_string(self) -> str:

@@ -29,12 +29,6 @@ from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine, RequestOutput
 from nano_vllm.sampling_params import SamplingParams
 
-# Token counts at which SGLEngine captures CUDA graphs for steps that are not pure decode (unless the config
-# names its own): jump-forward makes many small extend steps, and an eager step is host-bound (~28 ms
-# against ~9 ms for a graph step on the llama3-8b shape, BENCHMARKS.md). Read only by nano_vllm's CUDA-graph
-# layer; on a CPU, or with enforce_eager, nothing is captured.
-MIXED_CUDAGRAPH_SIZES = (64, 128, 256, 512)
-
 
 class SGLEngine(LLMEngine):
     """nano_vllm's engine with SGLang's parts (module docstring); `policy` configures the scheduler."""
@@ -47,19 +41,14 @@ class SGLEngine(LLMEngine):
     def __init__(self, config: EngineConfig, policy: CacheAwareConfig | None = None):
         if config.tensor_parallel_size != 1:
             raise ValueError("nano_sglang runs on one device: tensor_parallel_size must be 1")
-        if config.mixed_cudagraph_sizes is None:
-            config = config.replace(mixed_cudagraph_sizes=tuple(
-                s for s in MIXED_CUDAGRAPH_SIZES if s <= config.max_num_batched_tokens))
         self.scheduler_cls = functools.partial(CacheAwareScheduler, policy=policy)
         super().__init__(config)
-        self._index: TokenIndex | None = None
 
-    @property
+    @functools.cached_property
     def token_index(self) -> TokenIndex:
-        """The vocabulary's character trie for constrained decoding (§4), built on first use."""
-        if self._index is None:
-            self._index = TokenIndex(self.tokenizer, self.model_config.vocab_size, self.scheduler.eos_token_ids)
-        return self._index
+        """The vocabulary's character trie for constrained decoding (§4), built on first use (it decodes
+        every token id once)."""
+        return TokenIndex(self.tokenizer, self.model_config.vocab_size, self.scheduler.eos_token_ids)
 
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,

@@ -50,8 +50,7 @@ class RegexFSM:
         singular transitions (one outgoing character, not accepting). Empty when the next character is a
         choice."""
         if state not in self._forced:
-            out = []
-            s = state
+            out, s = [], state
             while s not in self.accept and len(self.trans[s]) == 1 and len(out) < 4096:
                 (c, s), = self.trans[s].items()
                 out.append(c)
@@ -69,7 +68,7 @@ class RegexFSM:
 
 
 def compile_regex(pattern: str) -> RegexFSM:
-    """Regex → DFA (nano_sglang.regex_compiler). Raises ValueError for invalid syntax or a regex that matches
-    no string."""
+    """Regex → DFA (nano_sglang.regex_compiler). Raises ValueError for invalid syntax or a regex that
+    matches no string."""
     trans, accept = regex_to_dfa(pattern)
     return RegexFSM(pattern, trans, accept)

@@ -114,21 +114,13 @@ class ProgramState:
         self._text = text
         self.vars: dict[str, str] = {}
         self.meta: dict[str, dict] = {}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._queue: queue.Queue[list] = queue.Queue()  # appended parts; join() waits until all have run
         self._error: BaseException | None = None
-        self._stream: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._run, daemon=True)
-        self._worker.start()
+        self._stream: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
 
     # ------------------------------------------------------------------ program-facing API
     def __iadd__(self, other) -> ProgramState:
-        with self._lock:
-            self._pending += 1
-            self._idle.clear()
         self._queue.put(_parts(other))
         return self
 
@@ -141,7 +133,8 @@ class ProgramState:
         return self._text
 
     def sync(self) -> None:
-        self._idle.wait()
+        """Wait until every queued primitive has run; raise the first error one of them raised."""
+        self._queue.join()
         if self._error is not None:
             raise self._error
 
@@ -161,7 +154,8 @@ class ProgramState:
             try:
                 yield self._stream.get(timeout=0.05)
             except queue.Empty:
-                if self._idle.is_set() and self._stream.empty():
+                # a part's text is streamed before the part is marked done, so idle + empty is the end
+                if self._queue.unfinished_tasks == 0 and self._stream.empty():
                     return
 
     # ------------------------------------------------------------------ the worker
@@ -174,33 +168,28 @@ class ProgramState:
                         self._execute(part)
             except BaseException as e:  # surfaced to the program at its next sync
                 self._error = e
-            with self._lock:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.set()
+            finally:
+                self._queue.task_done()
 
-    def _execute(self, part) -> None:
+    def _execute(self, part: str | Gen | Select) -> None:
         if isinstance(part, str):
             self._text += part
             self._stream.put(part)
-        elif isinstance(part, Gen):
-            out = []
+            return
+        if isinstance(part, Gen):
+            value = ""
             for delta in self.backend.generate(self._text, part):
-                out.append(delta)
+                value += delta
                 self._stream.put(delta)
-            value = "".join(out)
-            self._text += value
-            if part.name:
-                self.vars[part.name] = value
-        else:
+        else:  # select: the choice whose tokens the model finds likeliest after the text so far
             scores = self.backend.score_choices(self._text, part.choices)
-            best = max(range(len(scores)), key=lambda i: scores[i])
-            value = part.choices[best]
-            self._text += value
+            value = part.choices[max(range(len(scores)), key=scores.__getitem__)]
             self._stream.put(value)
             if part.name:
-                self.vars[part.name] = value
                 self.meta[part.name] = {"normalized_prompt_logprobs": scores}
+        self._text += value
+        if part.name:
+            self.vars[part.name] = value
 
 
 class SglFunction:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +40,8 @@ class SGLModelRunner(ModelRunner):
             for p in range(max(start, seq.score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
                 rows.append(inputs.cu_seqlens_q[i] + p - start)
                 scored.append((seq, seq.token_ids[p + 1]))
-        fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
-        return SGLStepInputs(**{**fields, "sample_rows": rows + inputs.sample_rows}, scored=scored)
+        inputs.sample_rows = rows + inputs.sample_rows
+        return SGLStepInputs(**vars(inputs), scored=scored)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         """nano_vllm's step, then: scored rows → `prompt_logprobs`; constrained rows masked by their FSM."""

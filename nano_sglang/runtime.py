@@ -3,7 +3,8 @@
 The frontend (nano_sglang.lang) runs every program state on its own thread; their requests must meet in
 the same engine steps, and the same radix tree, for batching and prefix sharing to happen. nano_vllm's
 `EngineLoop` does exactly that for its server; `Runtime` speaks `Handle`s to it instead of HTTP streams.
-The runtime is an entry point, so it turns nano_vllm's performance layers on (the kernel warm-up on CUDA).
+The runtime is an entry point, so it turns nano_vllm's performance layers on: CUDA graphs for the steps
+jump-forward makes (`MIXED_CUDAGRAPH_SIZES`) and the kernel warm-up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from nano_vllm.config import EngineConfig
 from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
+
+# Token counts at which the runtime's engine captures CUDA graphs for steps that are not pure decode (unless
+# `mixed_cudagraph_sizes` is given): jump-forward makes many small extend steps, and an eager step is
+# host-bound (~28 ms against ~9 ms for a graph step on the llama3-8b shape, BENCHMARKS.md).
+MIXED_CUDAGRAPH_SIZES = (64, 128, 256, 512)
 
 
 @dataclass
@@ -82,7 +88,7 @@ class _HandleLoop(EngineLoop):
             self._end(handle, seq.finish_reason)
 
     def _end(self, handle: Handle, reason: str | None, error: str | None = None) -> None:
-        # A Handle has no finish reason of its own (the sequence has it); wait/stream only tell error from not.
+        # A Handle keeps no finish reason (its sequence has it): wait/stream only tell an error from none.
         handle.error = error
         handle.done.set()
         handle.events.put(None)
@@ -94,7 +100,11 @@ class Runtime:
 
     def __init__(self, model: str = "tiny", policy: str | CacheAwareConfig = "lpm", **engine_args):
         pol = CacheAwareConfig(policy) if isinstance(policy, str) else policy
-        self.engine = with_performance_layers(SGLEngine(EngineConfig(model=str(model), **engine_args), pol))
+        config = EngineConfig(model=str(model), **engine_args)
+        if config.mixed_cudagraph_sizes is None:
+            config = config.replace(mixed_cudagraph_sizes=tuple(
+                s for s in MIXED_CUDAGRAPH_SIZES if s <= config.max_num_batched_tokens))
+        self.engine = with_performance_layers(SGLEngine(config, pol))
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

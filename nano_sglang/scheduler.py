@@ -27,6 +27,7 @@ performs jump-forward (§4) by appending the forced string's tokens, which the n
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from nano_sglang.block_manager import RadixBlockManager
@@ -62,24 +63,24 @@ def lpm_order(seqs: list[Sequence], match_len: dict[int, int]) -> list[Sequence]
 
 def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode], root: TreeNode) -> list[Sequence]:
     """DFS over the tree of matched nodes, children by weight (waiting requests below) descending."""
-    weight: dict[int, int] = {}
-    children: dict[int, dict[int, TreeNode]] = {}
-    at_node: dict[int, list[Sequence]] = {}
+    weight: Counter[int] = Counter()
+    children: defaultdict[int, dict[int, TreeNode]] = defaultdict(dict)
+    at_node: defaultdict[int, list[Sequence]] = defaultdict(list)
     for s in sorted(seqs, key=lambda s: s.seq_id):
         node = nodes[s.seq_id]
-        at_node.setdefault(node.id, []).append(s)
+        at_node[node.id].append(s)
         while node is not None:
-            weight[node.id] = weight.get(node.id, 0) + 1
+            weight[node.id] += 1
             if node.parent is not None:
-                children.setdefault(node.parent.id, {})[node.id] = node
+                children[node.parent.id][node.id] = node
             node = node.parent
     out: list[Sequence] = []
     stack = [root]
     while stack:
         node = stack.pop()
-        out.extend(at_node.get(node.id, ()))
-        kids = sorted(children.get(node.id, {}).values(), key=lambda n: (weight[n.id], -n.id))
-        stack.extend(kids)  # the heaviest is popped first
+        out += at_node[node.id]
+        # the heaviest child is pushed last, so it is visited first
+        stack += sorted(children[node.id].values(), key=lambda n: (weight[n.id], -n.id))
     return out
 
 
@@ -90,7 +91,6 @@ class CacheAwareScheduler(Scheduler):
         self.policy = policy or CacheAwareConfig()
         self.num_steps = 0
         self.enqueued_at: dict[int, int] = {}  # seq_id -> step it first waited
-        self.num_deferred = 0
 
     def add(self, seq: SGLSequence) -> None:
         super().add(seq)
@@ -103,45 +103,36 @@ class CacheAwareScheduler(Scheduler):
     # ------------------------------------------------------------------ ordering
     def order_waiting(self) -> tuple[list[SGLSequence], list[SGLSequence]]:
         """(this step's admission order, requests deferred to a later step)."""
-        p, waiting = self.policy, self.waiting
-        aged = [s for s in waiting if self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
-                >= p.max_wait_steps]
-        aged_ids = {s.seq_id for s in aged}
-        rest = [s for s in waiting if s.seq_id not in aged_ids]
-        bm: RadixBlockManager = self.block_manager
-        match_len: dict[int, int] = {}
+        p, bm = self.policy, self.block_manager
+        aged, rest = [], []  # aged: waited max_wait_steps or more, they go first in arrival order
+        for s in self.waiting:
+            waited = self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
+            (aged if waited >= p.max_wait_steps else rest).append(s)
+        match_len = dict.fromkeys((s.seq_id for s in rest), 0)
         if p.policy == "fcfs" or len(rest) > p.lpm_max_queue or not bm.enabled:
             rest.sort(key=lambda s: s.seq_id)
-            for s in rest:
-                match_len[s.seq_id] = 0
         else:
             nodes = {}
             for s in rest:
                 pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: s.num_cacheable_tokens])
                 match_len[s.seq_id] = len(pages) * bm.block_size
-            bm.matched.update(nodes)
-            rest = lpm_order(rest, match_len) if p.policy == "lpm" else dfs_weight_order(rest, nodes, bm.tree.root)
+            bm.matched.update(nodes)  # the allocation that follows uses these matches
+            rest = (lpm_order(rest, match_len) if p.policy == "lpm"
+                    else dfs_weight_order(rest, nodes, bm.tree.root))
         order, deferred = sorted(aged, key=lambda s: s.seq_id), []
-        if p.defer_threshold is not None:
-            leaders: set[tuple[int, ...]] = set()
-            for s in rest:
-                m = match_len[s.seq_id]
-                if s.num_tokens - m - 1 < p.defer_threshold:  # nothing long left to share
-                    order.append(s)
-                    continue
-                key = tuple(s.token_ids[m : m + p.defer_threshold])
-                if (m, key) in leaders:
-                    deferred.append(s)
-                else:
-                    leaders.add((m, key))
-                    order.append(s)
-        else:
-            order += rest
+        leaders: set[tuple[int, tuple[int, ...]]] = set()  # (cached length, next uncached tokens) ahead
+        for s in rest:
+            m = match_len[s.seq_id]
+            if p.defer_threshold is None or s.num_tokens - m - 1 < p.defer_threshold:
+                order.append(s)  # nothing long left to share
+                continue
+            key = (m, tuple(s.token_ids[m : m + p.defer_threshold]))
+            (deferred if key in leaders else order).append(s)
+            leaders.add(key)
         return order, deferred
 
     def schedule(self) -> SchedulerOutput:
         self.waiting, deferred = self.order_waiting()
-        self.num_deferred += len(deferred)
         try:
             return super().schedule()
         finally:
@@ -179,10 +170,8 @@ class CacheAwareScheduler(Scheduler):
         computed yet, so it is re-tokenized together with the forced string (a boundary token such as
         `"` followed by `name` may merge differently); the next step prefills the new tokens."""
         tok = constraint.tokenizer
-        last = seq.token_ids[-1]
-        ids = tok.encode(tok.decode([last]) + forced)
-        room = self.config.max_model_len - (seq.num_tokens - 1)
-        ids = ids[:room]
+        ids = tok.encode(tok.decode(seq.token_ids[-1:]) + forced)
+        ids = ids[: self.config.max_model_len - seq.num_tokens + 1]  # never past max_model_len
         seq.token_ids[-1:] = ids
         seq.token_times.extend([seq.token_times[-1]] * (len(ids) - 1))
         constraint.advance_string(forced)

@@ -1,4 +1,4 @@
-"""`SGLSequence`: nano_vllm's `Sequence` plus the per-request state SGLang's primitives add (arXiv 2312.07104).
+"""`SGLSequence`: nano_vllm's `Sequence` plus the per-request state of SGLang's primitives (arXiv 2312.07104).
 
 * `constraint` — constrained decoding (§4): the request's position in its regex FSM, advanced by the
   scheduler after each token and read by the model runner for the token mask.
