@@ -27,6 +27,8 @@ from nano_vllm.block_manager import BlockManager
 
 
 class RadixBlockManager(BlockManager):
+    """nano_vllm's block manager with the radix tree as its prefix cache (module docstring)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         super().__init__(num_blocks, block_size, enable_prefix_caching=False)  # no hash chain
         self.tree = RadixCache(self.pool, block_size)
@@ -47,6 +49,8 @@ class RadixBlockManager(BlockManager):
 
     def allocate_slots(self, seq: SGLSequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
                        num_computed_tokens: int | None = None) -> bool:
+        """nano_vllm's allocation, evicting LRU leaves of the tree when blocks run out. On admission the
+        matched node is locked first, so eviction never takes the prefix the request is about to use."""
         if num_computed_tokens is None:  # a running sequence grows
             return self._allocate_evicting(seq, num_new_tokens)
         node = self.matched.pop(seq.seq_id, self.tree.root)

@@ -38,6 +38,7 @@ class RegexFSM:
         return state
 
     def matches(self, text: str) -> bool:
+        """Whether the regex matches all of `text`."""
         s = self.step(0, text)
         return s is not None and s in self.accept
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 @dataclass
 class Gen:
+    """The `gen` primitive: a generation call whose text lands in variable `name` (§2)."""
+
     name: str | None
     max_tokens: int = 32
     temperature: float = 0.0
@@ -47,6 +49,8 @@ class Gen:
 
 @dataclass
 class Select:
+    """The `select` primitive: the likeliest of `choices` lands in variable `name` (§2)."""
+
     name: str | None
     choices: list[str]
 
@@ -95,14 +99,17 @@ def _role(role: str, content="") -> _Expr:
 
 
 def system(content="") -> _Expr:
+    """A system message (ChatML)."""
     return _role("system", content)
 
 
 def user(content="") -> _Expr:
+    """A user message (ChatML)."""
     return _role("user", content)
 
 
 def assistant(content="") -> _Expr:
+    """An assistant message (ChatML); usually holds a `gen` or `select`."""
     return _role("assistant", content)
 
 
@@ -145,6 +152,7 @@ class ProgramState:
         return [ProgramState(self.backend, self._text) for _ in range(n)]
 
     def join(self, forks: list[ProgramState]) -> None:
+        """Wait for every branch of a `fork` (their variables are read from the branches)."""
         for f in forks:
             f.sync()
 
@@ -193,11 +201,14 @@ class ProgramState:
 
 
 class SglFunction:
+    """A prompt program (`@function`): run it once on a fresh program state, or many at once."""
+
     def __init__(self, fn: Callable):
         self.fn = fn
         functools.update_wrapper(self, fn)
 
     def run(self, *args, backend, **kwargs) -> ProgramState:
+        """Run the program on a fresh state over `backend`; returns the state once every primitive ran."""
         state = ProgramState(backend)
         self.fn(state, *args, **kwargs)
         state.sync()

@@ -28,6 +28,8 @@ class SGLStepInputs(StepInputs):
 
 
 class SGLModelRunner(ModelRunner):
+    """nano_vllm's model runner with prompt scoring and FSM masks (module docstring)."""
+
     def prepare(self, out: SchedulerOutput) -> SGLStepInputs:
         """nano_vllm's packed batch; the rows of prompt tokens being scored go first in `sample_rows`."""
         inputs = super().prepare(out)

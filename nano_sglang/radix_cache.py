@@ -34,6 +34,9 @@ from nano_vllm.block_manager import BlockPool  # the tree needs only its incref 
 
 
 class TreeNode:
+    """A node of the radix tree: the edge into it (`key`, its token run, and `pages`, their KV pages) and
+    its lock count (requests reading it or a descendant)."""
+
     _ids = itertools.count()
 
     __slots__ = ("children", "id", "key", "last_access", "lock_ref", "pages", "parent")
@@ -159,6 +162,8 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        """A request no longer reads node's path: count down to the root; unlocked leaves become
+        eviction candidates."""
         now = next(self.clock)
         while node is not self.root:
             if node.lock_ref <= 0:

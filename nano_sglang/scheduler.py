@@ -42,6 +42,8 @@ POLICIES = ("lpm", "dfs-weight", "fcfs")
 
 @dataclass
 class CacheAwareConfig:
+    """The cache-aware scheduler's policy and refinements (module docstring)."""
+
     policy: str = "lpm"
     defer_threshold: int | None = 32  # tokens; None: no deferral
     max_wait_steps: int = 128  # aging bound
@@ -85,6 +87,9 @@ def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode], root: Tre
 
 
 class CacheAwareScheduler(Scheduler):
+    """nano_vllm's scheduler with the waiting queue re-ordered before every step (§3) and jump-forward for
+    constrained requests after it (§4)."""
+
     def __init__(self, config: SchedulerConfig, block_manager: RadixBlockManager,
                  eos_token_ids: set[int] | None = None, policy: CacheAwareConfig | None = None):
         super().__init__(config, block_manager, eos_token_ids)
@@ -132,6 +137,7 @@ class CacheAwareScheduler(Scheduler):
         return order, deferred
 
     def schedule(self) -> SchedulerOutput:
+        """nano_vllm's step over the cache-aware order; deferred requests wait for the next step."""
         self.waiting, deferred = self.order_waiting()
         try:
             return super().schedule()

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 
 class SGLSequence(Sequence):
+    """A request of the SGLang runtime: nano_vllm's `Sequence` plus `constraint`, `score_from` and
+    `prompt_logprobs` (module docstring). Raises ValueError for a `score_from` outside [1, prompt length)."""
+
     def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, arrival_time: float | None = None, *,
                  constraint: Constraint | None = None, score_from: int | None = None):
