@@ -6,6 +6,7 @@ The runtime, an entry point, turns the performance layers on; the engine alone d
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,37 +80,31 @@ def test_generate_leaves_nothing_queued_when_a_later_prompt_is_bad(ckpt):
     assert bm.num_free_blocks + bm.tree.total_pages() == bm.num_blocks and not bm.locked
 
 
-class EagerReplay:
-    """A stand-in for a captured graph on a CPU: replaying runs its body again on the static buffers."""
-
-    def __init__(self, body):
-        self.body, self.replays = body, 0
-
-    def replay(self) -> None:
-        self.body()
-        self.replays += 1
-
-
 def test_mixed_step_graphs_keep_constraints_jump_forward_and_scores(ckpt, monkeypatch):
-    """Jump-forward's extend steps and prompt-scoring steps replay the mixed-step graphs: same tokens, same
+    """Jump-forward's extend steps and a prompt-scoring step replay the mixed-step graphs: same tokens, same
     scores as the eager engine."""
-    results = []
+    results, mixed_replays = [], []
+    # a stand-in for a captured graph on a CPU: replaying runs its body again on the static buffers
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: SimpleNamespace(replay=body))
+    replay = MixedStepGraphs.replay
+    monkeypatch.setattr(MixedStepGraphs, "replay", lambda self, inputs: mixed_replays.append(inputs) or
+                        replay(self, inputs))
     for graphs in (False, True):
         engine = SGLEngine(EngineConfig(**engine_args(ckpt, mixed_cudagraph_sizes=(32, 64, 128))))
         if graphs:
-            monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: EagerReplay(body))
             engine.model_runner.cudagraphs = capture_cudagraphs(engine.model_runner)
         outs = engine.generate([f"Item {i}: " for i in range(3)], SamplingParams(temperature=0.0, max_tokens=64),
                                json_schema=SCHEMA)
-        scored = engine.add_request(list(range(40, 90)), SamplingParams(max_tokens=1), score_from=30)
+        scored = engine.add_request(list(range(40, 90)), SamplingParams(max_tokens=1), score_from=45)
         while engine.has_unfinished_requests():
             engine.step()
         results.append(([o.token_ids for o in outs], scored.prompt_logprobs))
+        assert len(scored.prompt_logprobs) == 5
+        if graphs:  # the scoring step (50 tokens, 5 scored rows + 1 sampled) fits the graph of 64 tokens
+            assert any(len(i.token_ids) == 50 and len(i.sample_rows) == 6 for i in mixed_replays)
         for o in outs:
             assert set(json.loads(o.text)) == {"name", "ok"}, o.text
-        if graphs:
-            mixed = next(g for g in engine.model_runner.cudagraphs if isinstance(g, MixedStepGraphs))
-            assert sum(g.replays for g in mixed.graphs.values()) > 0
+        assert bool(mixed_replays) == graphs
     (eager_ids, eager_scores), (graph_ids, graph_scores) = results
     assert graph_ids == eager_ids
     assert graph_scores == pytest.approx(eager_scores, abs=1e-4)
