@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-from nano_sglang.engine import Runtime
 from nano_sglang.lang import Gen
+from nano_sglang.runtime import Runtime
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.tokenizer import IncrementalDetokenizer
 

@@ -1,5 +1,6 @@
-"""`python -m nano_sglang.bench`: synthetic LLM programs on nano_sglang vs nano_vllm (prefix caching off and
-on), in one run; plus JSON decoding with and without jump-forward (SGLang, arXiv 2312.07104, §6).
+"""`python -m nano_sglang.bench`: synthetic LLM programs on nano_sglang's radix cache against its peer,
+nano_vllm's hash prefix cache (prefix caching on), and against nano_vllm without prefix caching, in one run;
+plus JSON decoding with and without jump-forward (SGLang, arXiv 2312.07104, §6).
 
 A program is a list of calls; call j's prompt is everything before it (earlier prompts and outputs) plus
 new tokens, so later calls extend earlier ones, as in the paper's workloads. Shapes (configs/bench.yaml):
@@ -19,9 +20,12 @@ prompt or earlier generated text: what an infinite cache computes; `optimal_hit_
 also "bookkeeping %": wall time inside the radix tree (match, insert, lock, unlock, evict) and the
 cache-aware ordering of the waiting queue, over the engine's step time.
 
-Each system is one engine (built once, warmed up by running each workload once untimed, its prefix cache
-emptied before each run) and is freed before the next is built, so every engine sizes its KV cache from the
-same memory.
+Each system is one engine with nano_vllm's performance layers on (`with_performance_layers`: the kernel
+warm-up; CUDA graphs for decode and for mixed steps at `engine.mixed_cudagraph_sizes`), built once, warmed up
+by running each workload once untimed, its prefix cache emptied before each run, and freed before the next
+is built, so every engine sizes its KV cache from the same memory. The table lists, per workload,
+nano_sglang, the peer (`vs vllm on`) and nano_vllm without prefix caching (`vs vllm off`); a headline per
+workload follows it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from shared.bench import print_table, release_memory, write_json
 from shared.hydra_utils import hydra_run_dir
 
 Call = tuple[list[int], int]  # (new prompt tokens, output tokens)
+SGL, VLLM_ON, VLLM_OFF = "nano_sglang", "nano_vllm, prefix caching on", "nano_vllm, prefix caching off"
 
 
 def make_programs(name: str, shape: dict, rng: random.Random, vocab: int) -> list[list[Call]]:
@@ -205,6 +210,20 @@ def run_json(engine: SGLEngine, n: int, jump_forward: bool) -> dict:
             "output tokens": sum(len(o.token_ids) for o in outs)}
 
 
+def headlines(rows: list[dict]) -> list[str]:
+    """One line per workload: nano_sglang against its peer (nano_vllm's hash prefix cache), then against
+    nano_vllm without prefix caching."""
+    out = []
+    for r in rows:
+        if r["system"] != SGL:
+            continue
+        peer = next(p for p in rows if p["workload"] == r["workload"] and p["system"] == VLLM_ON)
+        out.append(f"{r['workload']}: radix cache {r['vs vllm on']:.2f}x the programs/s of nano_vllm's hash "
+                   f"prefix cache (hit rate {r['hit rate']:.1%} vs {peer['hit rate']:.1%}, optimum "
+                   f"{r['optimal hit rate']:.1%}); {r['vs vllm off']:.2f}x nano_vllm without prefix caching")
+    return out
+
+
 def run(cfg: DictConfig) -> dict:
     quick = (not torch.cuda.is_available()) if cfg.quick is None else bool(cfg.quick)
     model = "tiny" if quick and not Path(str(cfg.model)).is_dir() else str(cfg.model)  # quick: any preset
@@ -218,34 +237,34 @@ def run(cfg: DictConfig) -> dict:
             shape = {k: (max(1, v // 8) if k == "programs" else v if k in ("turns", "steps", "branches", "depth",
                      "groups") else max(2, v // 10)) for k, v in shape.items()}
         shapes[name] = make_programs(name, shape, random.Random(cfg.seed), 4000)
-    systems = [("nano_sglang", lambda: SGLEngine(EngineConfig(model=model, **engine_args),
-                                                CacheAwareConfig(cfg.policy))),
-               ("nano_vllm, prefix caching off", lambda: with_performance_layers(LLMEngine(EngineConfig(
+    systems = [(SGL, lambda: with_performance_layers(SGLEngine(EngineConfig(model=model, **engine_args),
+                                                                CacheAwareConfig(cfg.policy)))),
+               (VLLM_OFF, lambda: with_performance_layers(LLMEngine(EngineConfig(
                    model=model, **engine_args, enable_prefix_caching=False)))),
-               ("nano_vllm, prefix caching on", lambda: with_performance_layers(LLMEngine(EngineConfig(
-                   model=model, **engine_args))))]
+               (VLLM_ON, lambda: with_performance_layers(LLMEngine(EngineConfig(model=model, **engine_args))))]
     by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
     for system, make in systems if shapes else []:  # workloads=[]: the JSON part only
         engine = make()
         book = bookkeeping_of(engine)
         for name, programs in shapes.items():
             # Warm-up on the whole workload (untimed, cache emptied after): every kernel variant its steps
-            # need is compiled before the timed run. One program is not enough: its steps are small, run as
-            # CUDA graphs, and a multi-sequence eager step then compiles inside the timed region (~1.2 s).
+            # need is compiled before the timed run. One program would not do: its steps are small and
+            # replay CUDA graphs, so the workload's multi-sequence eager steps would compile while timed.
             run_programs(engine, programs)
             by_workload[name].append({"workload": name, "system": system, **run_programs(engine, programs, book)})
         del engine, book
         release_memory()  # this engine's KV cache goes before the next one sizes its own from free memory
     rows, json_rows = [], []
     for results in by_workload.values():
+        by_system = {r["system"]: r for r in results}
         for r in results:
-            r["vs vllm off"] = r["programs/s"] / results[1]["programs/s"]
-            r["vs vllm on"] = r["programs/s"] / results[2]["programs/s"]
+            r["vs vllm on"] = r["programs/s"] / by_system[VLLM_ON]["programs/s"]
+            r["vs vllm off"] = r["programs/s"] / by_system[VLLM_OFF]["programs/s"]
             r["% of optimal hits"] = (100 * r["hit rate"] / r["optimal hit rate"] if r["optimal hit rate"] > 0
                                       else None)
-        rows += results
+        rows += [by_system[s] for s in (SGL, VLLM_ON, VLLM_OFF)]  # nano_sglang, its peer, no cache
     if cfg.json_programs:
-        engine = SGLEngine(EngineConfig(model=model, **engine_args))
+        engine = with_performance_layers(SGLEngine(EngineConfig(model=model, **engine_args)))
         n = max(2, cfg.json_programs // (8 if quick else 1))
         run_json(engine, 2, True)  # warm-up: FSM compile and token masks
         json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
@@ -257,9 +276,11 @@ def run(cfg: DictConfig) -> dict:
         for r in rows:
             if key in r:
                 print(f"{r['workload']}: bookkeeping ms by method: {r[key]}", flush=True)
+        for line in headlines(rows):
+            print(line, flush=True)
     if json_rows:
         print_table(json_rows, title="JSON decoding (regex FSM from a JSON schema)")
-    record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy,
+    record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy, "peer": VLLM_ON,
               "engine": engine_args, "rows": rows, "json": json_rows}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)

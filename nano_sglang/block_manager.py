@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from nano_sglang.radix_cache import RadixCache, TreeNode
+from nano_sglang.sequence import SGLSequence
 from nano_vllm.block_manager import BlockManager
-from nano_vllm.sequence import Sequence
 
 
 class RadixBlockManager(BlockManager):
+    """nano_vllm's block manager with the radix tree as its prefix cache (module docstring)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         super().__init__(num_blocks, block_size, enable_prefix_caching=False)  # no hash chain
         self.tree = RadixCache(self.pool, block_size)
@@ -36,21 +38,19 @@ class RadixBlockManager(BlockManager):
         self.num_evicted_blocks = 0
 
     # ------------------------------------------------------------------ admission
-    def prefix_limit(self, seq: Sequence) -> int:
-        """Tokens of `seq` that may come from the cache. A request scoring its prompt (`select`) needs the
-        logits of every token from `score_from - 1` on, so those must be computed, not matched."""
-        score_from = getattr(seq, "score_from", None)
-        return seq.num_tokens if score_from is None else max(score_from - 1, 0)
-
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: SGLSequence) -> list[int]:
+        """Pages of the longest cached prefix of `seq` (up to its cacheable tokens: a request scoring its
+        prompt computes the scored tokens' logits); remembers the node for the allocation that follows."""
         if not self.enabled:
             return []
-        pages, node = self.tree.match_prefix(seq.token_ids[: self.prefix_limit(seq)])
+        pages, node = self.tree.match_prefix(seq.token_ids[: seq.num_cacheable_tokens])
         self.matched[seq.seq_id] = node  # an abort now leaves nothing behind: no lock is taken yet
         return pages
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
+    def allocate_slots(self, seq: SGLSequence, num_new_tokens: int, cached_blocks: Seq[int] = (),
                        num_computed_tokens: int | None = None) -> bool:
+        """nano_vllm's allocation, evicting LRU leaves of the tree when blocks run out. On admission the
+        matched node is locked first, so eviction never takes the prefix the request is about to use."""
         if num_computed_tokens is None:  # a running sequence grows
             return self._allocate_evicting(seq, num_new_tokens)
         node = self.matched.pop(seq.seq_id, self.tree.root)
@@ -64,7 +64,8 @@ class RadixBlockManager(BlockManager):
         self.tree.unlock(node)
         return False
 
-    def _allocate_evicting(self, seq: Sequence, n: int, cached: Seq[int] = (), start: int | None = None) -> bool:
+    def _allocate_evicting(self, seq: SGLSequence, n: int, cached: Seq[int] = (),
+                           start: int | None = None) -> bool:
         while not super().allocate_slots(seq, n, cached, start):
             table = len(cached) if start is not None else len(seq.block_table)
             end = (start if start is not None else seq.num_computed_tokens) + n
@@ -76,7 +77,7 @@ class RadixBlockManager(BlockManager):
         return True
 
     # ------------------------------------------------------------------ insertion
-    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def cache_blocks(self, seq: SGLSequence, num_tokens: int) -> None:
         """Insert the full blocks of `seq`'s first `num_tokens` tokens and re-match (module docstring)."""
         k = min(num_tokens // self.block_size, len(seq.block_table))
         if not self.enabled or k == 0 or seq.seq_id not in self.locked:
@@ -95,7 +96,7 @@ class RadixBlockManager(BlockManager):
         self.locked[seq.seq_id] = node
 
     # ------------------------------------------------------------------ release
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SGLSequence) -> None:
         """Finish, abort or preemption: unlock the request's path (its blocks stay cached in the tree)
         and drop its references; duplicates of cached blocks return to the pool here."""
         self.matched.pop(seq.seq_id, None)
@@ -104,7 +105,7 @@ class RadixBlockManager(BlockManager):
             self.tree.unlock(node)
         super().free(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: SGLSequence, child: SGLSequence) -> None:
         super().fork(parent, child)
         node = self.locked.get(parent.seq_id)
         if node is not None:
@@ -116,8 +117,3 @@ class RadixBlockManager(BlockManager):
         self.tree.clear()
         self.locked.clear()
         self.matched.clear()
-
-    # ------------------------------------------------------------------ accounting
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.tree.total_pages()

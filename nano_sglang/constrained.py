@@ -21,6 +21,8 @@ from nano_sglang.fsm import RegexFSM, compile_regex, json_schema_to_regex
 
 
 class TokenIndex:
+    """Every token's text in a character trie, for the allowed-token sets of FSM states (module docstring)."""
+
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -61,6 +63,7 @@ class TokenIndex:
         return out
 
     def mask(self, fsm: RegexFSM, state: int, device: torch.device) -> torch.Tensor:
+        """The allowed tokens of `state` as a boolean vocabulary mask on `device`, cached on the FSM."""
         key = (id(self), state, str(device))
         m = fsm.mask_cache.get(key)
         if m is None:
@@ -70,10 +73,8 @@ class TokenIndex:
         return m
 
 
-@functools.lru_cache(maxsize=256)
-def cached_fsm(pattern: str) -> RegexFSM:
-    """Compiled FSMs are shared by every request with the same regex (and so are their masks)."""
-    return compile_regex(pattern)
+# Compiled FSMs are shared by every request with the same regex (and so are their token masks).
+cached_fsm = functools.lru_cache(maxsize=256)(compile_regex)
 
 
 class Constraint:
@@ -90,30 +91,31 @@ class Constraint:
     @classmethod
     def build(cls, index: TokenIndex, regex: str | None = None, json_schema: dict | None = None,
               jump_forward: bool = True) -> Constraint:
+        """A request's constraint from exactly one of a regex or a JSON schema (ValueError otherwise)."""
         if (regex is None) == (json_schema is None):
             raise ValueError("give exactly one of regex / json_schema")
         pattern = regex if regex is not None else json_schema_to_regex(json_schema)
         return cls(cached_fsm(pattern), index, jump_forward)
 
     def mask(self, device: torch.device) -> torch.Tensor:
+        """The tokens allowed next."""
         return self.index.mask(self.fsm, self.state, device)
 
     def advance(self, token_id: int) -> None:
-        text = self.index.strings.get(token_id)
+        """Read a sampled token's text (the mask allowed only tokens the FSM can read)."""
+        self.advance_string(self.index.strings.get(token_id), f"token {token_id} ")
+
+    def advance_string(self, text: str | None, what: str = "") -> None:
+        """Read `text` (a token's, or jump-forward's forced string)."""
         nxt = None if text is None else self.fsm.step(self.state, text)
         if nxt is None:
-            raise RuntimeError(f"token {token_id} ({text!r}) violates regex {self.fsm.pattern!r} "
-                               f"in state {self.state}")
-        self.state = nxt
-
-    def advance_string(self, text: str) -> None:
-        nxt = self.fsm.step(self.state, text)
-        if nxt is None:
-            raise RuntimeError(f"{text!r} violates regex {self.fsm.pattern!r}")
+            raise RuntimeError(f"{what}{text!r} violates regex {self.fsm.pattern!r} in state {self.state}")
         self.state = nxt
 
     def forced_string(self) -> str:
+        """§4: the string forced from here (the compressed edge), what jump-forward appends."""
         return self.fsm.forced_string(self.state)
 
     def is_terminal(self) -> bool:
+        """The FSM accepts and nothing may follow: the request is done."""
         return self.fsm.is_terminal(self.state)

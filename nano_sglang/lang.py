@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 @dataclass
 class Gen:
+    """The `gen` primitive: a generation call whose text lands in variable `name` (§2)."""
+
     name: str | None
     max_tokens: int = 32
     temperature: float = 0.0
@@ -47,6 +49,8 @@ class Gen:
 
 @dataclass
 class Select:
+    """The `select` primitive: the likeliest of `choices` lands in variable `name` (§2)."""
+
     name: str | None
     choices: list[str]
 
@@ -95,14 +99,17 @@ def _role(role: str, content="") -> _Expr:
 
 
 def system(content="") -> _Expr:
+    """A system message (ChatML)."""
     return _role("system", content)
 
 
 def user(content="") -> _Expr:
+    """A user message (ChatML)."""
     return _role("user", content)
 
 
 def assistant(content="") -> _Expr:
+    """An assistant message (ChatML); usually holds a `gen` or `select`."""
     return _role("assistant", content)
 
 
@@ -114,21 +121,13 @@ class ProgramState:
         self._text = text
         self.vars: dict[str, str] = {}
         self.meta: dict[str, dict] = {}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._queue: queue.Queue[list] = queue.Queue()  # appended parts; join() waits until all have run
         self._error: BaseException | None = None
-        self._stream: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._run, daemon=True)
-        self._worker.start()
+        self._stream: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
 
     # ------------------------------------------------------------------ program-facing API
     def __iadd__(self, other) -> ProgramState:
-        with self._lock:
-            self._pending += 1
-            self._idle.clear()
         self._queue.put(_parts(other))
         return self
 
@@ -141,7 +140,8 @@ class ProgramState:
         return self._text
 
     def sync(self) -> None:
-        self._idle.wait()
+        """Wait until every queued primitive has run; raise the first error one of them raised."""
+        self._queue.join()
         if self._error is not None:
             raise self._error
 
@@ -152,6 +152,7 @@ class ProgramState:
         return [ProgramState(self.backend, self._text) for _ in range(n)]
 
     def join(self, forks: list[ProgramState]) -> None:
+        """Wait for every branch of a `fork` (their variables are read from the branches)."""
         for f in forks:
             f.sync()
 
@@ -161,7 +162,8 @@ class ProgramState:
             try:
                 yield self._stream.get(timeout=0.05)
             except queue.Empty:
-                if self._idle.is_set() and self._stream.empty():
+                # a part's text is streamed before the part is marked done, so idle + empty is the end
+                if self._queue.unfinished_tasks == 0 and self._stream.empty():
                     return
 
     # ------------------------------------------------------------------ the worker
@@ -174,41 +176,39 @@ class ProgramState:
                         self._execute(part)
             except BaseException as e:  # surfaced to the program at its next sync
                 self._error = e
-            with self._lock:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.set()
+            finally:
+                self._queue.task_done()
 
-    def _execute(self, part) -> None:
+    def _execute(self, part: str | Gen | Select) -> None:
         if isinstance(part, str):
             self._text += part
             self._stream.put(part)
-        elif isinstance(part, Gen):
-            out = []
+            return
+        if isinstance(part, Gen):
+            value = ""
             for delta in self.backend.generate(self._text, part):
-                out.append(delta)
+                value += delta
                 self._stream.put(delta)
-            value = "".join(out)
-            self._text += value
-            if part.name:
-                self.vars[part.name] = value
-        else:
+        else:  # select: the choice whose tokens the model finds likeliest after the text so far
             scores = self.backend.score_choices(self._text, part.choices)
-            best = max(range(len(scores)), key=lambda i: scores[i])
-            value = part.choices[best]
-            self._text += value
+            value = part.choices[max(range(len(scores)), key=scores.__getitem__)]
             self._stream.put(value)
             if part.name:
-                self.vars[part.name] = value
                 self.meta[part.name] = {"normalized_prompt_logprobs": scores}
+        self._text += value
+        if part.name:
+            self.vars[part.name] = value
 
 
 class SglFunction:
+    """A prompt program (`@function`): run it once on a fresh program state, or many at once."""
+
     def __init__(self, fn: Callable):
         self.fn = fn
         functools.update_wrapper(self, fn)
 
     def run(self, *args, backend, **kwargs) -> ProgramState:
+        """Run the program on a fresh state over `backend`; returns the state once every primitive ran."""
         state = ProgramState(backend)
         self.fn(state, *args, **kwargs)
         state.sync()

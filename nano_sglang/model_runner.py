@@ -1,54 +1,68 @@
 """`SGLModelRunner`: nano_vllm's model runner plus the two logits hooks SGLang's primitives need.
 
-* Prompt scoring for `select` (SGLang, arXiv 2312.07104, §2): a request with `seq.score_from = k` also
-  gets the log-probability of each prompt token from position k on, computed in the same packed forward
-  as everything else (the rows of its chunk are added to the rows whose logits are computed). The block
+* Prompt scoring for `select` (SGLang, arXiv 2312.07104, §2): a request with `score_from = k` also gets
+  the log-probability of each prompt token from position k on, computed in the same packed forward as
+  everything else (the rows of its chunk are added to the rows whose logits are computed). The block
   manager never serves those tokens from the cache, so their logits exist.
-* Constrained decoding (§4): a request with `seq.constraint` has every token its FSM cannot read masked
-  out before sampling (greedy and sampled rows alike).
+* Constrained decoding (§4): a request with a `constraint` has every token its FSM cannot read masked out
+  before sampling (greedy and sampled rows alike).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from nano_sglang.sequence import SGLSequence
 from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import SchedulerOutput
 
 
+@dataclass
+class SGLStepInputs(StepInputs):
+    """nano_vllm's step inputs plus the prompt tokens scored this step: `scored[j] = (sequence, token)`,
+    whose logits are the j-th of the returned rows (before the rows that sample)."""
+
+    scored: list[tuple[SGLSequence, int]] = field(default_factory=list)
+
+
 class SGLModelRunner(ModelRunner):
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    """nano_vllm's model runner with prompt scoring and FSM masks (module docstring)."""
+
+    def prepare(self, out: SchedulerOutput) -> SGLStepInputs:
+        """nano_vllm's packed batch; the rows of prompt tokens being scored go first in `sample_rows`."""
         inputs = super().prepare(out)
-        rows, owners = [], []
+        rows, scored = [], []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
-            score_from = getattr(seq, "score_from", None)
-            if score_from is None:
+            if seq.score_from is None:
                 continue
             start = seq.num_computed_tokens
             # the logits of position p score token p + 1
-            for p in range(max(start, score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
+            for p in range(max(start, seq.score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
                 rows.append(inputs.cu_seqlens_q[i] + p - start)
-                owners.append((seq, seq.token_ids[p + 1]))
+                scored.append((seq, seq.token_ids[p + 1]))
         inputs.sample_rows = rows + inputs.sample_rows
-        self._score_owners = owners
-        return inputs
+        return SGLStepInputs(**vars(inputs), scored=scored)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        logits = self.run(self.prepare(out))
+        """nano_vllm's step, then: scored rows → `prompt_logprobs`; constrained rows masked by their FSM."""
+        inputs = self.prepare(out)
+        logits = self.run(inputs)
         if logits is None:
             return []
-        k = len(self._score_owners)
+        k = len(inputs.scored)
         if k:
             logprobs = logits[:k].float().log_softmax(dim=-1)
-            targets = torch.tensor([t for _, t in self._score_owners], device=logits.device)
+            targets = torch.tensor([t for _, t in inputs.scored], device=logits.device)
             values = logprobs[torch.arange(k, device=logits.device), targets].tolist()
-            for (seq, _), v in zip(self._score_owners, values):
+            for (seq, _), v in zip(inputs.scored, values):
                 seq.prompt_logprobs.append(v)
             logits = logits[k:]
         if logits.shape[0] == 0:
             return []
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
-        masked = [(i, s.constraint) for i, s in enumerate(seqs) if getattr(s, "constraint", None) is not None]
+        masked = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
         if masked:
             logits = logits.clone()  # may be a CUDA graph's static output buffer
             for i, c in masked:

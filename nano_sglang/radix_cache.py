@@ -29,24 +29,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Protocol
 
-
-class PagePool(Protocol):
-    """What the tree needs from the KV pool (nano_vllm.block_manager.BlockPool has exactly this)."""
-
-    num_blocks: int
-
-    def incref(self, page: int) -> None: ...
-    def decref(self, page: int) -> None: ...
+from nano_vllm.block_manager import BlockPool  # the tree needs only its incref / decref
 
 
 class TreeNode:
+    """A node of the radix tree: the edge into it (`key`, its token run, and `pages`, their KV pages) and
+    its lock count (requests reading it or a descendant)."""
+
     _ids = itertools.count()
 
     __slots__ = ("children", "id", "key", "last_access", "lock_ref", "pages", "parent")
 
-    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None, parent: TreeNode | None = None):
+    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None,
+                 parent: TreeNode | None = None):
         self.id = next(TreeNode._ids)
         self.key = key  # the token run on the edge into this node
         self.pages = pages if pages is not None else []
@@ -66,7 +62,7 @@ class TreeNode:
 class RadixCache:
     """The radix tree over a shared page pool; see the module docstring."""
 
-    def __init__(self, pool: PagePool, page_size: int = 1):
+    def __init__(self, pool: BlockPool, page_size: int = 1):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.pool = pool
@@ -106,23 +102,19 @@ class RadixCache:
         return lo * ps
 
     def match_prefix(self, tokens: Seq[int]) -> tuple[list[int], TreeNode]:
-        """Pages of the longest cached page-aligned prefix of `tokens`, and the node it ends at."""
+        """Pages of the longest cached page-aligned prefix of `tokens`, and the node it ends at (an edge
+        matched only partly is split there). Touches the path for LRU."""
         tokens = tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
         node, pages, pos, now = self.root, [], 0, next(self.clock)
-        while pos < len(tokens):
-            child = node.children.get(self._first(tokens, pos))
-            if child is None:
-                break
+        # A partly matched edge ends the walk: the match is page-aligned, so the next page of `tokens`
+        # differs from the first page of the split-off rest, the only child of the new node.
+        while pos < len(tokens) and (child := node.children.get(self._first(tokens, pos))) is not None:
             n = self._common(child.key, tokens, pos)
-            partial = n < len(child.key)
-            if partial:
+            if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child, now)
-            pages.extend(child.pages)
-            pos += n
-            node = child
-            if partial:
-                break
+            pages += child.pages
+            node, pos = child, pos + n
         return pages, node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -145,27 +137,19 @@ class RadixCache:
     def insert(self, tokens: Seq[int], pages: Seq[int]) -> int:
         """Cache `pages` as holding the K/V of `tokens` (page-aligned; extra tokens past the last full page
         are ignored). Returns how many leading pages the tree already held (duplicates of the caller's);
-        the tree takes a reference on each page it adopts."""
-        n_pages = min(len(tokens) // self.page_size, len(pages))
-        tokens, pages = tuple(tokens[: n_pages * self.page_size]), list(pages[:n_pages])
-        node, pos, now = self.root, 0, next(self.clock)
-        while pos < len(tokens):
-            child = node.children.get(self._first(tokens, pos))
-            if child is None:
-                new = TreeNode(tokens[pos:], pages[pos // self.page_size:], node)
-                for p in new.pages:
-                    self.pool.incref(p)
-                node.children[self._first(new.key)] = new
-                self.num_nodes += 1
-                self.evictable_size += len(new.pages)
-                self._touch(new, now)  # a new unlocked leaf: an eviction candidate at once
-                return pos // self.page_size
-            n = self._common(child.key, tokens, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            self._touch(child, now)
-            node, pos = child, pos + n
-        return n_pages
+        the rest hang below the matched node as a new leaf, and the tree takes a reference on each."""
+        ps, n_pages = self.page_size, min(len(tokens) // self.page_size, len(pages))
+        cached, node = self.match_prefix(tokens[: n_pages * ps])
+        k = len(cached)
+        if k < n_pages:
+            new = TreeNode(tuple(tokens[k * ps : n_pages * ps]), list(pages[k:n_pages]), node)
+            for p in new.pages:
+                self.pool.incref(p)
+            node.children[self._first(new.key)] = new
+            self.num_nodes += 1
+            self.evictable_size += len(new.pages)
+            self._touch(new, next(self.clock))  # a new unlocked leaf: an eviction candidate at once
+        return k
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
@@ -178,6 +162,8 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        """A request no longer reads node's path: count down to the root; unlocked leaves become
+        eviction candidates."""
         now = next(self.clock)
         while node is not self.root:
             if node.lock_ref <= 0:
@@ -226,15 +212,7 @@ class RadixCache:
             stack.extend(node.children.values())
         self.reset()
 
-    # ------------------------------------------------------------------ inspection (tests, bench)
-    def nodes(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
+    # ------------------------------------------------------------------ accounting
     def total_pages(self) -> int:
         return self.evictable_size + self.protected_size
 

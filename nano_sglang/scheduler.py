@@ -27,10 +27,13 @@ performs jump-forward (§4) by appending the forced string's tokens, which the n
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from nano_sglang.block_manager import RadixBlockManager
+from nano_sglang.constrained import Constraint
 from nano_sglang.radix_cache import TreeNode
+from nano_sglang.sequence import SGLSequence
 from nano_vllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
 
@@ -39,6 +42,8 @@ POLICIES = ("lpm", "dfs-weight", "fcfs")
 
 @dataclass
 class CacheAwareConfig:
+    """The cache-aware scheduler's policy and refinements (module docstring)."""
+
     policy: str = "lpm"
     defer_threshold: int | None = 32  # tokens; None: no deferral
     max_wait_steps: int = 128  # aging bound
@@ -60,86 +65,80 @@ def lpm_order(seqs: list[Sequence], match_len: dict[int, int]) -> list[Sequence]
 
 def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode], root: TreeNode) -> list[Sequence]:
     """DFS over the tree of matched nodes, children by weight (waiting requests below) descending."""
-    weight: dict[int, int] = {}
-    children: dict[int, dict[int, TreeNode]] = {}
-    at_node: dict[int, list[Sequence]] = {}
+    weight: Counter[int] = Counter()
+    children: defaultdict[int, dict[int, TreeNode]] = defaultdict(dict)
+    at_node: defaultdict[int, list[Sequence]] = defaultdict(list)
     for s in sorted(seqs, key=lambda s: s.seq_id):
         node = nodes[s.seq_id]
-        at_node.setdefault(node.id, []).append(s)
+        at_node[node.id].append(s)
         while node is not None:
-            weight[node.id] = weight.get(node.id, 0) + 1
+            weight[node.id] += 1
             if node.parent is not None:
-                children.setdefault(node.parent.id, {})[node.id] = node
+                children[node.parent.id][node.id] = node
             node = node.parent
     out: list[Sequence] = []
     stack = [root]
     while stack:
         node = stack.pop()
-        out.extend(at_node.get(node.id, ()))
-        kids = sorted(children.get(node.id, {}).values(), key=lambda n: (weight[n.id], -n.id))
-        stack.extend(kids)  # the heaviest is popped first
+        out += at_node[node.id]
+        # the heaviest child is pushed last, so it is visited first
+        stack += sorted(children[node.id].values(), key=lambda n: (weight[n.id], -n.id))
     return out
 
 
 class CacheAwareScheduler(Scheduler):
+    """nano_vllm's scheduler with the waiting queue re-ordered before every step (§3) and jump-forward for
+    constrained requests after it (§4)."""
+
     def __init__(self, config: SchedulerConfig, block_manager: RadixBlockManager,
                  eos_token_ids: set[int] | None = None, policy: CacheAwareConfig | None = None):
         super().__init__(config, block_manager, eos_token_ids)
         self.policy = policy or CacheAwareConfig()
         self.num_steps = 0
         self.enqueued_at: dict[int, int] = {}  # seq_id -> step it first waited
-        self.num_deferred = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SGLSequence) -> None:
         super().add(seq)
         self.enqueued_at.setdefault(seq.seq_id, self.num_steps)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: SGLSequence, reason: str) -> None:
         super()._finish(seq, reason)
         self.enqueued_at.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ ordering
-    def order_waiting(self) -> tuple[list[Sequence], list[Sequence]]:
+    def order_waiting(self) -> tuple[list[SGLSequence], list[SGLSequence]]:
         """(this step's admission order, requests deferred to a later step)."""
-        p, waiting = self.policy, self.waiting
-        aged = [s for s in waiting if self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
-                >= p.max_wait_steps]
-        aged_ids = {s.seq_id for s in aged}
-        rest = [s for s in waiting if s.seq_id not in aged_ids]
-        bm: RadixBlockManager = self.block_manager
-        match_len: dict[int, int] = {}
+        p, bm = self.policy, self.block_manager
+        aged, rest = [], []  # aged: waited max_wait_steps or more, they go first in arrival order
+        for s in self.waiting:
+            waited = self.num_steps - self.enqueued_at.get(s.seq_id, self.num_steps)
+            (aged if waited >= p.max_wait_steps else rest).append(s)
+        match_len = dict.fromkeys((s.seq_id for s in rest), 0)
         if p.policy == "fcfs" or len(rest) > p.lpm_max_queue or not bm.enabled:
             rest.sort(key=lambda s: s.seq_id)
-            for s in rest:
-                match_len[s.seq_id] = 0
         else:
             nodes = {}
             for s in rest:
-                pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: bm.prefix_limit(s)])
+                pages, nodes[s.seq_id] = bm.tree.match_prefix(s.token_ids[: s.num_cacheable_tokens])
                 match_len[s.seq_id] = len(pages) * bm.block_size
-            bm.matched.update(nodes)
-            rest = lpm_order(rest, match_len) if p.policy == "lpm" else dfs_weight_order(rest, nodes, bm.tree.root)
+            bm.matched.update(nodes)  # the allocation that follows uses these matches
+            rest = (lpm_order(rest, match_len) if p.policy == "lpm"
+                    else dfs_weight_order(rest, nodes, bm.tree.root))
         order, deferred = sorted(aged, key=lambda s: s.seq_id), []
-        if p.defer_threshold is not None:
-            leaders: set[tuple[int, ...]] = set()
-            for s in rest:
-                m = match_len[s.seq_id]
-                if s.num_tokens - m - 1 < p.defer_threshold:  # nothing long left to share
-                    order.append(s)
-                    continue
-                key = tuple(s.token_ids[m : m + p.defer_threshold])
-                if (m, key) in leaders:
-                    deferred.append(s)
-                else:
-                    leaders.add((m, key))
-                    order.append(s)
-        else:
-            order += rest
+        leaders: set[tuple[int, tuple[int, ...]]] = set()  # (cached length, next uncached tokens) ahead
+        for s in rest:
+            m = match_len[s.seq_id]
+            if p.defer_threshold is None or s.num_tokens - m - 1 < p.defer_threshold:
+                order.append(s)  # nothing long left to share
+                continue
+            key = (m, tuple(s.token_ids[m : m + p.defer_threshold]))
+            (deferred if key in leaders else order).append(s)
+            leaders.add(key)
         return order, deferred
 
     def schedule(self) -> SchedulerOutput:
+        """nano_vllm's step over the cache-aware order; deferred requests wait for the next step."""
         self.waiting, deferred = self.order_waiting()
-        self.num_deferred += len(deferred)
         try:
             return super().schedule()
         finally:
@@ -147,16 +146,17 @@ class CacheAwareScheduler(Scheduler):
             self.num_steps += 1
 
     # ------------------------------------------------------------------ constrained decoding
-    def postprocess(self, out: SchedulerOutput, sampled: list[int], now: float | None = None) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: list[int],
+                    now: float | None = None) -> list[SGLSequence]:
+        """nano_vllm's postprocess, then §4 for constrained requests: advance the FSM by the sampled token,
+        jump forward over the compressed edge it now stands on, finish when the FSM accepts and nothing may
+        follow."""
         finished = super().postprocess(out, sampled, now)
         for seq, samples in zip(out.seqs, out.samples):
-            constraint = getattr(seq, "constraint", None)
-            if constraint is None or not samples or seq.status is SequenceStatus.WAITING:
-                continue
-            token = seq.token_ids[-1]
-            if seq.is_finished:
-                continue  # EOS in an accepting state, or the length limit
-            constraint.advance(token)
+            constraint = seq.constraint
+            if constraint is None or not samples or seq.status is not SequenceStatus.RUNNING:
+                continue  # finished already (EOS in an accepting state, the length limit) or aborted
+            constraint.advance(seq.token_ids[-1])
             forced = constraint.forced_string() if constraint.jump_forward else ""
             if forced:
                 self._jump_forward(seq, constraint, forced)
@@ -171,15 +171,13 @@ class CacheAwareScheduler(Scheduler):
                 finished.append(seq)
         return finished
 
-    def _jump_forward(self, seq: Sequence, constraint, forced: str) -> None:
+    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, forced: str) -> None:
         """§4 jump-forward: append the forced string without model calls. The last sampled token is not
         computed yet, so it is re-tokenized together with the forced string (a boundary token such as
         `"` followed by `name` may merge differently); the next step prefills the new tokens."""
         tok = constraint.tokenizer
-        last = seq.token_ids[-1]
-        ids = tok.encode(tok.decode([last]) + forced)
-        room = self.config.max_model_len - (seq.num_tokens - 1)
-        ids = ids[:room]
+        ids = tok.encode(tok.decode(seq.token_ids[-1:]) + forced)
+        ids = ids[: self.config.max_model_len - seq.num_tokens + 1]  # never past max_model_len
         seq.token_ids[-1:] = ids
         seq.token_times.extend([seq.token_times[-1]] * (len(ids) - 1))
         constraint.advance_string(forced)

@@ -34,7 +34,7 @@ class EngineConfig:
         extends such as nano_sglang's jump-forward, decodes mixed with either) are also captured as CUDA
         graphs; a step of up to the largest size is padded to the next one instead of running eagerly
         (vLLM's cudagraph capture sizes cover mixed steps the same way). Empty: such steps run eagerly.
-        None: the engine's default — empty for nano_vllm's LLMEngine, 64-512 for nano_sglang's SGLEngine
+        None: the default — empty for nano_vllm's LLMEngine, 64-512 in nano_sglang's Runtime
         (jump-forward's extends). Read by the CUDA-graph layer (nano_vllm.cudagraph).
     enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).

@@ -9,7 +9,7 @@ alone, and `LLM` uses it as is. The layers make it fast without changing a token
 * The kernel warm-up (nano_vllm.warmup) — applied here, on CUDA: Triton compiles before serving.
 * Step timing (nano_vllm.step_timing) — a measurement hook the benches install themselves.
 
-The bench, the server, nano_sglang's engine and nano_distserve's instances call this.
+The bench, the server, nano_sglang's runtime and bench, and nano_distserve's instances call this.
 """
 
 from __future__ import annotations

@@ -25,8 +25,12 @@ def assert_no_leak(engine: SGLEngine) -> None:
     assert not engine.has_unfinished_requests() and not bm.locked and not bm.matched
     assert bm.tree.protected_size == 0
     assert bm.num_free_blocks + bm.tree.total_pages() == bm.num_blocks
-    assert all(c == (1 if b in {p for n in bm.tree.nodes() for p in n.pages} else 0)
-               for b, c in enumerate(bm.pool.ref_counts))
+    cached, stack = set(), [bm.tree.root]
+    while stack:  # every page the tree holds
+        node = stack.pop()
+        cached.update(node.pages)
+        stack += node.children.values()
+    assert all(c == (1 if b in cached else 0) for b, c in enumerate(bm.pool.ref_counts))
 
 
 def shared_prompts(seed: int, n: int = 8) -> list[list[int]]:

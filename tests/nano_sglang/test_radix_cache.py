@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from nano_sglang.radix_cache import RadixCache
+from nano_sglang.radix_cache import RadixCache, TreeNode
 from nano_vllm.block_manager import BlockPool
 
 POOL = 48
@@ -22,6 +22,15 @@ POOL = 48
 class Req:
     def __init__(self, tokens, table, node, computed):
         self.tokens, self.table, self.node, self.computed = tokens, table, node, computed
+
+
+def tree_nodes(tree: RadixCache) -> list[TreeNode]:
+    """Every node, the root first."""
+    out, stack = [], [tree.root]
+    while stack:
+        out.append(stack.pop())
+        stack += out[-1].children.values()
+    return out
 
 
 def tree_prefixes(tree: RadixCache) -> dict[tuple, int]:
@@ -69,7 +78,7 @@ def check(tree: RadixCache, pool: BlockPool, reqs: dict, ref: dict) -> None:
         while node is not tree.root:
             locks[node.id] = locks.get(node.id, 0) + 1
             node = node.parent
-    nodes = tree.nodes()[1:]
+    nodes = tree_nodes(tree)[1:]
     assert all(n.lock_ref == locks.get(n.id, 0) for n in nodes)
     assert tree.evictable_size == sum(len(n.pages) for n in nodes if n.lock_ref == 0)
     assert tree.protected_size == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
