@@ -67,7 +67,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = device or config.torch_device
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        check_head_dim(model_config.head_dim)
+        check_head_dim(model_config.head_dim, self.device)
         if tp_size > 1:
             from nano_vllm.tp import shard_model  # only tensor-parallel runs need torch.distributed
 
