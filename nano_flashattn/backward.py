@@ -62,14 +62,15 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo,
     form (rows = keys) so that dK_j and dV_j accumulate in registers. Line 15 (dQ) is `_dq_tiles`."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
     for start_m in range(lo, hi, BLOCK_M):  # line 8: for 1 <= i <= T_r
         offs_m = start_m + tl.arange(0, BLOCK_M)
         ok = offs_m < q_len
         # line 9: load Q_i (transposed), dO_i, L_i, D_i
-        q_t = load_tile(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], ok[None, :], d_ok[:, None], MASKED,
-                        HEAD_DIM < BLOCK_D)
-        do = load_tile(do_base + offs_m[:, None] * stride_qt + offs_d[None, :], ok[:, None], d_ok[None, :], MASKED,
-                       HEAD_DIM < BLOCK_D)
+        q_t = load_tile(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], ok[None, :], d_ok[:, None],
+                        MASKED, pad_d)
+        do = load_tile(do_base + offs_m[:, None] * stride_qt + offs_d[None, :], ok[:, None], d_ok[None, :],
+                       MASKED, pad_d)
         lse2 = load_tile(lse_base + offs_m, ok, ok, MASKED, False)
         delta = load_tile(delta_base + offs_m, ok, ok, MASKED, False)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # line 10: S^T, (keys, queries)
@@ -119,16 +120,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
         lse_base, delta_base = LSE2 + h * stride_lse_h + q_start, Delta + h * stride_lse_h + q_start
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo=lo,
                              hi=full_lo, q_len=q_len, shift=-diag, lo_w=window_right, hi_w=window_left,
-                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                             MASKED=True, DOT_PRECISION=DOT_PRECISION)
+                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                             BLOCK_M=BLOCK_M, MASKED=True, DOT_PRECISION=DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo=full_lo,
                              hi=full_hi, q_len=q_len, shift=-diag, lo_w=window_right, hi_w=window_left,
-                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                             MASKED=False, DOT_PRECISION=DOT_PRECISION)
+                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                             BLOCK_M=BLOCK_M, MASKED=False, DOT_PRECISION=DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo=full_hi,
                              hi=hi, q_len=q_len, shift=-diag, lo_w=window_right, hi_w=window_left,
-                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                             MASKED=True, DOT_PRECISION=DOT_PRECISION)
+                             qk_scale=qk_scale, stride_qt=stride_qt, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                             BLOCK_M=BLOCK_M, MASKED=True, DOT_PRECISION=DOT_PRECISION)
     dk = dk * scale  # S = scale * Q K^T, so dK picks up the scale once, at the end
     tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=n_ok & d_ok[None, :])  # line 18: write dK_j, dV_j
     tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=n_ok & d_ok[None, :])

@@ -20,8 +20,8 @@ import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = (*DTYPES, torch.float64)  # the references also run in fp64: the tests' oracle
-# head_dims the kernels take: multiples of 8 (16-byte rows in 16-bit dtypes) from 16 to 256; a tile pads its head
-# axis to the next power of two. The torch references take any head_dim.
+# head_dims the kernels take: multiples of 8 (16-byte rows in 16-bit dtypes) from 16 to 256; a tile pads its
+# head axis to the next power of two. The torch references take any head_dim.
 HEAD_DIMS = tuple(range(16, 257, 8))
 HEAD_DIMS_TEXT = "multiples of 8 from 16 to 256"
 # "No window" on one side is stored as this many positions: larger than any sequence, small enough
@@ -182,7 +182,7 @@ def check_dense(q, k, v, causal, softmax_scale, window_size) -> tuple[float, int
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                 block_table, window_size) -> tuple[float, int, int, int, int]:  # fmt: skip
+                 block_table, window_size) -> tuple[float, int, int, int, int]:
     """flash_attn_varlen_func's arguments. Returns (scale, left, right, max_seqlen_q, max_seqlen_k)."""
     paged = block_table is not None
     _, _, head_dim = check_qkv(q, k, v, 3, 4 if paged else 3)
@@ -201,7 +201,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if vals[0] < 0 or vals[1] > max_seqlen_q or vals[2] > q.shape[0]:
             raise ValueError(
                 f"cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q ({max_seqlen_q}) and "
-                f"a total <= q.shape[0] ({q.shape[0]}); got lengths in [{vals[0]}, {vals[1]}], total {vals[2]}"
+                f"a total <= q.shape[0] ({q.shape[0]}); got lengths in [{vals[0]}, {vals[1]}], "
+                f"total {vals[2]}"
             )
         total_k = None if paged else k.shape[0]
         if vals[3] < 0 or vals[4] > max_seqlen_k or (total_k is not None and vals[5] > total_k):

@@ -45,7 +45,8 @@ GQA_EXPAND_WAVES = 4
 
 # Flash-Decoding split kernel, 16-bit caches, head_dim <= 128: (BLOCK_N, num_warps, num_stages) by paged.
 # A paged tile's page lookup feeds its K/V addresses, so the pipeline needs more stages to keep two K/V
-# tiles in flight. Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep`.
+# tiles in flight.
+# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dim 128).
 DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (128, 4, 5)}
 # Paged, with at least MANY_PROGRAMS programs per SM (large ragged batches: each program streams few tiles,
 # and a deep pipeline mostly fills and drains).

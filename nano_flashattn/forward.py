@@ -87,7 +87,8 @@ def kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED: tl.constexpr, PAG
 @triton.jit
 def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift, lo_w, hi_w, qk_scale,
               stride_kt, stride_kp, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
     """Algorithm 1, lines 6-11, over the key tiles j in [lo, hi): S = Q_i K_j^T, online softmax, O += P V_j.
 
     k_base, v_base point at the sequence's key row 0 of this kv head (at its page table's row when paged).
