@@ -143,12 +143,13 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, offs_m, lo, hi, k_len, shi
     (lines 10-14)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
+    for start_n in range(lo, hi, BLOCK_N):  # line 5's loop over key tiles j, from the query side
         offs_n = start_n + tl.arange(0, BLOCK_N)
         ptrs = offs_n[None, :] * stride_kt + offs_d[:, None]
         ok = offs_n[None, :] < k_len
-        k_t = load_tile(k_base + ptrs, ok, d_ok[:, None], MASKED, HEAD_DIM < BLOCK_D)
-        v_t = load_tile(v_base + ptrs, ok, d_ok[:, None], MASKED, HEAD_DIM < BLOCK_D)
+        k_t = load_tile(k_base + ptrs, ok, d_ok[:, None], MASKED, pad_d)  # line 6: K_j, V_j (transposed)
+        v_t = load_tile(v_base + ptrs, ok, d_ok[:, None], MASKED, pad_d)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # line 10
         p = tl.math.exp2(s * qk_scale - lse2[:, None])  # line 11
         if MASKED:

@@ -91,16 +91,17 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
               DOT_PRECISION: tl.constexpr):
     """Algorithm 1, lines 6-11, over the key tiles j in [lo, hi): S = Q_i K_j^T, online softmax, O += P V_j.
 
-    k_base, v_base point at the sequence's key row 0 of this kv head (at its page table's row when paged).
+    k_base, v_base: K and V offset to this kv head (and, unpaged, to the sequence's first key row).
     m_i is the running row max of the *base-2* scaled scores; l_i the running sum of exp2(s - m_i)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
     for start_n in range(lo, hi, BLOCK_N):  # line 6: for 1 <= j <= T_c
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv = kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED, PAGE_SIZE)
         # line 7: load K_j (transposed) and, below, V_j
         k_t = load_tile(k_base + kv[None, :] + offs_d[:, None], offs_n[None, :] < n, d_ok[:, None], MASKED,
-                        HEAD_DIM < BLOCK_D)
+                        pad_d)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # line 8: S_ij = Q_i K_j^T
         if MASKED:
             s = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, n), s * qk_scale, float("-inf"))
@@ -116,7 +117,7 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
         alpha = tl.math.exp2(m_i - m_use)  # line 9: rescale what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)  # line 9: l_ij
         v = load_tile(v_base + kv[:, None] + offs_d[None, :], offs_n[:, None] < n, d_ok[None, :], MASKED,
-                      HEAD_DIM < BLOCK_D)
+                      pad_d)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # line 10
         m_i = m_new
     return acc, l_i, m_i
