@@ -1,6 +1,7 @@
 """Config sweep for nano_flashattn's kernels (GPU only), then the bench with the swept tables.
 
-    python tools/flashattn_sweep.py [--sweep-head-dims 64 96 128] [--no-bench] [bench options...]
+    python tools/flashattn_sweep.py [--sweep-head-dims 64 96 128] [--no-decode-sweep] [--no-bench]
+                                    [bench options...]
 
 Tries a few tile shapes per kernel, keeps the fastest, writes it into nano_flashattn.configs' tables for the
 rest of the process, prints the tables to paste into nano_flashattn/configs.py (with the one line that says
@@ -111,21 +112,23 @@ def tables(command: str) -> str:
         commit = "unknown"
     gpu, date = torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     tuned = f"# Tuned on an {gpu}, {date}, commit {commit}: `{command}`"
-    return "\n".join([tuned, f"FWD_CONFIGS = {configs.FWD_CONFIGS!r}",
-                      tuned, f"BWD_CONFIGS = {configs.BWD_CONFIGS!r}",
+    return "\n".join([tuned, f"FWD_CONFIGS = {dict(sorted(configs.FWD_CONFIGS.items()))!r}",
+                      tuned, f"BWD_CONFIGS = {dict(sorted(configs.BWD_CONFIGS.items()))!r}",
                       tuned, f"DECODE_CONFIGS = {configs.DECODE_CONFIGS!r}"])
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sweep-head-dims", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--no-decode-sweep", action="store_true", help="keep the decode tables as they are")
     p.add_argument("--no-bench", action="store_true", help="only sweep and print the tables")
     args, bench_argv = p.parse_known_args(argv)
     if not torch.cuda.is_available():
         p.error("the sweep times kernels on a CUDA GPU")
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     sweep_attention(args.sweep_head_dims, report)
-    sweep_decode(report)
+    if not args.no_decode_sweep:
+        sweep_decode(report)
     command = "python tools/flashattn_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(tables(command), flush=True)
     if not args.no_bench:
