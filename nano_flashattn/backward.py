@@ -112,7 +112,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
     # unstored, dK/dV rows, so the query-side tile range ignores them.
     diag = k_len - q_len
     r1 = tl.minimum(start_n + BLOCK_N, k_len)
-    lo, full_lo, full_hi, hi = tile_range(start_n, r1, -diag, window_right, window_left, q_len, BLOCK_M)
+    lo, full_lo, full_hi, hi = tile_range(start_n, r1, shift=-diag, lo_w=window_right, hi_w=window_left,
+                                          n=q_len, BLOCK=BLOCK_M)
     for g in range(group):  # every query head that reads this kv head adds into the same dK, dV
         h = hk * group + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
@@ -185,7 +186,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, seq
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diag = k_len - q_len
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
-    lo, full_lo, full_hi, hi = tile_range(start_m, r1, diag, window_left, window_right, k_len, BLOCK_N)
+    lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
+                                          n=k_len, BLOCK=BLOCK_N)
     dq = _dq_tiles(dq, q, do, lse2, delta, K + k_off, V + k_off, offs_m, lo=lo, hi=full_lo, k_len=k_len,
                    shift=diag, lo_w=window_left, hi_w=window_right, qk_scale=qk_scale, stride_kt=stride_kt,
                    HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, MASKED=True,

@@ -177,7 +177,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, seql
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diag = k_len - q_len  # bottom-right alignment: query i sits at key position i + diag
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
-    lo, full_lo, full_hi, hi = tile_range(start_m, r1, diag, window_left, window_right, k_len, BLOCK_N)
+    lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
+                                          n=k_len, BLOCK=BLOCK_N)
     # lines 6-11 in three runs: the left window edge (masked), the fully visible middle (no mask arithmetic),
     # the causal diagonal / right window edge / sequence end (masked)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo=lo, hi=full_lo,

@@ -63,10 +63,10 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, left, right):
-        ctx.shape = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale, window_left=left,
+        ctx.launch_args = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale, window_left=left,
                          window_right=right)
         out, lse = run_kernel("forward", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              block_table=None, **ctx.shape)
+                              block_table=None, **ctx.launch_args)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -75,7 +75,7 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = run_kernel("backward", do=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_q,
-                                cu_seqlens_k=cu_k, **ctx.shape)
+                                cu_seqlens_k=cu_k, **ctx.launch_args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
