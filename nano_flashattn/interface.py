@@ -63,8 +63,8 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, left, right):
-        ctx.launch_args = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale, window_left=left,
-                         window_right=right)
+        ctx.launch_args = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale,
+                               window_left=left, window_right=right)
         out, lse = run_kernel("forward", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               block_table=None, **ctx.launch_args)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
