@@ -29,8 +29,10 @@ from nano_flashattn.bench_compile import precompile, run_bwd, run_decode, run_fw
 FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                   (128, 64, 8, 4)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, then of the dQ kernel
-DKDV_CANDIDATES = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)]
-DQ_CANDIDATES = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3)]
+DKDV_CANDIDATES = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3),
+                   (32, 128, 8, 3), (64, 64, 4, 3)]
+DQ_CANDIDATES = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3),
+                 (128, 32, 8, 3), (64, 64, 4, 3)]
 # (BLOCK_N, num_warps, num_stages) of the split kernel, contiguous and paged: a page lookup feeds the K/V
 # addresses, and Triton's pipeliner only double-buffers such dependent loads from ~5 stages on
 DECODE_CANDIDATES = {
