@@ -1,8 +1,8 @@
 """Compile nano_flashattn's kernels for a GPU on a machine without one: registers, spills, shared memory.
 
-    python tools/flashattn_compile_check.py [--head-dims 64 96 128] [--arch 90] [--ptx-dir DIR]
+    python tools/flashattn_compile_check.py [--head-dims 64 96 128] [--dtype bf16] [--arch 90] [--ptx-dir DIR]
 
-Runs each launcher (forward, backward, decode) on meta tensors with the bf16 configs of `configs.py`,
+Runs each launcher (forward, backward, decode) on meta tensors with the configs of `configs.py`,
 captures the kernel launches instead of running them, compiles every captured kernel with Triton's own
 compiler for `sm_<arch>` (the NVIDIA backend ships with the Triton wheel) and assembles the PTX with its
 ptxas to read the register count and spill bytes. Specialisation follows Triton's launcher (pointers 16-byte
@@ -113,12 +113,14 @@ def launches(head_dim: int, dtype=torch.bfloat16) -> list:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     p.add_argument("--ptx-dir", help="write each kernel's PTX here")
     args = p.parse_args(argv)
     configs.num_sms = lambda device: 132  # an H100 / H200
     for head_dim in args.head_dims:
-        for i, (kernel, kwargs) in enumerate(launches(head_dim)):
+        dtype = {v: k for k, v in TYPES.items()}[args.dtype]
+        for i, (kernel, kwargs) in enumerate(launches(head_dim, dtype)):
             kwargs = dict(kwargs)
             options = {"num_warps": kwargs.pop("num_warps", 4), "num_stages": kwargs.pop("num_stages", 3)}
             sig, consts, attrs = signature(kernel, kwargs)
