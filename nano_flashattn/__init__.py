@@ -9,16 +9,18 @@ attention in Triton, behind flash-attn's API. Depends on torch and Triton only.
 
 Each exists three times: `*_torch` (reference.py, the specification and the CPU path), `*_triton`
 (interface.py, the kernels; on CPU tensors they run under TRITON_INTERPRET=1) and the plain name,
-which dispatches: CUDA tensors go to Triton, everything else to the reference. Arguments are checked
-(ValueError naming the argument); `with trusted_metadata():` skips the few checks that read tensor
-values (a device sync each), for engines that validated that metadata on the host.
+which dispatches: CUDA tensors go to Triton, everything else to the reference. The kernels take every
+head_dim that is a multiple of 8 from 16 to 256 (`HEAD_DIMS`); the references take any. Arguments are
+checked (ValueError naming the argument); `with trusted_metadata():` skips the few checks that read tensor
+values (a device sync each), for engines that validated that metadata on the host. Performance layers
+plug in with `register_kernel` (interface.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .checks import trusted_metadata
+from .checks import HEAD_DIMS, trusted_metadata
 from .reference import flash_attn_func_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 
 try:
@@ -33,6 +35,7 @@ if HAS_TRITON:  # outside the try: a bug in a kernel module must be an error, no
         flash_attn_func_triton,
         flash_attn_varlen_func_triton,
         flash_attn_with_kvcache_triton,
+        register_kernel,
     )
 else:
 
@@ -40,8 +43,10 @@ else:
         raise RuntimeError("Triton is not installed; use the *_torch references")
 
     flash_attn_func_triton = flash_attn_varlen_func_triton = flash_attn_with_kvcache_triton = _no_triton
+    register_kernel = _no_triton
 
 __all__ = [
+    "HEAD_DIMS",
     "flash_attn_func",
     "flash_attn_func_torch",
     "flash_attn_func_triton",
@@ -51,6 +56,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_with_kvcache_torch",
     "flash_attn_with_kvcache_triton",
+    "register_kernel",
     "trusted_metadata",
     "use_triton",
 ]
@@ -66,7 +72,8 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
     """Attention softmax(softmax_scale * q k^T + mask) v, FlashAttention-2 style, with autograd.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim) with heads_q a
-    multiple of heads_k (GQA/MQA); head_dim in {32, 64, 128, 256}; fp16, bf16 or fp32.
+    multiple of heads_k (GQA/MQA); head_dim a multiple of 8 from 16 to 256 on the kernels (any on the
+    reference); fp16, bf16 or fp32.
     causal and window_size=(left, right) mask query i from key j unless
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (bottom-right aligned,
     -1 = unbounded; causal sets right = 0). softmax_scale defaults to 1/sqrt(head_dim).
@@ -78,7 +85,7 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):
     """flash_attn_func over a packed batch of variable-length sequences.
 
     q: (total_q, heads_q, head_dim), sequence b its rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; k, v likewise
@@ -90,12 +97,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Rows past cu_seqlens_q[-1] belong to no sequence: the kernels leave them unwritten.
     """
     impl = flash_attn_varlen_func_triton if use_triton(q) else flash_attn_varlen_func_torch
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                block_table, window_size, return_lse)  # fmt: skip
+    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                softmax_scale=softmax_scale, block_table=block_table, window_size=window_size,
+                return_lse=return_lse)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None, num_splits=0,
-                            causal=False, return_lse=False):  # fmt: skip
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
+                            num_splits=0, causal=False, return_lse=False):
     """Decode attention (Flash-Decoding) of a few new query tokens against a KV cache.
 
     q: (batch, seqlen_q, heads_q, head_dim); cache_seqlens: int32 (batch,) or an int, the number of
@@ -106,6 +114,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None
     Returns out like q, and with return_lse the LSE (batch, heads_q, seqlen_q).
     """
     impl = flash_attn_with_kvcache_triton if use_triton(q) else flash_attn_with_kvcache_torch
-    return impl(
-        q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits, causal, return_lse
-    )
+    return impl(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                num_splits=num_splits, causal=causal, return_lse=return_lse)

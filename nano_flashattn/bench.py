@@ -1,15 +1,20 @@
-"""python -m nano_flashattn.bench: our kernels against torch SDPA (flash and cuDNN backends), one process.
+"""python -m nano_flashattn.bench: our kernels against torch SDPA (cuDNN and flash backends), one process.
 
     attention: flash-attn's benchmark grid (batch x seqlen = 16k tokens, heads x head_dim = 2048), bf16,
                forward and backward TFLOP/s, causal and not (FLOPs: 4 B S^2 H D, halved when causal,
-               x2.5 for the backward: flash-attn's convention)
-    decode:    Flash-Decoding, one new token per sequence, 32 query / 8 kv heads, head_dim 128: TB/s of
-               K and V read, contiguous caches and paged caches (page 16, 256); SDPA reads a contiguous
-               cache with the GQA group folded into its query axis (so it, too, reads K/V once)
+               x2.5 for the backward: flash-attn's convention), head_dim 64, 96 and 128
+    decode:    Flash-Decoding, one new token per sequence, 32 query / 8 kv heads: TB/s of K and V read,
+               contiguous caches and paged caches (page 16, 256); SDPA reads a contiguous cache with the
+               GQA group folded into its query axis (so it, too, reads K/V once)
+    peers:     SDPA's cuDNN backend (the strongest on Hopper: the headline ratio) and its flash backend
+               (FA2-class); every row prints ours / each
+    targets:   each head_dim's row against head_dim 128's at the same shape (TFLOP/s or TB/s, so per unit
+               of work), in the summary
     ceilings:  measured bf16 matmul TFLOP/s and device-copy TB/s, the physical limits of both
-    --sweep:   re-tunes the kernels' config tables first (nano_flashattn/tune.py)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
+The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
+repository checkout: it sweeps, then runs this bench with the swept tables).
 Prints a table with ratios; writes <out>/bench.json and <out>/bench.md.
 """
 
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from contextlib import nullcontext
 
@@ -26,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import nano_flashattn as fa
+
+PEERS = [("sdpa_cudnn", "cudnn"), ("sdpa_flash", "flash")]  # the headline peer first
+CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,25 +44,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="bench_out/nano_flashattn", help="directory for bench.json and bench.md")
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--causal", choices=sorted(CAUSAL), default="both", help="attention rows: causal or not")
     p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen of the attention grid")
     p.add_argument("--hidden", type=int, default=2048, help="heads x head_dim of the attention grid")
+    p.add_argument("--decode-head-dims", type=int, nargs="+", default=[64, 96, 128])
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--pages", type=int, nargs="+", default=[16, 256], help="paged-cache page sizes")
     p.add_argument("--max-decode-tokens", type=int, default=1 << 20, help="skip batch x context above this")
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--no-decode", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="re-tune the config tables before measuring")
+    p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
     args = p.parse_args(argv)
+    if args.sweep:  # the sweep is a tool, not part of the package (a non-editable install has no tools/)
+        p.error("--sweep moved to the repository's tools/: run `python tools/flashattn_sweep.py [bench "
+                "options]`, which sweeps the config tables and then runs this bench with them")
     if args.quick:
         args.seqlens, args.head_dims, args.tokens, args.hidden = [64, 128], [64], 256, 128
-        args.decode_batches, args.decode_contexts, args.pages = [2], [256], [16]
+        args.decode_head_dims, args.decode_batches, args.decode_contexts, args.pages = [64], [2], [256], [16]
     return args
 
 
 def time_ms(device: torch.device, fn, *args, graph: bool = False, **kwargs) -> float:
-    """Median milliseconds of fn(*args, **kwargs): CUDA events (triton.testing) on a GPU, else perf_counter."""
+    """Median milliseconds of fn(*args, **kwargs): CUDA events (triton.testing) on a GPU, else
+    perf_counter."""
     if device.type == "cuda":
         import triton.testing
 
@@ -91,8 +106,8 @@ def sdpa_backend(name: str):
 
 
 def _peers(device):
-    """(name, context) of the SDPA peers: flash and cuDNN on a GPU, the default (math) on a CPU."""
-    return [("sdpa_flash", "flash"), ("sdpa_cudnn", "cudnn")] if device.type == "cuda" else [("sdpa", None)]
+    """(name, backend) of the SDPA peers: cuDNN and flash on a GPU, the default (math) on a CPU."""
+    return PEERS if device.type == "cuda" else [("sdpa", None)]
 
 
 def _try(fn, *args, **kwargs):
@@ -124,22 +139,15 @@ def _bwd_tflops(f, inputs, causal, grad, flops, device):
 def bench_attention(args, device, dtype) -> list[dict]:
     rows = []
     for head_dim in args.head_dims:
-        for causal in (False, True):
+        for causal in CAUSAL[args.causal]:
             for seqlen in args.seqlens:
                 batch, heads = max(1, args.tokens // seqlen), args.hidden // head_dim
                 shape = (batch, seqlen, heads, head_dim)
                 q, k, v, do = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
                 flops = 4 * batch * seqlen**2 * heads * head_dim / (2 if causal else 1)
-                row = {
-                    "head_dim": head_dim,
-                    "causal": causal,
-                    "seqlen": seqlen,
-                    "batch": batch,
-                    "heads": heads,
-                }
-                sdpa_layout = [
-                    t.transpose(1, 2).contiguous() for t in (q, k, v, do)
-                ]  # SDPA's own (B, H, S, D)
+                row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch,
+                       "heads": heads}
+                sdpa_layout = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]  # SDPA's (B, H, S, D)
                 impls = [("ours", None, _ours_dense, (q, k, v), do)]
                 impls += [(n, b, _sdpa_dense, sdpa_layout[:3], sdpa_layout[3]) for n, b in _peers(device)]
                 for name, backend, f, inputs, grad in impls:
@@ -159,48 +167,48 @@ def _paged_copy(cache: torch.Tensor, page: int, perm: torch.Tensor):
     return pages
 
 
-def bench_decode(args, device, dtype, heads_q=32, heads_k=8, head_dim=128) -> list[dict]:
+def bench_decode(args, device, dtype, heads_q=32, heads_k=8) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for batch in args.decode_batches:
-        for ctx in args.decode_contexts:
-            if batch * ctx > args.max_decode_tokens:
-                continue
-            q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype)
-            kc = torch.randn(batch, ctx, heads_k, head_dim, device=device, dtype=dtype)
-            vc = torch.randn_like(kc)
-            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-            kv_bytes = 2 * kc.numel() * kc.element_size()
-            row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes}
-            g = device.type == "cuda"
-            ms = time_ms(device, fa.flash_attn_with_kvcache, q, kc, vc, seqlens, graph=g)
-            row["ours_contiguous"] = kv_bytes / ms / 1e9
-            for page in args.pages:
-                perm = torch.randperm(batch * ctx // page, generator=gen).to(device)
-                kp, vp = _paged_copy(kc, page, perm), _paged_copy(vc, page, perm)
-                table = perm.view(batch, -1).to(torch.int32)
-                out = fa.flash_attn_with_kvcache(q, kp, vp, seqlens, block_table=table)
-                torch.testing.assert_close(
-                    out, fa.flash_attn_with_kvcache(q, kc, vc, seqlens), atol=2e-2, rtol=0
-                )
-                ms = time_ms(
-                    device, fa.flash_attn_with_kvcache, q, kp, vp, seqlens, block_table=table, graph=g
-                )
-                row[f"ours_paged{page}"] = kv_bytes / ms / 1e9
-                del kp, vp
-            # SDPA: fold the GQA group into the query axis: (B, Hk, group, D) against (B, Hk, L, D)
-            qs = q.view(batch, heads_k, heads_q // heads_k, head_dim)
-            ks, vs = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-            for name, backend in _peers(device):
-                with sdpa_backend(backend) if backend else nullcontext():
-                    ms = _try(time_ms, device, F.scaled_dot_product_attention, qs, ks, vs, graph=g)
-                    row[name] = kv_bytes / ms / 1e9 if isinstance(ms, float) else ms
-            rows.append(row)
-            print(_fmt_decode(row), flush=True)
-            del kc, vc, ks, vs
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    for head_dim in args.decode_head_dims:
+        for batch in args.decode_batches:
+            for ctx in args.decode_contexts:
+                if batch * ctx > args.max_decode_tokens:
+                    continue
+                rows.append(_decode_row(args, device, dtype, gen, head_dim, batch, ctx, heads_q, heads_k))
+                print(_fmt_decode(rows[-1]), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows
+
+
+def _decode_row(args, device, dtype, gen, head_dim, batch, ctx, heads_q, heads_k) -> dict:
+    q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype)
+    kc = torch.randn(batch, ctx, heads_k, head_dim, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    kv_bytes = 2 * kc.numel() * kc.element_size()
+    row = {"head_dim": head_dim, "batch": batch, "context": ctx, "kv_bytes": kv_bytes}
+    g = device.type == "cuda"
+    ms = time_ms(device, fa.flash_attn_with_kvcache, q, kc, vc, seqlens, graph=g)
+    row["ours_contiguous"] = kv_bytes / ms / 1e9
+    for page in args.pages:
+        perm = torch.randperm(batch * ctx // page, generator=gen).to(device)
+        kp, vp = _paged_copy(kc, page, perm), _paged_copy(vc, page, perm)
+        table = perm.view(batch, -1).to(torch.int32)
+        out = fa.flash_attn_with_kvcache(q, kp, vp, seqlens, block_table=table)
+        torch.testing.assert_close(out, fa.flash_attn_with_kvcache(q, kc, vc, seqlens), atol=2e-2, rtol=0)
+        ms = time_ms(device, fa.flash_attn_with_kvcache, q, kp, vp, seqlens, block_table=table, graph=g)
+        row[f"ours_paged{page}"] = kv_bytes / ms / 1e9
+        del kp, vp
+    # SDPA: fold the GQA group into the query axis: (B, Hk, group, D) against (B, Hk, L, D)
+    qs = q.view(batch, heads_k, heads_q // heads_k, head_dim)
+    ks, vs = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    for name, backend in _peers(device):
+        with sdpa_backend(backend) if backend else nullcontext():
+            ms = _try(time_ms, device, F.scaled_dot_product_attention, qs, ks, vs, graph=g)
+            row[name] = kv_bytes / ms / 1e9 if isinstance(ms, float) else ms
+    return row
 
 
 def _num(x, nd=1):
@@ -222,8 +230,44 @@ def _fmt_attn(r):
 
 def _fmt_decode(r):
     ours = [f"{k[5:]} {_num(v, 2)}" for k, v in r.items() if k.startswith("ours_")]
-    peers = [f"{k} {_num(v, 2)}" for k, v in r.items() if k.startswith("sdpa")]
-    return f"decode b{r['batch']:<3} ctx{r['context']:>6} TB/s: " + ", ".join(ours + peers)
+    best = max((v for k, v in r.items() if k.startswith("ours_") and isinstance(v, float)), default=None)
+    peers = [f"{k} {_num(v, 2)} (best ours {_ratio(best, v)})" for k, v in r.items() if k.startswith("sdpa")]
+    shape = f"decode hd{r['head_dim']:<4}b{r['batch']:<3} ctx{r['context']:>6}"
+    return f"{shape} TB/s: " + ", ".join(ours + peers)
+
+
+def summary(result: dict) -> list[str]:
+    """Each head_dim against head_dim 128 at the same shape, and ours / each peer (markdown lines)."""
+    lines = []
+    attn = {(r["head_dim"], r["causal"], r["seqlen"]): r for r in result["attention"]}
+    dec = {(r["head_dim"], r["batch"], r["context"]): r for r in result["decode"]}
+    peers = [p for p in ("sdpa_cudnn", "sdpa_flash", "sdpa")
+             if any(f"{p}_fwd" in r for r in attn.values()) or any(p in r for r in dec.values())]
+    ratio_cols = "".join(f" ours / {p} |" for p in peers)
+    head = "| hd | causal | seqlen | pass | ours | vs hd128 |" + ratio_cols
+    rows = []
+    for (d, causal, seqlen), r in attn.items():
+        base = attn.get((128, causal, seqlen))
+        for ps in ("fwd", "bwd"):
+            ours = r[f"ours_{ps}"]
+            vs128 = _ratio(ours, base[f"ours_{ps}"]) if base and d != 128 else "-"
+            ratios = " | ".join(_ratio(ours, r.get(f"{p}_{ps}")) for p in peers)
+            rows.append(f"| {d} | {causal} | {seqlen} | {ps} | {_num(ours, 0)} | {vs128} | {ratios} |")
+    if rows:
+        lines += ["Attention, TFLOP/s:", "", head, "|" + "---|" * (6 + len(peers)), *rows, ""]
+    rows = []
+    for (d, batch, ctx), r in dec.items():
+        base = dec.get((128, batch, ctx))
+        for k, v in r.items():
+            if not k.startswith("ours_"):
+                continue
+            vs128 = _ratio(v, base.get(k)) if base and d != 128 else "-"
+            ratios = " | ".join(_ratio(v, r.get(p)) for p in peers)
+            rows.append(f"| {d} | {batch} | {ctx} | {k[5:]} | {_num(v, 2)} | {vs128} | {ratios} |")
+    if rows:
+        head = "| hd | batch | context | cache | ours TB/s | vs hd128 |" + ratio_cols
+        lines += ["Decode:", "", head, "|" + "---|" * (6 + len(peers)), *rows, ""]
+    return lines
 
 
 def markdown(result: dict) -> str:
@@ -235,12 +279,8 @@ def markdown(result: dict) -> str:
     ]
     if result["attention"]:
         peers = [k[:-4] for k in result["attention"][0] if k.endswith("_fwd") and k != "ours_fwd"]
-        head = (
-            "| hd | causal | seqlen | "
-            + " | ".join(f"{d} {n}" for d in ("fwd", "bwd") for n in ["ours", *peers])
-            + " |"
-        )
-        lines += [head, "|" + "---|" * (3 + 2 * (1 + len(peers)))]
+        cols = [f"{d} {n}" for d in ("fwd", "bwd") for n in ["ours", *peers]]
+        lines += ["| hd | causal | seqlen | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]
         for r in result["attention"]:
             cells = [_num(r[f"{n}_{d}"], 0) for d in ("fwd", "bwd") for n in ["ours", *peers]]
             lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells) + " |")
@@ -248,17 +288,18 @@ def markdown(result: dict) -> str:
     if result["decode"]:
         keys = [k for k in result["decode"][0] if k.startswith(("ours_", "sdpa"))]
         lines += [
-            "| batch | context | " + " | ".join(f"{k} TB/s" for k in keys) + " |",
-            "|" + "---|" * (2 + len(keys)),
+            "| hd | batch | context | " + " | ".join(f"{k} TB/s" for k in keys) + " |",
+            "|" + "---|" * (3 + len(keys)),
         ]
         for r in result["decode"]:
-            lines.append(
-                f"| {r['batch']} | {r['context']} | " + " | ".join(_num(r[k], 2) for k in keys) + " |"
-            )
-    return "\n".join(lines) + "\n"
+            cells = " | ".join(_num(r.get(k), 2) for k in keys)
+            lines.append(f"| {r['head_dim']} | {r['batch']} | {r['context']} | {cells} |")
+        lines.append("")
+    return "\n".join(lines + summary(result))
 
 
-def main(argv=None) -> dict:
+def main(argv=None, sweep: dict | None = None) -> dict:
+    """Run the bench; `sweep` (a config sweep's report, from tools/flashattn_sweep.py) is saved with it."""
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -269,15 +310,13 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python -m nano_flashattn.bench "
-        + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": "python -m nano_flashattn.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "ours": "triton" if device.type == "cuda" else "torch reference (no GPU)",
     }
-    result = {"env": env, "ceilings": ceilings(device), "sweep": None, "attention": [], "decode": []}
+    result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']}")
-    print(
-        f"ceilings: matmul {result['ceilings']['matmul_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s"
-    )
+    ceil = result["ceilings"]
+    print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so that a run cut short still leaves its numbers
@@ -286,23 +325,18 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.out, "bench.md"), "w") as f:
             f.write(markdown(result))
 
-    if args.sweep and device.type == "cuda":
-        from .tune import sweep
-
-        result["sweep"] = sweep(args.head_dims)
-        save()
     if device.type == "cuda":
-        from .tune import precompile_tables
+        from .bench_compile import precompile_tables
 
-        precompile_tables(args.head_dims, args.pages)
+        precompile_tables([] if args.no_attention else args.head_dims,
+                          [] if args.no_decode else args.decode_head_dims, args.pages, CAUSAL[args.causal])
     if not args.no_attention:
         result["attention"] = bench_attention(args, device, dtype)
         save()
     if not args.no_decode:
         result["decode"] = bench_decode(args, device, dtype)
         save()
-    md = markdown(result)
-    print("\n" + md)
+    print("\n" + markdown(result))
     return result
 
 

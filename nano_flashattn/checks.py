@@ -20,7 +20,10 @@ import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = (*DTYPES, torch.float64)  # the references also run in fp64: the tests' oracle
-HEAD_DIMS = (32, 64, 128, 256)
+# head_dims the kernels take: multiples of 8 (16-byte rows in 16-bit dtypes) from 16 to 256; a tile pads its
+# head axis to the next power of two. The torch references take any head_dim.
+HEAD_DIMS = tuple(range(16, 257, 8))
+HEAD_DIMS_TEXT = "multiples of 8 from 16 to 256"
 # "No window" on one side is stored as this many positions: larger than any sequence, small enough
 # that `i + diag + NO_WINDOW` stays inside int32 in the kernels.
 NO_WINDOW = 1 << 30
@@ -66,8 +69,8 @@ def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tupl
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}: q, k, v must share a device")
     head_dim = q.shape[-1]
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} (q.shape[-1]) is unsupported; supported: {HEAD_DIMS}")
+    if head_dim < 1:
+        raise ValueError(f"head_dim {head_dim} (q.shape[-1]) must be positive")
     if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
         raise ValueError(
             f"head_dim mismatch: q {head_dim}, k {k.shape[-1]}, v {v.shape[-1]} (k and v must match q)"
@@ -83,6 +86,12 @@ def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tupl
 def check_kernel_dtype(q: torch.Tensor) -> None:
     if q.dtype not in DTYPES:
         raise ValueError(f"q has dtype {q.dtype}; the kernels support fp16, bf16, fp32 (fp64: use *_torch)")
+
+
+def check_kernel_head_dim(head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} (q.shape[-1]) is unsupported by the kernels; supported: "
+                         f"{HEAD_DIMS_TEXT} (the *_torch references take any head_dim)")
 
 
 def check_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -173,7 +182,7 @@ def check_dense(q, k, v, causal, softmax_scale, window_size) -> tuple[float, int
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                 block_table, window_size) -> tuple[float, int, int, int, int]:  # fmt: skip
+                 block_table, window_size) -> tuple[float, int, int, int, int]:
     """flash_attn_varlen_func's arguments. Returns (scale, left, right, max_seqlen_q, max_seqlen_k)."""
     paged = block_table is not None
     _, _, head_dim = check_qkv(q, k, v, 3, 4 if paged else 3)
@@ -192,7 +201,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if vals[0] < 0 or vals[1] > max_seqlen_q or vals[2] > q.shape[0]:
             raise ValueError(
                 f"cu_seqlens_q must be non-decreasing, with lengths <= max_seqlen_q ({max_seqlen_q}) and "
-                f"a total <= q.shape[0] ({q.shape[0]}); got lengths in [{vals[0]}, {vals[1]}], total {vals[2]}"
+                f"a total <= q.shape[0] ({q.shape[0]}); got lengths in [{vals[0]}, {vals[1]}], "
+                f"total {vals[2]}"
             )
         total_k = None if paged else k.shape[0]
         if vals[3] < 0 or vals[4] > max_seqlen_k or (total_k is not None and vals[5] > total_k):

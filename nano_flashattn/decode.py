@@ -17,7 +17,8 @@ the measure is bytes of K/V read per second. Two choices serve that:
 
 Paged caches (vLLM's PagedAttention) are read through `kv_offsets`: row j of sequence b lives in page
 block_table[b, j // page_size]. With one page holding fewer rows than a tile (page 16, tile 64), a tile
-gathers several pages, one 2*head_dim-byte row at a time; each row is still a contiguous read.
+gathers several pages, one 2*head_dim-byte row at a time; each row is still a contiguous read. The tile
+configurations and the split heuristic's constants are measured (configs.py).
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ import triton
 import triton.language as tl
 
 from .checks import NO_WINDOW, cdiv, next_pow2
-from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles
+from .configs import DECODE_TUNING, block_d, decode_config, num_sms
+from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
 
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "split_len", "stride_bt"])
-def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
-                         seqlen_q, group, qk_scale, split_len, window_right,
-                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
-                         stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt, stride_lh, stride_ls,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q, group, qk_scale, split_len,
+                         window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                         stride_bt, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
+                         stride_lh, stride_ls, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
 
     Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
@@ -46,22 +48,23 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks
     b = tl.program_id(2)
+    b64 = b.to(tl.int64)
     rows = (tl.program_id(1) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < group * seqlen_q
     h = hk * group + rows // seqlen_q
     t = rows % seqlen_q
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = (
-        Q + b.to(tl.int64) * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
-    )
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
+    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], True, pad_d)
 
     k_len = tl.load(cache_seqlens + b)
     if PAGED:
         k_off = hk * stride_kh
-        bt_row = block_table + b.to(tl.int64) * stride_bt
+        bt_row = block_table + b64 * stride_bt
     else:
-        k_off = b.to(tl.int64) * stride_kb + hk * stride_kh
+        k_off = b64 * stride_kb + hk * stride_kh
         bt_row = block_table  # unused
     lo = split * split_len
     hi = tl.minimum(lo + split_len, k_len)
@@ -72,28 +75,34 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo, full_hi, hi, diag, NO_WINDOW_C,
-                              window_right, qk_scale, stride_kt, stride_kb, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE,
-                              False, DOT_PRECISION)  # fmt: skip
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, full_hi, hi, hi, diag, NO_WINDOW_C,
-                              window_right, qk_scale, stride_kt, stride_kb, HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE,
-                              True, DOT_PRECISION)  # fmt: skip
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo=lo, hi=full_hi, n=hi,
+                              shift=diag, lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kb, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=False,
+                              DOT_PRECISION=DOT_PRECISION)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo=full_hi, hi=hi, n=hi,
+                              shift=diag, lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kb, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+                              DOT_PRECISION=DOT_PRECISION)
     empty = l_i == 0.0  # an empty slice (past the sequence end) has weight exp(-inf) = 0 in the combine
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
-    b64 = b.to(tl.int64)
     o_ptrs = Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os
-    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+    o_ok = row_ok[:, None] & d_ok[None, :]
+    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
     tl.store(LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls, lse, mask=row_ok)
 
 
 @triton.jit
-def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge the slices of one (sequence, token, head) row: O = sum_s exp(L_s - L) O_s, L = logsumexp_s L_s."""
+def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Merge the slices of one (sequence, token, head) row: O = sum_s exp(L_s - L) O_s, L = logsumexp_s L_s
+    (the online softmax's rescaling, once across slices)."""
     r = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     ok = s < num_splits
     lse_s = tl.load(LSE_part + r * num_splits + s, mask=ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
@@ -102,34 +111,11 @@ def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constex
     total = tl.sum(w, 0)
     empty = total == 0.0
     total = tl.where(empty, 1.0, total)
-    o_s = tl.load(
-        O_part + (r * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
-    )
+    o_ptrs = O_part + (r * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :]
+    o_s = tl.load(o_ptrs, mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(w[:, None] * o_s, 0) / total
-    tl.store(Out + r * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(Out + r * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
     tl.store(LSE + r, tl.where(empty, float("-inf"), m + tl.log(total)))
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: pretend to be a small GPU so that num_splits=0 still splits
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# Split-count heuristic and (BLOCK_N, num_warps, num_stages) of the split kernel for 16-bit caches, by
-# paged or not; tuned on an H200; `python -m nano_flashattn.bench --sweep` re-tunes them in-process.
-# H200 sweep 2026-11-30: batch 1 x 64k context (8 kv-head programs) was fastest at 16 splits (one
-# program per SM, each streaming 4k keys), 10% ahead of 32; batch 64 x 4k (512 programs) at 1 split.
-# A paged tile's page lookup feeds its K/V addresses, so Triton's pipeliner needs more stages to keep
-# two K/V tiles in flight: 128-row tiles with 5 stages beat 64-row tiles with 4 by 10-25%.
-DECODE_TUNING = {"waves": 1, "min_split_tiles": 4}
-DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (128, 4, 5)}
-# Second H200 sweep (nano_vllm's decode: 16 q / 8 kv heads, ragged contexts of 100-2000 keys, page 16):
-# with many programs each streaming only a few tiles, a 5-deep pipeline mostly fills and drains and its
-# shared memory keeps a second program off the SM; 4 stages read 3.91 TB/s where 5 read 3.08 (batch 256 x
-# 100-1100 keys) and 4.15 vs 3.84 (500-2000 keys), while 5 stages stay ahead for long uniform contexts
-# (batch 64 x 4k: 4.26 vs 3.72; batch 1 x 64k: 3.94 vs 3.01). Used when programs >= MANY_PROGRAMS waves.
-PAGED_MANY_PROGRAMS_CONFIG, MANY_PROGRAMS = (128, 4, 4), 4
 
 
 def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
@@ -141,30 +127,16 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
     return max(1, min(target // programs, longest, 128))
 
 
-def decode_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool, programs: int = 0
-) -> tuple[int, int, int]:
-    if device.type != "cuda":
-        return 16, 4, 1
-    if dtype == torch.float32:
-        return 32, 4, 2
-    if head_dim > 128:
-        return 32, 4, 3
-    if paged and programs >= MANY_PROGRAMS * num_sms(device):
-        return PAGED_MANY_PROGRAMS_CONFIG
-    return DECODE_CONFIGS[paged]
-
-
 def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits, config=None):
-    """q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with block_table.
+    """Launch Flash-Decoding. q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with
+    block_table. Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
-    Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq)."""
+    config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_k = k_cache.shape[2]
     group = heads_q // heads_k
     paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 1
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]  # no sync: bound, not max
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]  # a bound: no sync
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))  # tl.dot wants >= 16 rows
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * heads_k * row_blocks
@@ -176,33 +148,29 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, seqlen_q, heads_q, dtype=torch.float32, device=q.device)
     if num_splits == 1:  # write the final output directly; no combine
-        o_part, lse_part, s_stride = out, lse, (0, 0)
+        o_part, lse_part, s_strides = out, lse, (0, 0)
     else:
-        o_part = torch.empty(
-            batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
+        o_part = torch.empty(batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32,
+                             device=q.device)
         lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32, device=q.device)
-        s_stride = (o_part.stride(3), lse_part.stride(3))
+        s_strides = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
         return out, lse.transpose(1, 2)
     _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
-        q, k_cache, v_cache, o_part, lse_part, cache_seqlens, block_table,
-        seqlen_q, group, scale * LOG2E, split_len, 0 if causal else NO_WINDOW,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0) if paged else 0,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), s_stride[0],
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), s_stride[1],
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
+        Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
+        block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E, split_len=split_len,
+        window_right=0 if causal else NO_WINDOW, stride_qb=q.stride(0), stride_qt=q.stride(1),
+        stride_qh=q.stride(2), stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_bt=block_table.stride(0) if paged else 0,
+        stride_ob=o_part.stride(0), stride_ot=o_part.stride(1), stride_oh=o_part.stride(2),
+        stride_os=s_strides[0], stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1),
+        stride_lh=lse_part.stride(2), stride_ls=s_strides[1], HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    )
     if num_splits > 1:
         _combine_kernel[(batch * seqlen_q * heads_q,)](
-            o_part,
-            lse_part,
-            out,
-            lse,
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=next_pow2(num_splits),
+            O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits, HEAD_DIM=head_dim,
+            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits),
         )
     return out, lse.transpose(1, 2)

@@ -1,18 +1,61 @@
-"""flash-attn's three entry points on the Triton kernels (`*_triton`), with autograd.
+"""flash-attn's three entry points on the Triton kernels (`*_triton`), with autograd, and the dispatch point
+where performance layers plug in.
 
 The kernels work on packed (tokens, heads, head_dim) tensors; a dense (batch, seqlen, heads, head_dim)
 batch is the special case of equal lengths, viewed without a copy. These functions run anywhere Triton
 runs: on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them).
+
+Every kernel launch goes through `run_kernel(kind, **arguments)`: by default the paper path's launchers
+(`attention_forward`, `attention_backward`, `decode_forward`). A performance layer (a Hopper forward with TMA
+loads and warp specialisation, say) lives in its own module and calls `register_kernel` when imported; from
+then on its launcher runs every call its `applies` accepts, with the same keyword arguments, and the paper
+path runs the rest. Nothing here imports a layer: importing one is the opt-in, deleting it the opt-out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .backward import attention_backward
-from .checks import check_dense, check_kernel_dtype, check_kvcache, check_varlen
+from .checks import check_dense, check_kernel_dtype, check_kernel_head_dim, check_kvcache, check_varlen
 from .decode import decode_forward
 from .forward import attention_forward
+
+PAPER_KERNELS: dict[str, Callable] = {
+    "forward": attention_forward, "backward": attention_backward, "decode": decode_forward,
+}
+_LAYERS: dict[str, list[tuple[Callable, Callable]]] = {kind: [] for kind in PAPER_KERNELS}
+
+
+def register_kernel(kind: str, launch: Callable, applies: Callable[..., bool] | None = None
+                    ) -> Callable[[], None]:
+    """Run `launch` in place of the paper-path launcher of `kind` ("forward", "backward" or "decode") for
+    every call whose keyword arguments `applies(**arguments)` accepts (all calls when None). `launch` takes
+    the paper launcher's keyword arguments and returns what it returns. The latest registration is tried
+    first. Returns a function that removes the registration."""
+    if kind not in PAPER_KERNELS:
+        raise ValueError(f"kind must be one of {sorted(PAPER_KERNELS)}, got {kind!r}")
+    if not callable(launch) or (applies is not None and not callable(applies)):
+        raise TypeError(f"launch and applies must be callables, got {type(launch).__name__} and "
+                        f"{type(applies).__name__}")
+    entry = (launch, applies or (lambda **arguments: True))
+    _LAYERS[kind].insert(0, entry)
+
+    def remove() -> None:
+        if entry in _LAYERS[kind]:
+            _LAYERS[kind].remove(entry)
+
+    return remove
+
+
+def run_kernel(kind: str, **arguments):
+    """Launch `kind` with a registered layer that applies to these arguments, else with the paper path."""
+    for launch, applies in _LAYERS[kind]:
+        if applies(**arguments):
+            return launch(**arguments)
+    return PAPER_KERNELS[kind](**arguments)
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -20,19 +63,19 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, left, right):
-        out, lse = attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, None, scale,
-                                     left, right)  # fmt: skip
+        ctx.launch_args = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale,
+                               window_left=left, window_right=right)
+        out, lse = run_kernel("forward", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              block_table=None, **ctx.launch_args)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (batch, seqlen_q, seqlen_k, scale, left, right)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        batch, seqlen_q, seqlen_k, scale, left, right = ctx.args
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_q, cu_k, scale, left,
-                                        right)  # fmt: skip
+        dq, dk, dv = run_kernel("backward", do=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_q,
+                                cu_seqlens_k=cu_k, **ctx.launch_args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -41,58 +84,66 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1, *t.shape[-2:])
 
 
+def _check_kernel_inputs(q: torch.Tensor) -> None:
+    check_kernel_dtype(q)
+    check_kernel_head_dim(q.shape[-1])
+
+
 def flash_attn_func_triton(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
     """FlashAttention-2 on (batch, seqlen, heads, head_dim) tensors; see `nano_flashattn.flash_attn_func`."""
     scale, left, right = check_dense(q, k, v, causal, softmax_scale, window_size)
-    check_kernel_dtype(q)
+    _check_kernel_inputs(q)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    out, lse = FlashAttnFunction.apply(_rows(q), _rows(k), _rows(v), batch, seqlen_q, seqlen_k, None, None, scale,
-                                       left, right)  # fmt: skip
+    out, lse = FlashAttnFunction.apply(_rows(q), _rows(k), _rows(v), batch, seqlen_q, k.shape[1], None, None,
+                                       scale, left, right)
     out = out.view(batch, seqlen_q, heads_q, head_dim)
     if not return_lse:
         return out
     return out, lse.view(heads_q, batch, seqlen_q).transpose(0, 1)
 
 
-def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                                  softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
+                                  return_lse=False):
     """Packed variable-length FlashAttention-2; see `nano_flashattn.flash_attn_varlen_func`."""
     scale, left, right, max_q, max_k = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
-    )  # fmt: skip
-    check_kernel_dtype(q)
+    )
+    _check_kernel_inputs(q)
     batch = cu_seqlens_q.numel() - 1
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if block_table is None:
-        out, lse = FlashAttnFunction.apply(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k, scale, left,
-                                           right)  # fmt: skip
+        out, lse = FlashAttnFunction.apply(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k, scale,
+                                           left, right)
     else:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise ValueError("block_table: no backward through a paged KV cache; call under torch.no_grad()")
-        out, lse = attention_forward(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k,
-                                     block_table.contiguous(), scale, left, right)  # fmt: skip
+        out, lse = run_kernel("forward", q=q, k=k, v=v, batch=batch, seqlen_q=max_q, seqlen_k=max_k,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              block_table=block_table.contiguous(), scale=scale, window_left=left,
+                              window_right=right)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
-                                   num_splits=0, causal=False, return_lse=False):  # fmt: skip
+                                   num_splits=0, causal=False, return_lse=False):
     """Flash-Decoding over a contiguous or paged KV cache; see `nano_flashattn.flash_attn_with_kvcache`."""
     scale, cache_seqlens = check_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits
     )
-    check_kernel_dtype(q)
+    _check_kernel_inputs(q)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(
-            f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: the caches must share strides, "
-            "with a contiguous head_dim"
+            f"k_cache / v_cache strides {k_cache.stride()} / {v_cache.stride()}: the caches must share "
+            "strides, with a contiguous head_dim"
         )
     if q.stride(-1) != 1:
         q = q.contiguous()
     if block_table is not None:
         block_table = block_table.contiguous()
     with torch.no_grad():  # inference only
-        out, lse = decode_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, scale, causal,
-                                  num_splits)  # fmt: skip
+        out, lse = run_kernel("decode", q=q, k_cache=k_cache, v_cache=v_cache,
+                              cache_seqlens=cache_seqlens.contiguous(), block_table=block_table, scale=scale,
+                              causal=causal, num_splits=num_splits)
     return (out, lse) if return_lse else out

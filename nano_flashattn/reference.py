@@ -59,13 +59,14 @@ def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> to
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
-def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                                 softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):  # fmt: skip
+def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
+                                 return_lse=False):
     """Reference of `flash_attn_varlen_func`: one dense attention per packed sequence."""
     scale, left, right, _, _ = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
-    )  # fmt: skip
+    )
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     # rows outside every sequence (before cu_seqlens_q[0] or past cu_seqlens_q[-1]) stay 0, their LSE -inf
     out = q.new_zeros(q.shape)
@@ -84,7 +85,7 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
-                                  num_splits=0, causal=False, return_lse=False):  # fmt: skip
+                                  num_splits=0, causal=False, return_lse=False):
     """Reference of `flash_attn_with_kvcache`: q (B, Sq, Hq, D) attends to the first cache_seqlens[b]
     rows of sequence b's cache (row b of a contiguous cache, or the pages block_table[b] lists).
     `num_splits` only changes how the kernel splits the work, so the reference ignores it."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from nano_flashattn import flash_attn_varlen_func, flash_attn_with_kvcache
-from nano_flashattn.checks import HEAD_DIMS
+from nano_flashattn.checks import HEAD_DIMS, HEAD_DIMS_TEXT
 
 
 @dataclass
@@ -55,10 +55,14 @@ class AttentionContext:
     decode_lens: torch.Tensor | None = None
 
 
-def check_head_dim(head_dim: int) -> None:
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the paged kernels (nano_flashattn supports "
-                         f"{HEAD_DIMS})")
+def check_head_dim(head_dim: int, device: torch.device | str = "cuda") -> None:
+    """The paged kernels (nano_flashattn) tile every head_dim that is a multiple of 8 from 16 to 256. On a
+    CUDA device any other head_dim is an error (the torch reference attention would run, materialising
+    seqlen² scores per sequence and syncing every layer); elsewhere the engine runs that reference, which
+    takes any head_dim."""
+    if torch.device(device).type == "cuda" and head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the paged kernels on CUDA; supported: "
+                         f"{HEAD_DIMS_TEXT} (a CPU engine runs any head_dim on the torch reference)")
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

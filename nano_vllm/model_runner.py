@@ -103,7 +103,7 @@ class ModelRunner:
         self.device = device or config.torch_device
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_kv_heads = model_config.num_key_value_heads // tp_size
-        check_head_dim(model_config.head_dim)
+        check_head_dim(model_config.head_dim, self.device)
         self.model = self.load_model().eval()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams

@@ -58,7 +58,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx:
 def default_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0,
                       ctx: Any = None) -> torch.Tensor:
     """Causal self-attention: nano_flashattn's FlashAttention-2 kernel on CUDA for the head sizes it
-    supports (powers of two, 32..256), torch SDPA for everything else."""
+    supports (multiples of 8 from 16 to 256), torch SDPA for everything else."""
     if q.is_cuda and _flash_attn_func is not None and q.shape[-1] in _FLASH_HEAD_DIMS:
         return _flash_attn_func(q, k, v, causal=True)
     return sdpa_attention(q, k, v, layer_idx, ctx)

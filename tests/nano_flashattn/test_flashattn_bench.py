@@ -1,4 +1,5 @@
-"""The bench's --quick mode runs on a CPU in seconds and writes its JSON and markdown."""
+"""The bench's --quick mode runs on a CPU in seconds and writes its JSON and markdown; --sweep points at the
+tool it moved to."""
 
 from __future__ import annotations
 
@@ -19,5 +20,24 @@ def test_bench_quick_writes_json(tmp_path):
     row = result["attention"][0]
     for key in ("ours_fwd", "ours_bwd", "sdpa_fwd", "sdpa_bwd"):
         assert row[key] > 0, key
-    assert saved["decode"][0]["ours_paged16"] > 0
-    assert "| hd | causal | seqlen |" in (tmp_path / "bench.md").read_text()
+    assert saved["decode"][0]["ours_paged16"] > 0 and saved["decode"][0]["head_dim"] == 64
+    md = (tmp_path / "bench.md").read_text()
+    assert "| hd | causal | seqlen |" in md and "| hd | causal | seqlen | pass | ours | vs hd128 |" in md
+
+
+def test_bench_sweep_names_the_tool(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--sweep"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--sweep moved to the repository's tools/: run `python tools/flashattn_sweep.py" in err
+
+
+def test_bench_rows_each_head_dim_against_128():
+    """The summary divides every head_dim's number by head_dim 128's at the same shape, and by each peer."""
+    peers = {f"sdpa_{p}_{ps}": v for p, v in (("cudnn", 400.0), ("flash", 300.0)) for ps in ("fwd", "bwd")}
+    attn = [{"head_dim": d, "causal": True, "seqlen": 4096, "ours_fwd": f, "ours_bwd": 2 * f, **peers}
+            for d, f in ((64, 360.0), (128, 400.0))]
+    lines = bench.summary({"attention": attn, "decode": []})
+    assert "| 64 | True | 4096 | fwd | 360 | 0.90x | 0.90x | 1.20x |" in lines
+    assert "| 128 | True | 4096 | bwd | 800 | - | 2.00x | 2.67x |" in lines

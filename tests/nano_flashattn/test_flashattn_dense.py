@@ -1,6 +1,7 @@
 """flash_attn_func: the Triton kernels (Algorithm 1 and 2) against the fp64 torch reference, and the
 reference against torch's own scaled_dot_product_attention. On CPU the kernels run under
-TRITON_INTERPRET=1 (tests/conftest.py), so the shapes are small and the tiles 16 wide."""
+TRITON_INTERPRET=1 (tests/conftest.py), so the shapes are small and the tiles 16 wide. head_dims that are
+not powers of two run with the tile's head axis padded to the next power of two."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import nano_flashattn as fa
+from nano_flashattn.checks import HEAD_DIMS
 from nano_flashattn.reference import attention_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,9 +69,9 @@ def test_fwd_bwd_fp16(fa_check, b, m, n, hq, hk, d, causal, window):
 def test_gqa_backward_both_paths(fa_check, monkeypatch, expand_waves):
     """dK/dV of GQA two ways: the kv-head programs looping over their query heads (0: never expand) and
     K/V expanded per query head with the group's partials summed after (always expand)."""
-    from nano_flashattn import backward
+    from nano_flashattn import configs
 
-    monkeypatch.setattr(backward, "GQA_EXPAND_WAVES", expand_waves)
+    monkeypatch.setattr(configs, "GQA_EXPAND_WAVES", expand_waves)
     _run_and_compare(fa_check, 2, 37, 53, 4, 1, 32, torch.float16, True, (-1, -1))
     _run_and_compare(fa_check, 1, 40, 40, 8, 2, 64, torch.float16, False, (-1, -1))
 
@@ -77,6 +79,21 @@ def test_gqa_backward_both_paths(fa_check, monkeypatch, expand_waves):
 def test_fwd_bwd_fp32_and_wide_heads(fa_check):
     _run_and_compare(fa_check, 1, 20, 30, 2, 1, 32, torch.float32, True, (-1, -1))
     _run_and_compare(fa_check, 1, 16, 20, 1, 1, 256, torch.float16, False, (-1, -1))
+
+
+# head_dims the interpreter covers beyond the powers of two: the smallest, odd multiples of 8 (rows not
+# 16-element aligned), the common 80 and 96, and 200 (padded to 256)
+PADDED_HEAD_DIMS = [16, 40, 72, 80, 96, 200]
+
+
+@pytest.mark.parametrize("d", PADDED_HEAD_DIMS)
+def test_fwd_bwd_padded_head_dims_fp16(fa_check, d):
+    _run_and_compare(fa_check, 1, 19, 27, 2, 1, d, torch.float16, True, (-1, -1))
+
+
+def test_fwd_bwd_padded_head_dims_fp32(fa_check):
+    _run_and_compare(fa_check, 1, 19, 27, 2, 1, 40, torch.float32, True, (-1, -1))
+    _run_and_compare(fa_check, 2, 17, 17, 2, 2, 200, torch.float32, False, (5, 3))
 
 
 def test_backward_is_deterministic():
@@ -96,9 +113,10 @@ def test_dispatch_cpu_goes_to_reference():
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (4, 2))])
-def test_reference_matches_torch_sdpa(causal, window):
+@pytest.mark.parametrize("d", [32, 20])  # 20: the reference (the CPU path) takes head_dims the kernels do not
+def test_reference_matches_torch_sdpa(causal, window, d):
     """The oracle itself against an implementation nobody here wrote (fp64, explicit mask)."""
-    b, m, n, hq, hk, d = 2, 9, 13, 4, 2, 32
+    b, m, n, hq, hk = 2, 9, 13, 4, 2
     q, k, v, _ = _inputs(b, m, n, hq, hk, d, torch.float64, device="cpu")
     out = fa.flash_attn_func_torch(q, k, v, causal=causal, window_size=window)
     i, j = torch.arange(m)[:, None], torch.arange(n)[None, :]
@@ -130,6 +148,15 @@ def test_gpu_bf16_fwd_bwd(fa_check, d, causal):
 def test_gpu_other_head_dims(fa_check, d):
     _run_and_compare(fa_check, 1, 200, 333, 4, 1, d, torch.bfloat16, True, (-1, -1), device="cuda")
     _run_and_compare(fa_check, 1, 200, 200, 4, 4, d, torch.float16, False, (64, 16), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_gpu_bf16_every_head_dim(fa_check, d):
+    """Every head_dim the kernels take, on the GPU configs (padded when not a power of two): causal GQA with
+    ragged lengths (masked tiles and unmasked ones), and a local window with seqlen_q > seqlen_k."""
+    _run_and_compare(fa_check, 2, 300, 333, 4, 2, d, torch.bfloat16, True, (-1, -1), device="cuda")
+    _run_and_compare(fa_check, 1, 200, 150, 2, 1, d, torch.bfloat16, False, (40, 8), device="cuda")
 
 
 @pytest.mark.gpu

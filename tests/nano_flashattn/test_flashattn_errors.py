@@ -28,8 +28,8 @@ def test_dense_bad_inputs(fn):
         fn(q, k, torch.randn(1, 8, 1, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"q heads \(4\) must be divisible by k heads \(3\)"):
         fn(*_qkv(hq=4, hk=3))
-    with pytest.raises(ValueError, match=r"head_dim 48"):
-        fn(*_qkv(d=48))
+    with pytest.raises(ValueError, match=r"head_dim 0 \(q.shape\[-1\]\) must be positive"):
+        fn(*_qkv(d=0))
     with pytest.raises(ValueError, match=r"head_dim mismatch"):
         fn(q, torch.randn(1, 8, 2, 64, dtype=torch.float16), torch.randn(1, 8, 2, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"^k has dtype torch.float32 but q has torch.float16"):
@@ -48,6 +48,23 @@ def test_dense_bad_inputs(fn):
         fn(q.long(), k.long(), v.long())
 
 
+@pytest.mark.parametrize("d", [20, 12, 8, 264])
+def test_kernels_refuse_head_dims_they_cannot_tile(d):
+    """Not a multiple of 8, below 16 or above 256: the kernels refuse, naming head_dim and the supported set
+    (every entry point, before any launch); the torch references take any head_dim."""
+    q, k, v = _qkv(d=d)
+    msg = (rf"^head_dim {d} \(q.shape\[-1\]\) is unsupported by the kernels; "
+           r"supported: multiples of 8 from 16 to 256")
+    with pytest.raises(ValueError, match=msg):
+        fa.flash_attn_func_triton(q, k, v)
+    q2, k2, v2, cu_q, cu_k, mq, mk, _ = _varlen(d=d)
+    with pytest.raises(ValueError, match=msg):
+        fa.flash_attn_varlen_func_triton(q2, k2, v2, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=msg):
+        fa.flash_attn_with_kvcache_triton(q, k, v, 8)
+    fa.flash_attn_func_torch(q, k, v)
+
+
 def test_kernels_refuse_fp64():
     q, k, v = (t.double() for t in _qkv())
     with pytest.raises(ValueError, match=r"^q has dtype torch.float64"):
@@ -55,15 +72,15 @@ def test_kernels_refuse_fp64():
     fa.flash_attn_func_torch(q, k, v)  # the reference runs in fp64: it is the tests' oracle
 
 
-def _varlen(paged=False):
-    q = torch.randn(6, 4, 32, dtype=torch.float16)
+def _varlen(paged=False, d=32):
+    q = torch.randn(6, 4, d, dtype=torch.float16)
     cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
     cu_k = torch.tensor([0, 3, 9], dtype=torch.int32)
     if paged:
-        k = torch.randn(4, 16, 2, 32, dtype=torch.float16)
+        k = torch.randn(4, 16, 2, d, dtype=torch.float16)
         table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
         return q, k, k.clone(), cu_q, cu_k, 4, 6, table
-    k = torch.randn(9, 2, 32, dtype=torch.float16)
+    k = torch.randn(9, 2, d, dtype=torch.float16)
     return q, k, k.clone(), cu_q, cu_k, 4, 6, None
 
 

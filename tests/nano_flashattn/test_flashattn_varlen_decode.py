@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nano_flashattn as fa
+from nano_flashattn.checks import HEAD_DIMS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,6 +73,13 @@ def test_varlen_paged_kv(fa_check, page):
     _compare_varlen(fa_check, [1, 7, 0, 12], [5, 40, 16, 33], 8, 2, 32, torch.float16, True, page=page)
 
 
+@pytest.mark.parametrize("d,dtype", [(40, torch.float16), (96, torch.float16), (72, torch.float32)])
+def test_varlen_padded_head_dims(fa_check, d, dtype):
+    # head_dim padded to the next power of two: forward and backward of a packed batch, then paged prefill
+    _compare_varlen(fa_check, [0, 1, 17, 5], [3, 1, 20, 9], 4, 2, d, dtype, True)
+    _compare_varlen(fa_check, [1, 7, 12], [5, 40, 33], 4, 2, d, dtype, True, page=16)
+
+
 def _compare_decode(
     fa_check, batch, seqlen_q, hq, hk, d, lens, dtype, page, num_splits, causal, device=DEVICE
 ):
@@ -110,6 +118,13 @@ def test_decode_mqa_many_rows(fa_check):
     _compare_decode(fa_check, 1, 5, 16, 1, 32, [23], torch.float16, None, 2, True)
 
 
+@pytest.mark.parametrize("d,page,num_splits,dtype", [(16, None, 2, torch.float16), (40, 16, 3, torch.float16),
+                                                   (96, 32, 0, torch.float16), (200, 16, 2, torch.float32)])
+def test_decode_padded_head_dims(fa_check, d, page, num_splits, dtype):
+    # Flash-Decoding with head_dim padded in the split kernel and in the combine (num_splits > 1)
+    _compare_decode(fa_check, 3, 2, 8, 2, d, [0, 37, 70], dtype, page, num_splits, True)
+
+
 def test_decode_int_seqlens_and_dispatch():
     q = torch.randn(2, 1, 4, 32)
     kc, vc = torch.randn(2, 10, 2, 32), torch.randn(2, 10, 2, 32)
@@ -133,3 +148,16 @@ def test_gpu_bf16_varlen(fa_check):
     _compare_varlen(
         fa_check, [3, 100, 0], [40, 500, 64], 8, 2, 128, torch.bfloat16, True, page=16, device="cuda"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_gpu_bf16_every_head_dim_varlen_paged_decode(fa_check, d):
+    """Every head_dim the kernels take, on the GPU configs: varlen forward and backward, paged prefill, and
+    Flash-Decoding over contiguous and paged caches, split and not."""
+    _compare_varlen(fa_check, [0, 1, 200, 129], [5, 1, 300, 129], 8, 2, d, torch.bfloat16, True,
+                    device="cuda")
+    _compare_varlen(fa_check, [3, 100], [40, 500], 8, 2, d, torch.bfloat16, True, page=16, device="cuda")
+    lens = [2048, 1, 777]
+    _compare_decode(fa_check, 3, 1, 32, 8, d, lens, torch.bfloat16, None, 0, False, device="cuda")
+    _compare_decode(fa_check, 3, 2, 32, 8, d, lens, torch.bfloat16, 16, 4, True, device="cuda")

@@ -190,7 +190,7 @@ def test_bad_input_ids_shape():
 
 # ---------------------------------------------------------------------------------- GPU (lent machine)
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [16, 64])  # 16: SDPA fallback; 64: FlashAttention-2 kernel
+@pytest.mark.parametrize("head_dim", [16, 64])  # both run the FlashAttention-2 kernel on CUDA
 @pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_cuda_bf16_model_error_within_twice_transformers_bf16_error(tmp_path, case, head_dim):
     """On CUDA the model runs the Triton kernels and FlashAttention; in bf16 its error against HF's fp32
@@ -204,3 +204,46 @@ def test_cuda_bf16_model_error_within_twice_transformers_bf16_error(tmp_path, ca
         out = ours(ids).double()
     ref_err = (hf_bf16 - ref).abs().max().item()
     assert (out - ref).abs().max().item() <= 2 * ref_err + 1e-2
+
+
+# ---------------------------------------------------------------------------------- attention routing
+def _spy_flash(monkeypatch):
+    """Wrap shared.model's FlashAttention entry so a test sees which head_dims reached the kernels."""
+    import shared.model as model_mod
+
+    seen, real = [], model_mod._flash_attn_func
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[-1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(model_mod, "_flash_attn_func", spy)
+    return model_mod, seen
+
+
+def test_attention_routing_head_dims_follow_the_kernels(monkeypatch):
+    """The kernels' set (multiples of 8 from 16 to 256) routes to FlashAttention on CUDA; on a CPU every
+    head_dim, supported or not, runs torch SDPA."""
+    from nano_flashattn import HEAD_DIMS
+
+    model_mod, seen = _spy_flash(monkeypatch)
+    assert tuple(model_mod._FLASH_HEAD_DIMS) == HEAD_DIMS == tuple(range(16, 257, 8))
+    for d in (20, 96):
+        q, k, v = (torch.randn(1, 7, 2, d) for _ in range(3))
+        assert torch.equal(model_mod.default_attention(q, k, v), model_mod.sdpa_attention(q, k, v))
+    assert seen == []
+
+
+@pytest.mark.gpu
+def test_cuda_attention_routes_every_supported_head_dim_to_flash(monkeypatch):
+    """On CUDA the supported head_dims (padded ones included) run nano_flashattn, within 2x SDPA's fp16 error
+    of an fp64 SDPA; a head_dim the kernels cannot tile (20, 264) falls back to SDPA on CUDA too."""
+    model_mod, seen = _spy_flash(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d in (16, 40, 96, 128, 200, 20, 264):
+        q, k, v = (torch.randn(2, 50, 4, d, device="cuda", dtype=torch.float16, generator=g)
+                   for _ in range(3))
+        ref = model_mod.sdpa_attention(q.double(), k.double(), v.double())
+        err = (model_mod.default_attention(q, k, v).double() - ref).abs().max().item()
+        sdpa_err = (model_mod.sdpa_attention(q, k, v).double() - ref).abs().max().item()
+        assert err <= 2 * sdpa_err + 1e-3, (d, err, sdpa_err)  # FlashAttention's rule, fp64 oracle
+    assert seen == [16, 40, 96, 128, 200]

@@ -1,0 +1,142 @@
+"""Config sweep for nano_flashattn's kernels (GPU only), then the bench with the swept tables.
+
+    python tools/flashattn_sweep.py [--sweep-head-dims 64 96 128] [--no-decode-sweep] [--no-bench]
+                                    [bench options...]
+
+Tries a few tile shapes per kernel, keeps the fastest, writes it into nano_flashattn.configs' tables for the
+rest of the process, prints the tables to paste into nano_flashattn/configs.py (with the one line that says
+what they were tuned on), then runs `python -m nano_flashattn.bench` with the remaining options and saves
+the sweep's scores in its bench.json. Every candidate is compiled first in parallel worker processes
+(nano_flashattn.bench_compile), because compiling dozens of attention kernels one by one costs minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
+
+from nano_flashattn import bench, configs
+from nano_flashattn.bench_compile import precompile, run_bwd, run_decode, run_fwd
+
+FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                  (128, 64, 8, 4)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, then of the dQ kernel
+DKDV_CANDIDATES = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3),
+                   (32, 128, 8, 3), (64, 64, 4, 3)]
+DQ_CANDIDATES = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 3),
+                 (128, 32, 8, 3), (64, 64, 4, 3)]
+# (BLOCK_N, num_warps, num_stages) of the split kernel, contiguous and paged: a page lookup feeds the K/V
+# addresses, and Triton's pipeliner only double-buffers such dependent loads from ~5 stages on
+DECODE_CANDIDATES = {
+    False: [(64, 4, 4), (64, 4, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4), (32, 4, 6)],
+    True: [(64, 4, 4), (64, 4, 6), (64, 4, 8), (32, 4, 8), (128, 4, 5), (64, 8, 8), (32, 4, 6)],
+}
+DECODE_SPLITS = {(64, 4096): [1, 2, 4], (1, 65536): [16, 32, 64]}  # (batch, context): split counts
+CUDA = torch.device("cuda")
+
+
+def _ms(fn, graph: bool = False) -> float:
+    if graph:  # decode: small kernels, replay a CUDA graph so that launch overhead does not count
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _best(scores: dict, label: str):
+    best = max(scores, key=scores.get)
+    print(f"sweep {label}: best {best}  " + "  ".join(f"{k}:{v:.3f}" for k, v in scores.items()), flush=True)
+    return best
+
+
+def sweep_attention(head_dims, report: dict) -> None:
+    """Forward, then the backward's dK/dV tiles with dQ's held, then dQ's with the best dK/dV: speed summed
+    over causal and not (1/ms), at bench_compile's shape."""
+    base = {d: configs.bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
+    jobs = [("fwd", d, c, cfg) for d in head_dims for c in (False, True) for cfg in FWD_CANDIDATES]
+    for d in head_dims:
+        jobs += [("bwd", d, c, (a, base[d][1])) for c in (False, True) for a in DKDV_CANDIDATES]
+        jobs += [("bwd", d, c, (base[d][0], b)) for c in (False, True) for b in DQ_CANDIDATES]
+    failed = precompile(jobs)
+    for d in head_dims:
+        ok = [cfg for cfg in FWD_CANDIDATES
+              if not any(str(("fwd", d, c, cfg)) in failed for c in (False, True))]
+        scores = {cfg: sum(1 / _ms(run_fwd(d, c, cfg)) for c in (False, True)) for cfg in ok}
+        configs.FWD_CONFIGS[d] = _best(scores, f"fwd hd{d}")
+        report["fwd"][d] = {str(k): v for k, v in scores.items()}
+        best, scores = base[d], {}
+        for which, candidates in ((0, DKDV_CANDIDATES), (1, DQ_CANDIDATES)):
+            for cand in candidates:
+                cfg = (cand, best[1]) if which == 0 else (best[0], cand)
+                compiled = (cand, base[d][1]) if which == 0 else (base[d][0], cand)
+                if not any(str(("bwd", d, c, compiled)) in failed for c in (False, True)):
+                    scores[cfg] = sum(1 / _ms(run_bwd(d, c, cfg)) for c in (False, True))
+            best = max(scores, key=scores.get)
+        configs.BWD_CONFIGS[d] = _best(scores, f"bwd hd{d}")
+        report["bwd"][d] = {str(k): v for k, v in scores.items()}
+        torch.cuda.empty_cache()
+
+
+def sweep_decode(report: dict, head_dim: int = 128) -> None:
+    """Split-kernel tiles per cache kind: fastest sum over the two shapes, each at its best split count."""
+    jobs = [("dec", head_dim, cfg, s, 16 * paged)
+            for paged in (False, True) for cfg in DECODE_CANDIDATES[paged] for s in (1, 2)]
+    failed = precompile(jobs)
+    for paged in (False, True):
+        ms = {}
+        for cfg in DECODE_CANDIDATES[paged]:
+            if any(str(("dec", head_dim, cfg, s, 16 * paged)) in failed for s in (1, 2)):
+                continue
+            for (b, ctx), splits in DECODE_SPLITS.items():
+                for s in splits:
+                    fn = run_decode(b, ctx, cfg, s, paged, head_dim=head_dim)
+                    ms[(cfg, b, ctx, s)] = _ms(fn, graph=True)
+        tried = {cfg for cfg, *_ in ms}
+        speed = {cfg: 1 / sum(min(ms[(cfg, b, c, s)] for s in ss) for (b, c), ss in DECODE_SPLITS.items())
+                 for cfg in tried}
+        configs.DECODE_CONFIGS[paged] = _best(speed, f"decode paged={paged}")
+        report["decode"][str(paged)] = {str(k): v for k, v in ms.items()}
+        torch.cuda.empty_cache()
+
+
+def tables(command: str) -> str:
+    """The swept tables as Python to paste into nano_flashattn/configs.py, with their one-line provenance."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    gpu, date = torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    tuned = f"# Tuned on an {gpu}, {date}, commit {commit}: `{command}`"
+    return "\n".join([tuned, f"FWD_CONFIGS = {dict(sorted(configs.FWD_CONFIGS.items()))!r}",
+                      tuned, f"BWD_CONFIGS = {dict(sorted(configs.BWD_CONFIGS.items()))!r}",
+                      tuned, f"DECODE_CONFIGS = {configs.DECODE_CONFIGS!r}"])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sweep-head-dims", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--no-decode-sweep", action="store_true", help="keep the decode tables as they are")
+    p.add_argument("--no-bench", action="store_true", help="only sweep and print the tables")
+    args, bench_argv = p.parse_known_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the sweep times kernels on a CUDA GPU")
+    report = {"fwd": {}, "bwd": {}, "decode": {}}
+    sweep_attention(args.sweep_head_dims, report)
+    if not args.no_decode_sweep:
+        sweep_decode(report)
+    command = "python tools/flashattn_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(tables(command), flush=True)
+    if not args.no_bench:
+        bench.main(bench_argv, sweep=report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
