@@ -74,31 +74,25 @@ def phase_goodputs(model: LatencyModel, base: SimConfig, lengths: list[tuple[int
                    ) -> tuple[Callable[[int], float], Callable[[int], float]]:
     """G_p(tp), G_d(tp) from the simulator: one prefill instance judged on TTFT alone (fed by as many decode
     instances as needed), and one decode instance judged on TPOT alone (fed by as many prefill instances)."""
-    arrivals = functools.partial(poisson_arrivals, len(lengths), seed=seed)
-
-    def goodput(cfg: SimConfig, ttft: float | None, tpot: float | None) -> float:
-        def att(rate: float) -> float:
-            return slo_attainment(simulate(cfg, model, lengths, arrivals(rate)), ttft, tpot)
-        return find_goodput(att, max_rate / 1e4, max_rate, target)
-
     @functools.cache
     def g_p(tp: int) -> float:
-        return goodput(replace(base, mode="disaggregated", num_prefill=1, tp_prefill=tp, num_decode=16,
-                               tp_decode=8), ttft_slo, None)
+        cfg = replace(base, mode="disaggregated", num_prefill=1, tp_prefill=tp, num_decode=16, tp_decode=8)
+        return colocated_goodput(model, cfg, lengths, ttft_slo, None, max_rate, target, seed)
 
     @functools.cache
     def g_d(tp: int) -> float:
-        return goodput(replace(base, mode="disaggregated", num_prefill=16, tp_prefill=8, num_decode=1,
-                               tp_decode=tp), None, tpot_slo)
+        cfg = replace(base, mode="disaggregated", num_prefill=16, tp_prefill=8, num_decode=1, tp_decode=tp)
+        return colocated_goodput(model, cfg, lengths, None, tpot_slo, max_rate, target, seed)
 
     return g_p, g_d
 
 
-def colocated_goodput(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]], ttft_slo: float,
-                      tpot_slo: float, max_rate: float = 1000.0, target: float = 0.9, seed: int = 0,
+def colocated_goodput(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]], ttft_slo: float | None,
+                      tpot_slo: float | None, max_rate: float = 1000.0, target: float = 0.9, seed: int = 0,
                       decode_model: LatencyModel | None = None) -> float:
-    """Goodput of `base` (any mode) under both SLOs, by simulation and bisection (`decode_model`: see
-    `simulate`)."""
+    """Goodput (§2) of `base` (any mode, not only colocated) by simulation and bisection: the highest
+    Poisson rate at which `target` of the requests meet both SLOs (an SLO of None is not judged).
+    `decode_model`: see `simulate`."""
     def att(rate: float) -> float:
         m = simulate(base, model, lengths, poisson_arrivals(len(lengths), rate, seed=seed), decode_model)
         return slo_attainment(m, ttft_slo, tpot_slo)
