@@ -25,9 +25,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds, warmup_requests
+from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
 from nano_distserve.goodput import report, to_metrics
-from nano_distserve.instance import _execute, step_record
+from nano_distserve.measure import StepRecord, measured_instance_main, step_record, warmup_requests
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
@@ -38,7 +38,7 @@ from nano_vllm.metrics import percentile, slo_attainment, summarize
 from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.step_timing import StepTimer
-from shared.bench import KernelCompiles, release_memory
+from shared.bench import KernelCompiles, release_memory, write_json
 from shared.bench import format_table as shared_format_table
 from shared.config import resolve_model_config
 from shared.dist import run_distributed
@@ -70,7 +70,7 @@ def run_sim(cfg: dict) -> dict:
         goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=cfg["seed"])
         rows.append({"system": name, "gpus": sc.num_gpus, "goodput_req_s": goodput,
                      "goodput_per_gpu": goodput / sc.num_gpus, "attainment": curve})
-    return {"workload": dataclasses.asdict(w), "rates": list(cfg["rates"]), "systems": rows,
+    return {"mode": "sim", "workload": dataclasses.asdict(w), "rates": list(cfg["rates"]), "systems": rows,
             "placement": {**dataclasses.asdict(placement), "planned_goodput_per_gpu": placement.goodput_per_gpu,
                           "prefill_goodput_tp1": g_p(1), "decode_goodput_tp1": g_d(1)}}
 
@@ -180,7 +180,7 @@ def run_measured(cfg: dict) -> dict:
     if "disaggregated" in names:
         t0 = time.perf_counter()
         dis_all = run_disaggregated_rounds(DisaggConfig(engine=engine_args(budgets["colocated"])), requests,
-                                           arrivals, m["timeout_s"])
+                                           arrivals, m["timeout_s"], main=measured_instance_main)
         print(f"disaggregated: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
         dis = dis_all["rounds"]
         measured["disaggregated"] = [to_metrics(d["completions"]) for d in dis]
@@ -283,22 +283,26 @@ def _fit_lines(result: dict) -> list[str]:
     return lines
 
 
-def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt: list[int], keep: SamplingParams,
-                        before: int, after: int) -> tuple[list, int]:
+def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt: list[int],
+                        keep: SamplingParams, before: int, after: int) -> tuple[list[StepRecord], int]:
     """Step `engine` through the decodes' prefills (untraced), `before` decode-only steps, the long prompt's
-    prefill and `after` more steps; returns the step log and the index where the long prompt joined."""
-    sched, runner, log = engine.scheduler, engine.model_runner, []
+    prefill and `after` more steps; returns the step log (each step timed by nano_vllm's StepTimer, from its
+    schedule to the end of its postprocess) and the index where the long prompt joined."""
+    sched, log = engine.scheduler, []
+    timer = StepTimer(engine, on_step=lambda out, seconds: log.append(step_record(out, seconds)))
     seqs = [engine.add_request(p, keep) for p in prompts]
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-        _execute(sched, runner, [])  # the decodes' own prefills, not traced
+        engine.step()
+    log.clear()  # the decodes' own prefills are not traced
     for _ in range(before):
-        _execute(sched, runner, log)
+        engine.step()
     engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     joined = len(log)
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-        _execute(sched, runner, log)
+        engine.step()
     for _ in range(after):
-        _execute(sched, runner, log)
+        engine.step()
+    timer.remove()
     for seq in seqs:  # the decodes run to max_len otherwise: end them, their blocks go back to the pool
         engine.abort_request(seq.request_id)
     return log, joined
@@ -308,8 +312,10 @@ def run_interference(cfg: dict) -> dict:
     """§2.1 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
     while one `prefill_tokens`-token prompt joins them; once with plain colocation (the whole prompt in one
     step, every decode waits for it) and once with chunked prefill (Sarathi: at most `chunk_tokens` per step).
-    A decode's time per output token is the time of the step that produces it, so the slowdown of the steps
-    carrying the prefill is the TPOT increase. Returns both step traces (StepRecord dicts)."""
+    Each running decode gets its next token from the step that carries the prefill, so the ratio of the
+    slowest such step to the median decode-only step is the longest token gap a decode sees, relative to
+    its usual one: a per-step spike, which a request's TPOT (its mean gap) averages over all its steps.
+    Returns both step traces (StepRecord dicts)."""
     c = cfg["interference"]
     decodes, prefill, chunk = int(c["decodes"]), int(c["prefill_tokens"]), int(c["chunk_tokens"])
     before, after = int(c["steps_before"]), int(c["steps_after"])
@@ -340,10 +346,10 @@ def run_interference(cfg: dict) -> dict:
         base = statistics.median(r.seconds for r in log[:joined])
         with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
         rows.append({"policy": policy, "mixed-step CUDA graphs": max(graphs, default=0),
-                     "decode-only step ms": 1e3 * base,
+                     "median decode-only step ms": 1e3 * base,
                      "steps carrying the prefill": len(with_prefill),
                      "slowest such step ms": 1e3 * max(r.seconds for r in with_prefill),
-                     "TPOT slowdown (slowest / decode-only)": max(r.seconds for r in with_prefill) / base,
+                     "slowest prefill-carrying step / median decode step": max(r.seconds for r in with_prefill) / base,
                      "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:joined + len(with_prefill)]),
                      "kernels built while traced": len(compiles.names) if compiles.available else None})
         traces[policy] = [dataclasses.asdict(r) for r in log]
@@ -376,7 +382,7 @@ def main(cfg: DictConfig) -> None:
     if step_logs is not None:
         with gzip.open(out.with_name("steps.json.gz"), "wt") as f:
             json.dump(step_logs, f)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     print(f"wrote {out} ({result['seconds']:.1f} s)")
     print(fmt(result))
 

@@ -11,15 +11,10 @@ import torch.distributed as dist
 from ds_fakes import FakeRunner, SimNet
 
 from nano_distserve.disagg import Router
-from nano_distserve.instance import DecodeInstance, PrefillInstance
-from nano_distserve.kv_transfer import (
-    KVGeometry,
-    LeaseTable,
-    export_blocks,
-    handshake,
-    import_blocks,
-    register,
-)
+from nano_distserve.instance import PrefillInstance
+from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
+from nano_distserve.measure import MeasuredDecodeInstance, MeasuredPrefillInstance
+from nano_distserve.transport import KVGeometry, handshake, register
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.loadgen import Request
 from nano_vllm.sampling_params import SamplingParams
@@ -86,11 +81,12 @@ def test_10000_requests_with_aborts_timeouts_and_a_dead_decode_instance_leak_not
     net = SimNet(seed=0, max_delay=0.03, drop=0.002, slow=0.01, slow_delay=3.0)
     ttl = 1.0
     s, r, t = _instance(net, 0, 200)
-    pre = PrefillInstance(s, r, t, [1, 2], lease_ttl_s=ttl, clock=net.clock, keep_sent=True)
+    # the measurement layer's instances: the paper's, keeping what each transfer sent and received
+    pre = MeasuredPrefillInstance(s, r, t, [1, 2], lease_ttl_s=ttl, clock=net.clock, keep_kv=True)
     decs = {}
     for rank in (1, 2):
         s, r, t = _instance(net, rank, 60)
-        decs[rank] = DecodeInstance(s, r, t, 0, lease_ttl_s=ttl, clock=net.clock, keep_received=True)
+        decs[rank] = MeasuredDecodeInstance(s, r, t, 0, lease_ttl_s=ttl, clock=net.clock, keep_kv=True)
     rng = random.Random(1)
     n, nxt, aborted = 10_000, 0, 0
     shared = [rng.randrange(1000) for _ in range(32)]  # shared prefixes exercise the prefill prefix cache
