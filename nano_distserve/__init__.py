@@ -2,5 +2,5 @@
 
 Instances (`instance.py`) and KV transfer (`kv_transfer.py`) run nano_vllm's scheduler and model runner by
 phase; `disagg.py` launches them as processes; `goodput.py` / `workloads.py` measure against SLOs;
-`simulator.py` and `planner.py` are §3's placement search; `bench.py` is the benchmark.
+`simulator.py` and `planner.py` are §4.1's placement search; `bench.py` is the benchmark.
 """

@@ -2,7 +2,7 @@
 same GPUs — attainment-vs-rate curves and goodput per GPU under a Table 1 workload (DistServe, arXiv
 2401.09670, §6.2 / Fig. 8) — plus the planner's placement (Algorithm 1).
 
-mode=interference traces step times while decodes run and a long prompt joins them (§2.1, Fig. 2).
+mode=interference traces step times while decodes run and a long prompt joins them (§2.3, Fig. 2).
 mode=sim runs the discrete-event simulator only (CPU, well under a minute). mode=measured serves a
 seeded workload open-loop (nano_vllm.loadgen) at each rate with real engines on `num_gpus` devices:
 colocated = `num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1
@@ -187,7 +187,7 @@ def run_measured(cfg: dict) -> dict:
         transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
         decode_steps = dis_all["decode_steps"]
         steps["disaggregated"] = dis_all["prefill_steps"]
-    # One step-latency model per system — and per role for disaggregation — fitted to its own steps (§3.3:
+    # One step-latency model per system — and per role for disaggregation — fitted to its own steps (§4.1:
     # the simulator is fitted to profiles of the engine it predicts): a colocated step that carries a long
     # prompt and the decodes, a chunked step, a prefill-only step and a decode instance's iteration (which
     # also receives K/V) are different shapes of work. Step times are whole iterations (schedule, forward,
@@ -309,7 +309,7 @@ def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt
 
 
 def run_interference(cfg: dict) -> dict:
-    """§2.1 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
+    """§2.3 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
     while one `prefill_tokens`-token prompt joins them; once with plain colocation (the whole prompt in one
     step, every decode waits for it) and once with chunked prefill (Sarathi: at most `chunk_tokens` per step).
     Each running decode gets its next token from the step that carries the prefill, so the ratio of the

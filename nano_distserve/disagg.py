@@ -59,11 +59,12 @@ class Router:
     def check(self, prompt: list[int], max_tokens: int) -> None:
         total = len(prompt) + max_tokens
         if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len ({self.max_model_len})")
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
         need = math.ceil(min(total, self.max_model_len) / self.block_size)
         if need > self.decode_blocks:
-            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the decode instance's cache "
-                             f"has only {self.decode_blocks}: it could never be decoded")
+            raise ValueError(f"request needs {need} KV blocks ({total} tokens) but the decode instance's "
+                             f"cache has only {self.decode_blocks}: it could never be decoded")
 
     def submit(self, request_id: str, req: Request, arrival_time: float) -> None:
         prompt = list(req.prompt)
@@ -111,10 +112,12 @@ def build_engine(cfg: DisaggConfig) -> LLMEngine:
     return LLMEngine(EngineConfig(**args))
 
 
-def connect(cfg: DisaggConfig, engine: LLMEngine, prefill_cls: Callable[..., PrefillInstance] = PrefillInstance,
+def connect(cfg: DisaggConfig, engine: LLMEngine,
+            prefill_cls: Callable[..., PrefillInstance] = PrefillInstance,
             decode_cls: Callable[..., DecodeInstance] = DecodeInstance) -> Node:
-    """Register this rank's KV geometry, wait for the router's verdict on all of them (kv_transfer.handshake)
-    and build the rank's instance over `engine`'s scheduler and runner."""
+    """Register this rank's KV geometry, wait for the router's verdict on all of them (transport.handshake)
+    and build the rank's instance over `engine`'s scheduler and runner: `prefill_cls` on rank 0,
+    `decode_cls` on the others (extension points: the measurement layer passes its subclasses)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     port = [find_free_port() if rank == 0 else 0]  # a store of our own: the process group's is private
     dist.broadcast_object_list(port, src=0)
@@ -136,7 +139,8 @@ def connect(cfg: DisaggConfig, engine: LLMEngine, prefill_cls: Callable[..., Pre
     store.set("handshake", "ok")
     pre = prefill_cls(engine.scheduler, runner, transport, list(range(1, world)), cfg.lease_ttl_s)
     decode_blocks = min(info[n]["num_blocks"] for n in names[1:])
-    return Node(engine, store, pre, Router(pre, engine.max_model_len, decode_blocks, engine.config.block_size))
+    router = Router(pre, engine.max_model_len, decode_blocks, engine.config.block_size)
+    return Node(engine, store, pre, router)
 
 
 def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]]) -> dict:
@@ -148,7 +152,7 @@ def instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[
     if node.router is None:
         serve_decode(node.instance)
     else:
-        result["rounds"] = [serve_round(node.router, k, len(rounds), requests, a) for k, a in enumerate(rounds)]
+        result["rounds"] = serve_rounds(node.router, requests, rounds)
         stop_decodes(node.instance)
     dist.barrier()  # rank 0 hosts the store: it must outlive every reader
     return result
@@ -168,13 +172,15 @@ def stop_decodes(pre: PrefillInstance) -> None:
         pre.transport.send(dst, Stop())
 
 
-def serve_round(router: Router, k: int, num_rounds: int, requests: list[Request], arrivals: list[float]) -> dict:
-    """Round `k`: `Router.serve` with request ids "<k>:<index>", and a progress line (a run cut off by a
-    time limit shows how far it got)."""
-    res = router.serve(f"{k}:", requests, arrivals)
-    print(f"disaggregated round {k + 1}/{num_rounds}: {len(requests)} requests in {res['duration']:.1f} s",
-          flush=True)
-    return res
+def serve_rounds(router: Router, requests: list[Request], rounds: list[list[float]]) -> list[dict]:
+    """`Router.serve` once per list of arrival times, request ids "<k>:<index>" in round k, with a progress
+    line after each (a run cut off by a time limit shows how far it got)."""
+    out = []
+    for k, arrivals in enumerate(rounds):
+        out.append(router.serve(f"{k}:", requests, arrivals))
+        print(f"disaggregated round {k + 1}/{len(rounds)}: {len(requests)} requests in "
+              f"{out[-1]['duration']:.1f} s", flush=True)
+    return out
 
 
 def run_disaggregated_rounds(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]],

@@ -1,4 +1,4 @@
-"""Prefill and decode instances (DistServe, arXiv 2401.09670, §4.4 and §5): nano_vllm's scheduler and model
+"""Prefill and decode instances (DistServe, arXiv 2401.09670, §4.3 and §5): nano_vllm's scheduler and model
 runner, split by phase, joined by a pulled KV transfer (messages: nano_distserve.protocol).
 
 * `PrefillInstance` runs nano_vllm's `Scheduler.schedule()` / `ModelRunner.execute()` / `postprocess()`
@@ -6,7 +6,8 @@ runner, split by phase, joined by a pulled KV transfer (messages: nano_distserve
   blocks still allocated; a lease holds them until the decode side pulls them (or the lease expires).
   It tells a decode instance `Ready`; on `Pull` it copies the blocks out, sends them and frees them.
 * `DecodeInstance` keeps the `Ready` requests in FIFO order and admits the head only when its blocks fit
-  (backpressure, §4.4: "the decoding instance fetches the KV cache when it has room"), allocates them,
+  (§4.3: decoding instances "fetch KV cache from prefill instances as needed, using the GPU memory of
+  prefill instances as a queuing buffer"), allocates them,
   sends `Pull` and posts a tagged receive. When the bytes arrive they are scattered into its own cache and
   the request joins its scheduler's running queue as an ordinary decoding sequence; nano_vllm's scheduler
   then decodes it (and would recompute it after a preemption, like any other sequence).
@@ -65,7 +66,8 @@ class PrefillInstance:
         self.completed: dict[str, Completion] = {}
         self._next_decode = 0
 
-    def add_request(self, request_id: str, prompt: list[int], sp: SamplingParams, arrival_time: float) -> None:
+    def add_request(self, request_id: str, prompt: list[int], sp: SamplingParams,
+                    arrival_time: float) -> None:
         self.scheduler.add(Sequence(prompt, sp, request_id, arrival_time))
 
     def has_work(self) -> bool:
@@ -146,7 +148,7 @@ class PrefillInstance:
 
 
 @dataclass
-class _Pending:
+class Pending:
     """A Ready request on the decode side: queued, then (once admitted) allocated and receiving."""
 
     ready: Ready
@@ -159,7 +161,8 @@ class _Pending:
 
 
 class DecodeInstance:
-    """Decode-only serving: pulls prefilled requests when their blocks fit, then decodes them with nano_vllm."""
+    """Decode-only serving: pulls prefilled requests when their blocks fit, then decodes them with
+    nano_vllm."""
 
     def __init__(self, scheduler: Scheduler, runner, transport: Transport, router_rank: int = 0,
                  lease_ttl_s: float = 10.0, clock: Callable[[], float] = time.perf_counter,
@@ -168,7 +171,7 @@ class DecodeInstance:
         self.router_rank, self.lease_ttl_s, self.clock = router_rank, lease_ttl_s, clock
         self.watermark_blocks = watermark_blocks  # room kept for running requests' next decode blocks
         self.leases = LeaseTable(clock)
-        self.queue: OrderedDict[str, _Pending] = OrderedDict()  # Ready, in arrival order
+        self.queue: OrderedDict[str, Pending] = OrderedDict()  # Ready, in arrival order
         self.stopped = False
         self._tags = 0
 
@@ -214,7 +217,7 @@ class DecodeInstance:
             seq.append_token(m.first_token, m.first_token_time)
             self._pull(p, seq)
 
-    def _pull(self, p: _Pending, seq: Sequence) -> None:
+    def _pull(self, p: Pending, seq: Sequence) -> None:
         """Ask for the blocks of `seq`, now allocated here, and post their receive."""
         self._tags += 1  # unique per (prefill, decode) pair, which is all gloo's tag matching needs
         cache = self.runner.kv_cache
@@ -229,7 +232,7 @@ class DecodeInstance:
         self.transport.send(p.src, Pull(rid, self._tags))
         p.work = self.transport.irecv_kv(p.src, self._tags, p.buf)
 
-    def _start_decoding(self, rid: str, p: _Pending) -> None:
+    def _start_decoding(self, rid: str, p: Pending) -> None:
         """The bytes arrived: scatter them into this cache; the request joins the running queue."""
         p.work.wait()
         import_blocks(self.runner.kv_cache, p.seq.block_table, p.buf)
@@ -258,7 +261,7 @@ class DecodeInstance:
     def _handle(self, src: int, msg: Message) -> None:
         match msg:
             case Ready(rid=rid):
-                self.queue[rid] = _Pending(msg, src)
+                self.queue[rid] = Pending(msg, src)
             case Sent(rid):
                 p = self.queue.get(rid)
                 if p is not None and p.seq is not None:

@@ -10,7 +10,8 @@ runs the instances of nano_distserve.instance with, on top:
   the instance's whole iteration — polling, admission and K/V import included, since a waiting request
   waits for them too — which the simulator's `LatencyModel.fit` is fitted to;
 * the serving hand-off per request (pull sent -> blocks in the decode cache, which waits for the prefill
-  side's step in flight) and, after serving, the KV transfer alone (`measure_wire`, §4.4's claim);
+  side's step in flight) and, after serving, the KV transfer alone (`measure_wire`; §6.3 finds it
+  insubstantial);
 * where each request's TTFT went (`ttft_parts`); with `DisaggConfig.keep_kv`, the K/V each transfer sent
   and received (tests compare them bit for bit).
 
@@ -29,8 +30,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nano_distserve.disagg import DisaggConfig, build_engine, connect, serve_decode, serve_round, stop_decodes
-from nano_distserve.instance import DecodeInstance, PrefillInstance, _Pending
+from nano_distserve.disagg import (
+    DisaggConfig,
+    build_engine,
+    connect,
+    serve_decode,
+    serve_rounds,
+    stop_decodes,
+)
+from nano_distserve.instance import DecodeInstance, Pending, PrefillInstance
 from nano_distserve.kv_transfer import export_blocks, import_blocks
 from nano_distserve.protocol import Message, Pull
 from nano_vllm.loadgen import Request
@@ -70,7 +78,8 @@ def warmup_requests(requests: list[Request], count: int = 4, max_tokens: int = 1
     decodes, chunk continuations, mixed and decode CUDA graphs) and Triton compiles each kernel variant
     (~1 s apiece on an H200) before the clock starts, not inside the first rate's TTFTs."""
     warm = [dataclasses.replace(r, sampling_params=dataclasses.replace(
-        r.sampling_params, max_tokens=min(max_tokens, r.sampling_params.max_tokens))) for r in requests[:count]]
+        r.sampling_params, max_tokens=min(max_tokens, r.sampling_params.max_tokens)))
+        for r in requests[:count]]
     return warm, [max(0, i - 1) * gap_s for i in range(len(warm))]
 
 
@@ -134,11 +143,11 @@ class MeasuredDecodeInstance(DecodeInstance):
     def record_step(self, out: SchedulerOutput, seconds: float) -> None:
         self.step_log.append(step_record(out, time.perf_counter() - self._iteration_start))
 
-    def _pull(self, p: _Pending, seq: Sequence) -> None:
+    def _pull(self, p: Pending, seq: Sequence) -> None:
         self._pulled_at[seq.request_id] = self.clock()
         super()._pull(p, seq)
 
-    def _start_decoding(self, rid: str, p: _Pending) -> None:
+    def _start_decoding(self, rid: str, p: Pending) -> None:
         super()._start_decoding(rid, p)
         self.transfer_times.append(self.clock() - self._pulled_at.pop(rid))
         if self.keep_kv:
@@ -160,13 +169,15 @@ def ttft_parts(completions: list, marks: dict[str, tuple[float, float, float]], 
     for c in completions:
         if tag + c.request_id in marks and c.token_times:
             added, it, fw = marks[tag + c.request_id]
-            for name, v in zip(TTFT_PARTS, (added - c.arrival_time, it - added, fw - it, c.token_times[0] - fw)):
+            values = (added - c.arrival_time, it - added, fw - it, c.token_times[0] - fw)
+            for name, v in zip(TTFT_PARTS, values):
                 parts[name].append(v)
     return parts
 
 
-def measure_wire(kv_cache: torch.Tensor, requests: list[Request], block_size: int, samples: int) -> list[float]:
-    """The KV transfer itself, with both sides ready (§4.4's claim: it takes less than a decode step): for
+def measure_wire(kv_cache: torch.Tensor, requests: list[Request], block_size: int,
+                 samples: int) -> list[float]:
+    """The KV transfer itself, with both sides ready (§6.3: it is insubstantial next to a decode step): for
     each of the first `samples` requests, its prompt's blocks exported, sent, received and imported into the
     peer's cache, timed from a common barrier to the receiver's synchronize. Run after serving, when every
     block is free (the copies land in blocks nobody owns). The serving log's `transfer_times` time the hand-
@@ -212,10 +223,9 @@ def measured_instance_main(cfg: DisaggConfig, requests: list[Request], rounds: l
         for dst in inst.decode_ranks:
             inst.transport.send(dst, ResetLogs())
         inst.step_log.clear()
-        out = []
-        for k, arrivals in enumerate(rounds):
-            res = serve_round(node.router, k, len(rounds), requests, arrivals)
-            out.append({**res, "ttft_parts": ttft_parts(res["completions"], inst.ttft_marks, f"{k}:")})
+        out = serve_rounds(node.router, requests, rounds)
+        for k, res in enumerate(out):
+            res["ttft_parts"] = ttft_parts(res["completions"], inst.ttft_marks, f"{k}:")
         stop_decodes(inst)
         result = {"rounds": out, "prefill_steps": inst.step_log,
                   "sent": {k: v for k, v in inst.sent.items() if not k.startswith("warmup:")}}

@@ -1,5 +1,5 @@
 """The messages between a prefill instance, its decode instances and the router (DistServe, arXiv
-2401.09670, §4.4: the decode instance *pulls* a prefilled request's K/V when it has room for it).
+2401.09670, §4.3: the decode instance *pulls* a prefilled request's K/V when it has room for it).
 
 One request's hand-off, in order:
 

@@ -1,4 +1,4 @@
-"""A discrete-event simulator of colocated and disaggregated serving (DistServe, arXiv 2401.09670, §3.3
+"""A discrete-event simulator of colocated and disaggregated serving (DistServe, arXiv 2401.09670, §4.1
 and Appendix A: the placement search needs attainment at many rates, far too many to measure).
 
 * `LatencyModel`: step time = c0 + c_prefill * prefill tokens + c_decode * decode sequences
@@ -14,7 +14,7 @@ and Appendix A: the placement search needs attainment at many rates, far too man
   compute (a separate link), starting when the decode instance admits the request (pull) — or, as the real
   instances do, when the prefill instance ends the step it was running then (`pull_at_step_boundary`).
 * Scheduling: colocated "plain" (vLLM before chunked prefill: a prefill step whenever prompts wait, which
-  stalls every decode — the interference of §2.2) or "chunked" (Sarathi: decodes first, prompt chunks fill
+  stalls every decode — the interference of §2.3) or "chunked" (Sarathi: decodes first, prompt chunks fill
   the token budget); disaggregated: prefill-only and decode-only instances, requests to the least-loaded.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +32,7 @@ from nano_vllm.metrics import RequestMetrics
 
 @dataclass
 class LatencyModel:
-    """Step time of one instance (§3.3, Appendix A), with the coefficients fitted to measured steps."""
+    """Step time of one instance (§4.1, Appendix A), with the coefficients fitted to measured steps."""
 
     c0: float = 5e-3
     c_prefill: float = 5e-5
@@ -52,20 +51,22 @@ class LatencyModel:
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
         """Seconds of a step with these phase counts on `tp` GPUs."""
-        t = self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_context * context_tokens
+        t = (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs
+             + self.c_context * context_tokens)
         if prefill_tokens:
             t += self.c_prefill_step + self.c_mixed_context * context_tokens
         return t / (tp * self.tp_efficiency ** (tp.bit_length() - 1))
 
     @classmethod
-    def fit(cls, steps: Iterable) -> LatencyModel:
+    def fit(cls, steps: list) -> LatencyModel:
         """Non-negative least squares over measured steps (`measure.StepRecord`: prefill_tokens, decode_seqs,
-        context_tokens, seconds): a coefficient the data would make negative (noise) is fixed at 0 and the others are fitted
-        again without it (clamping it afterwards would leave the rest fitted to a model with it). Without both
-        decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot be told apart:
-        the minimum-norm solution splits it."""
-        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0),
-                           s.context_tokens * float(s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
+        context_tokens, seconds): a coefficient the data would make negative (noise) is fixed at 0 and the
+        others are fitted again without it (clamping it afterwards would leave the rest fitted to a model with
+        it). Without both decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot
+        be told apart: the minimum-norm solution splits it."""
+        # columns: 1, prefill tokens, decode seqs, context tokens, carries prefill, context if it does
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.prefill_tokens > 0,
+                           s.context_tokens * (s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
         scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of similar size: tokens are 1e3x seconds' terms
         active, coef = list(range(x.shape[1])), torch.zeros(x.shape[1], dtype=torch.float64)
@@ -148,8 +149,8 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
             raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance holds "
                              f"{cfg.kv_tokens}")
     sim.run(reqs)
-    return [RequestMetrics(str(r.rid), r.arrival, r.first_token, r.finish if r.finish is not None else r.arrival,
-                           r.prompt, r.output) for r in reqs]
+    return [RequestMetrics(str(r.rid), r.arrival, r.first_token,
+                           r.finish if r.finish is not None else r.arrival, r.prompt, r.output) for r in reqs]
 
 
 class _Simulation:
@@ -163,7 +164,8 @@ class _Simulation:
         elif cfg.mode == "disaggregated":
             self.fronts = [_Instance("prefill", cfg.tp_prefill or cfg.tp, cfg.kv_tokens)
                            for _ in range(cfg.num_prefill)]
-            self.decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_decode)]
+            self.decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens)
+                            for _ in range(cfg.num_decode)]
         else:
             raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {cfg.mode!r}")
         self.events: list = []
@@ -233,7 +235,8 @@ class _Simulation:
         inst.kv_used -= inst.reservation(r)
 
     def start(self, inst: _Instance, now: float) -> None:
-        """Start the instance's next step unless it is busy or idle; it ends `LatencyModel.step_time` later."""
+        """Start the instance's next step unless it is busy or idle; it ends `LatencyModel.step_time`
+        later."""
         if inst.busy:
             return
         batch = self.plan_step(inst)
@@ -247,9 +250,9 @@ class _Simulation:
                   inst, pre, dec)
 
     def pull(self, inst: _Instance, r: _Req, src: _Instance, now: float) -> None:
-        cfg = self.cfg
-        self.push(now + cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth, self.pulled,
-                  inst, r, src)
+        """Start `r`'s KV transfer from `src` to `inst`: latency + prompt bytes / bandwidth."""
+        seconds = self.cfg.transfer_latency + r.prompt * self.cfg.kv_bytes_per_token / self.cfg.bandwidth
+        self.push(now + seconds, self.pulled, inst, r, src)
 
     def admit_decode(self, inst: _Instance, now: float) -> None:
         """Backpressure: pull the oldest waiting request only when its whole reservation fits."""
@@ -262,7 +265,8 @@ class _Simulation:
                 self.pull(inst, r, src, now)
 
     def plan_step(self, inst: _Instance) -> tuple[list, list] | None:
-        """(prefill [(req, tokens)], decode [req]) of the instance's next step, or None if it has nothing to do."""
+        """(prefill [(req, tokens)], decode [req]) of the instance's next step, or None if it has nothing to
+        do."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         if inst.kind == "decode":
@@ -270,8 +274,8 @@ class _Simulation:
         chunked = inst.kind == "colocated" and cfg.policy == "chunked"
         dec = inst.running[: cfg.max_num_seqs] if inst.kind == "colocated" else []
         # Colocated, as nano_vllm's scheduler: the running decodes go first (one token of budget each), then
-        # prompts fill what is left — in chunks (chunked), or whole and only if they fit (plain). Either way a
-        # prompt rides in the same step as the decodes, whose step it slows down (interference).
+        # prompts fill what is left — in chunks (chunked), or whole and only if they fit (plain). Either way
+        # a prompt rides in the same step as the decodes, whose step it slows down (interference).
         budget -= len(dec)
         pre: list = []
         for r in inst.waiting:
@@ -286,7 +290,7 @@ class _Simulation:
                 if not chunked and (pre or n <= cfg.max_num_batched_tokens):  # plain: whole prompts, in order
                     inst.kv_used -= inst.reservation(r)
                     break
-                # chunked: what fits; plain: a prompt over the whole budget (which nano_vllm refuses to configure)
+                # chunked: what fits; plain: a prompt over the whole budget (nano_vllm refuses that config)
                 n = budget if chunked else n
             pre.append((r, n))
             budget -= n
