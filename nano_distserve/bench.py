@@ -6,9 +6,10 @@ mode=interference traces step times while decodes run and a long prompt joins th
 mode=sim runs the discrete-event simulator only (CPU, well under a minute). mode=measured serves a
 seeded workload open-loop (nano_vllm.loadgen) at each rate with real engines on `num_gpus` devices:
 colocated = `num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1
-decode instance (`disagg.run_disaggregated`); it fits `LatencyModel` to the disaggregated step logs and
-simulates the same requests and arrivals beside each measurement. Both print a table and write bench.json
-into the Hydra run directory.
+decode instance (`disagg.run_disaggregated` with the measurement layer, nano_distserve.measure); it fits
+one `LatencyModel` per system to that system's own measured steps and simulates the same requests and
+arrivals beside each measurement. Every mode prints a table and writes bench.json (`shared.bench.write_json`:
+with date, GPU and versions) into the Hydra run directory.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def run_sim(cfg: dict) -> dict:
         for rate in cfg["rates"]:
             arr = poisson_arrivals(len(lengths), rate, cfg["seed"], cfg.get("burstiness", 1.0))
             curve.append(slo_attainment(simulate(sc, model, lengths, arr), w.ttft_slo, w.tpot_slo))
-        goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=cfg["seed"])
+        goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"],
+                                    seed=cfg["seed"])
         rows.append({"system": name, "gpus": sc.num_gpus, "goodput_req_s": goodput,
                      "goodput_per_gpu": goodput / sc.num_gpus, "attainment": curve})
     return {"mode": "sim", "workload": dataclasses.asdict(w), "rates": list(cfg["rates"]), "systems": rows,
-            "placement": {**dataclasses.asdict(placement), "planned_goodput_per_gpu": placement.goodput_per_gpu,
+            "placement": {**dataclasses.asdict(placement),
+                          "planned_goodput_per_gpu": placement.goodput_per_gpu,
                           "prefill_goodput_tp1": g_p(1), "decode_goodput_tp1": g_d(1)}}
 
 
@@ -88,7 +91,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_rate: list[list[float]]) -> dict:
+def colocated_replica(engine_args: dict, requests: list[Request],
+                      arrivals_per_rate: list[list[float]]) -> dict:
     """Body of one colocated replica (one device, rank r of n): at each rate it serves requests r, r+n, ...
     open-loop (round-robin dispatch) after a warm-up burst (`warmup_requests`), so kernel compiles stay out
     of TTFT. Returns, per rate, its requests' metrics and generated token ids (`outputs`: request index →
@@ -106,8 +110,8 @@ def colocated_replica(engine_args: dict, requests: list[Request], arrivals_per_r
     for arrivals in arrivals_per_rate:
         tokens: list[list[int]] = []
         with KernelCompiles() as built:  # a compile inside a rate stalls its requests for ~1 s: report it
-            metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine], [arrivals[i] for i in mine],
-                                              outputs=tokens)
+            metrics, _ = run_engine_open_loop(engine, [requests[i] for i in mine],
+                                              [arrivals[i] for i in mine], outputs=tokens)
         outputs.append(dict(zip(mine, tokens)))
         # what was built, argument signatures included ("" when nothing was)
         compiles.append(built.summary() + "".join(f"; {r[:300]}" for r in built.reprs) if built.names else "")
@@ -148,11 +152,11 @@ def run_measured(cfg: dict) -> dict:
     if unknown or not names:
         raise ValueError(f"measured.systems must name some of {list(MEASURED_SYSTEMS)}, got {names}")
     if names == ["disaggregated"]:
-        raise ValueError("measured.systems: add a colocated system — the simulator takes the KV cache geometry "
-                         "from a colocated run")
+        raise ValueError("measured.systems: add a colocated system — the simulator takes the KV cache "
+                         "geometry from a colocated run")
     if "disaggregated" in names and g != 2:
-        raise ValueError(f"the disaggregated system is 1 prefill + 1 decode GPU: num_gpus must be 2 to compare "
-                         f"on equal devices, got {g}")
+        raise ValueError(f"the disaggregated system is 1 prefill + 1 decode GPU: num_gpus must be 2 to "
+                         f"compare on equal devices, got {g}")
 
     def engine_args(budget: int, **extra) -> dict:
         # Mixed-step CUDA graphs (nano_vllm), the same sizes for every system, up to each one's step budget.
@@ -167,7 +171,8 @@ def run_measured(cfg: dict) -> dict:
             continue
         args = engine_args(budgets[name], enable_chunked_prefill=chunked)
         t0 = time.perf_counter()
-        res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend, timeout_s=m["timeout_s"])
+        res = run_distributed(colocated_replica, g, args, requests, arrivals, backend=backend,
+                              timeout_s=m["timeout_s"])
         print(f"{name}: {len(rates)} rates served in {time.perf_counter() - t0:.1f} s", flush=True)
         for rate, built in zip(rates, res[0]["compiles"]):
             if built:
@@ -187,11 +192,11 @@ def run_measured(cfg: dict) -> dict:
         transfers, wire = dis_all["transfer_times"], dis_all["wire_times"]
         decode_steps = dis_all["decode_steps"]
         steps["disaggregated"] = dis_all["prefill_steps"]
-    # One step-latency model per system — and per role for disaggregation — fitted to its own steps (§4.1:
-    # the simulator is fitted to profiles of the engine it predicts): a colocated step that carries a long
-    # prompt and the decodes, a chunked step, a prefill-only step and a decode instance's iteration (which
-    # also receives K/V) are different shapes of work. Step times are whole iterations (schedule, forward,
-    # postprocess, an instance's messages and K/V imports): what a waiting request waits for.
+    # One step-latency model per system — and per role for disaggregation — fitted to its own steps
+    # (§4.1: the simulator is fitted to profiles of the engine it predicts): a colocated step that carries a
+    # long prompt and the decodes, a chunked step, a prefill-only step and a decode instance's iteration
+    # (which also receives K/V) are different shapes of work. Step times are whole iterations (schedule,
+    # forward, postprocess, an instance's messages and K/V imports): what a waiting request waits for.
     models = {name: LatencyModel.fit(s) for name, s in steps.items()}
     decode_model = LatencyModel.fit(decode_steps) if decode_steps else None
     base = SimConfig(max_num_seqs=m["engine"]["max_num_seqs"], kv_tokens=geometry["kv_tokens"],
@@ -213,20 +218,22 @@ def run_measured(cfg: dict) -> dict:
         att = [slo_attainment(x, w.ttft_slo, w.tpot_slo) for x in measured[name]]
         model = models[name]
         dm = decode_model if name == "disaggregated" else None
-        sim_att = [slo_attainment(simulate(sc, model, lengths, a, dm), w.ttft_slo, w.tpot_slo) for a in arrivals]
-        sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=seed,
-                                        decode_model=dm)
+        sim_att = [slo_attainment(simulate(sc, model, lengths, a, dm), w.ttft_slo, w.tpot_slo)
+                   for a in arrivals]
+        sim_goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"],
+                                        seed=seed, decode_model=dm)
         rows.append({"system": name, "gpus": sc.num_gpus, "attainment": att, "sim_attainment": sim_att,
                      "goodput_per_gpu": _grid_goodput(rates, att) / sc.num_gpus,
                      "sim_goodput_per_gpu": sim_goodput / sc.num_gpus,
                      "latency_fit": dataclasses.asdict(model), "num_steps_fitted": len(steps[name]),
-                     **({"decode_latency_fit": dataclasses.asdict(dm), "num_decode_steps_fitted": len(decode_steps)}
-                        if dm is not None else {}),
+                     **({"decode_latency_fit": dataclasses.asdict(dm),
+                         "num_decode_steps_fitted": len(decode_steps)} if dm is not None else {}),
                      "summaries": [summarize(x, None, w.ttft_slo, w.tpot_slo) for x in measured[name]]})
     if dis:
         rows[-1]["reports"] = [report(d["completions"], w.ttft_slo, w.tpot_slo, d["duration"]) for d in dis]
         # where the disaggregated TTFT goes, per rate: P50 of each part (router, queue, messages, forward), s
-        rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v} for d in dis]
+        rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v}
+                                      for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
             "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
             "latency_fit": dataclasses.asdict(models[names[-1]]),
@@ -235,7 +242,8 @@ def run_measured(cfg: dict) -> dict:
             "kv_geometry": geometry,  # what the simulator was given (with the step logs: re-simulate offline)
             "transfer": {"count": len(transfers),
                          **{f"p{q}_s": percentile(transfers, q) for q in (50, 90, 99) if transfers}},
-            "transfer_wire": {"count": len(wire), **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99) if wire}},
+            "transfer_wire": {"count": len(wire),
+                              **{f"p{q}_s": percentile(wire, q) for q in (50, 90, 99) if wire}},
             "decode_step_p50_s": percentile([s.seconds for s in decode_steps], 50) if decode_steps else None,
             # every fitted step, [prefill tokens, decode seqs, context tokens, seconds]: main() writes them to
             # steps.json.gz beside bench.json, to refit or re-simulate offline
@@ -249,14 +257,17 @@ def format_measured_table(result: dict) -> str:
             + "".join(f"{f'@{r:g} meas|sim':>16}" for r in rates))
     lines = [head]
     for row in result["systems"]:
-        lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>12.3f}|{row['sim_goodput_per_gpu']:<9.3f}  "
-                     + "".join(f"{a:>11.2f}|{s:<4.2f}" for a, s in zip(row["attainment"], row["sim_attainment"])))
+        lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>12.3f}|"
+                     f"{row['sim_goodput_per_gpu']:<9.3f}  "
+                     + "".join(f"{a:>11.2f}|{b:<4.2f}" for a, b in zip(row["attainment"],
+                                                                        row["sim_attainment"])))
     t, tw = result["transfer"], result["transfer_wire"]
     if not t["count"]:  # no disaggregated system in this run
         return "\n".join(lines + _fit_lines(result))
-    lines.append(f"KV transfer alone (export, send, receive, import; both sides ready), {tw['count']} requests' "
-                 f"prompts: P50 {tw['p50_s'] * 1e3:.2f} ms, P90 {tw['p90_s'] * 1e3:.2f} ms, P99 {tw['p99_s'] * 1e3:.2f} ms; "
-                 f"decode step P50 {result['decode_step_p50_s'] * 1e3:.2f} ms")
+    lines.append(f"KV transfer alone (export, send, receive, import; both sides ready), {tw['count']} "
+                 f"requests' prompts: P50 {tw['p50_s'] * 1e3:.2f} ms, P90 {tw['p90_s'] * 1e3:.2f} ms, "
+                 f"P99 {tw['p99_s'] * 1e3:.2f} ms; decode step P50 "
+                 f"{result['decode_step_p50_s'] * 1e3:.2f} ms")
     lines.append(f"KV hand-off while serving (pull sent -> in decode cache), {t['count']} transfers: P50 "
                  f"{t['p50_s'] * 1e3:.2f} ms, P90 {t['p90_s'] * 1e3:.2f} ms, P99 {t['p99_s'] * 1e3:.2f} ms")
     for row in result["systems"]:
@@ -277,8 +288,9 @@ def _fit_lines(result: dict) -> list[str]:
                     (" decode instance", row["num_decode_steps_fitted"], row["decode_latency_fit"])]
         for role, count, f in fits:
             lines.append(f"{row['system']}{role}: simulator fitted to its {count} measured steps: c0 "
-                         f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} s/seq, "
-                         f"context {f['c_context']:.2e} s/token, prefill step {f['c_prefill_step']:.2e} s, "
+                         f"{f['c0']:.2e} s, prefill {f['c_prefill']:.2e} s/token, decode {f['c_decode']:.2e} "
+                         f"s/seq, context {f['c_context']:.2e} s/token, prefill step "
+                         f"{f['c_prefill_step']:.2e} s, "
                          f"context in prefill steps +{f['c_mixed_context']:.2e} s/token")
     return lines
 
@@ -323,7 +335,8 @@ def run_interference(cfg: dict) -> dict:
     max_len = max(prefill + 8, int(c["decode_prompt"]) + before + after + chunk_steps + 64)
     gen = torch.Generator().manual_seed(int(cfg["seed"]))
     vocab = min(resolve_model_config(c["engine"]["model"]).vocab_size, 10000)
-    prompts = [torch.randint(0, vocab, (int(c["decode_prompt"]),), generator=gen).tolist() for _ in range(decodes)]
+    prompts = [torch.randint(0, vocab, (int(c["decode_prompt"]),), generator=gen).tolist()
+               for _ in range(decodes)]
     long_prompt = torch.randint(0, vocab, (prefill,), generator=gen).tolist()
     keep = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
     rows, traces = [], {}
@@ -342,15 +355,16 @@ def run_interference(cfg: dict) -> dict:
             log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
         engine.shutdown()
         del engine
-        release_memory()  # the next policy's engine sizes its KV cache from free memory: this one must be gone
+        release_memory()  # the next policy's engine sizes its KV cache from free memory: this one goes first
         base = statistics.median(r.seconds for r in log[:joined])
         with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
+        slowest = max(r.seconds for r in with_prefill)
         rows.append({"policy": policy, "mixed-step CUDA graphs": max(graphs, default=0),
                      "median decode-only step ms": 1e3 * base,
                      "steps carrying the prefill": len(with_prefill),
-                     "slowest such step ms": 1e3 * max(r.seconds for r in with_prefill),
-                     "slowest prefill-carrying step / median decode step": max(r.seconds for r in with_prefill) / base,
-                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:joined + len(with_prefill)]),
+                     "slowest such step ms": 1e3 * slowest,
+                     "slowest prefill-carrying step / median decode step": slowest / base,
+                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:][:len(with_prefill)]),
                      "kernels built while traced": len(compiles.names) if compiles.available else None})
         traces[policy] = [dataclasses.asdict(r) for r in log]
     return {"mode": "interference", "settings": dict(c), "rows": rows, "traces": traces}
@@ -358,8 +372,8 @@ def run_interference(cfg: dict) -> dict:
 
 def format_interference_table(result: dict) -> str:
     s = result["settings"]
-    lines = [f"{s['decodes']} running decodes ({s['engine']['model']}), then one {s['prefill_tokens']}-token prompt "
-             f"joins (chunked: {s['chunk_tokens']} tokens per step); traces in bench.json"]
+    lines = [f"{s['decodes']} running decodes ({s['engine']['model']}), then one {s['prefill_tokens']}-token "
+             f"prompt joins (chunked: {s['chunk_tokens']} tokens per step); traces in bench.json"]
     lines.append(shared_format_table(result["rows"]))
     return "\n".join(lines)
 
@@ -375,8 +389,9 @@ def main(cfg: DictConfig) -> None:
     result = run(OmegaConf.to_container(cfg, resolve=True))
     result["seconds"] = time.perf_counter() - t0
     if "workload" in result:
-        print(f"workload {result['workload']['name']}: TTFT SLO {result['workload']['ttft_slo']:g} s, TPOT SLO "
-              f"{result['workload']['tpot_slo']:g} s; joint SLO attainment at each rate (req/s):")
+        w = result["workload"]
+        print(f"workload {w['name']}: TTFT SLO {w['ttft_slo']:g} s, TPOT SLO {w['tpot_slo']:g} s; joint SLO "
+              "attainment at each rate (req/s):")
     out = Path(hydra_run_dir()) / "bench.json"
     step_logs = result.pop("step_logs", None)
     if step_logs is not None:
