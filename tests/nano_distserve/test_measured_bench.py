@@ -13,10 +13,12 @@ import nano_distserve
 from nano_distserve.bench import format_measured_table, run_measured
 from nano_distserve.simulator import LatencyModel
 
+BENCH_YAML = Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"
+
 
 @pytest.mark.slow
 def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["measured"].update(num_requests=4, rates=[4, 32], timeout_s=120)
     result = run_measured(cfg)
     assert result["rates"] == [4, 32]
@@ -53,7 +55,7 @@ def test_interference_trace_plain_vs_chunked():
     """mode=interference on a CPU: the traces have the right shape (the times mean nothing here)."""
     from nano_distserve.bench import format_interference_table, run_interference
 
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["interference"].update(decodes=4, prefill_tokens=256, chunk_tokens=64, steps_before=4, steps_after=2,
                                engine={"model": "tiny", "enable_prefix_caching": False})
     result = run_interference(cfg)
@@ -71,9 +73,10 @@ def test_interference_trace_plain_vs_chunked():
 @pytest.mark.slow
 def test_measured_bench_runs_a_subset_of_systems():
     """measured.systems: the two colocated systems alone (one GPU each; here one CPU replica each)."""
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["num_gpus"] = 1
-    cfg["measured"].update(num_requests=3, rates=[8], timeout_s=120, systems=["colocated", "colocated_chunked"])
+    cfg["measured"].update(num_requests=3, rates=[8], timeout_s=120,
+                           systems=["colocated", "colocated_chunked"])
     result = run_measured(cfg)
     assert [r["system"] for r in result["systems"]] == ["colocated", "colocated_chunked"]
     assert all(r["gpus"] == 1 and r["summaries"][0]["requests"] == 3 for r in result["systems"])

@@ -17,6 +17,8 @@ from nano_distserve.planner import plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
 
+BENCH_YAML = Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"
+
 
 def test_planner_reproduces_the_papers_motivating_arithmetic():
     p = plan(lambda tp: 5.6, lambda tp: 10.0, gpu_budget=3, tps=(1,))
@@ -57,7 +59,8 @@ def test_a_pull_waits_for_the_prefill_step_in_flight():
     model = LatencyModel(c0=0.0, c_prefill=1e-3, c_decode=0.0, c_context=0.0)
     reqs, arrivals = [(100, 2), (1000, 2)], [0.0, 0.05]
     waits = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf), model, reqs, arrivals)
-    at_once = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf, pull_at_step_boundary=False), model, reqs, arrivals)
+    at_once_cfg = SimConfig(transfer_latency=1e-3, bandwidth=math.inf, pull_at_step_boundary=False)
+    at_once = simulate(at_once_cfg, model, reqs, arrivals)
     assert waits[0].first_token_time == pytest.approx(0.1) == at_once[0].first_token_time
     assert waits[0].finish_time == pytest.approx(1.1 + 1e-3)
     assert at_once[0].finish_time == pytest.approx(0.1 + 1e-3)
@@ -80,7 +83,7 @@ def test_workloads_have_table1_slos_and_seeded_lengths():
 
 
 def test_simulation_only_bench_runs_fast():
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg.update(num_requests=100, rates=[1, 4])
     result = run_sim(cfg)
     assert {r["system"] for r in result["systems"]} == {"colocated", "colocated_chunked", "disaggregated"}

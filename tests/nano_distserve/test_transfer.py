@@ -95,7 +95,7 @@ def test_10000_requests_with_aborts_timeouts_and_a_dead_decode_instance_leak_not
         tick = round(net.now * 100)
         net.dead = {2} if 300 <= tick < 700 else set()  # decode 2 stops answering for 4 s (> ttl)
         for _ in range(min(12, n - nxt)):
-            prompt = (shared[: rng.randrange(0, 33)] + [rng.randrange(1000) for _ in range(rng.randint(1, 40))])
+            prompt = shared[: rng.randrange(0, 33)] + [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
             pre.add_request(str(nxt), prompt, SamplingParams(max_tokens=rng.randint(1, 6), ignore_eos=True),
                             net.now)
             nxt += 1
@@ -132,7 +132,8 @@ def test_router_rejects_requests_longer_than_the_decode_cache_and_allocates_noth
     s, r, t = _instance(net, 0, 20)
     pre = PrefillInstance(s, r, t, [1], clock=net.clock)
     router = Router(pre, max_model_len=128, decode_blocks=3, block_size=16)
-    with pytest.raises(ValueError, match=r"needs 4 KV blocks \(50 tokens\) but the decode instance's cache has only 3"):
+    with pytest.raises(ValueError,
+                       match=r"needs 4 KV blocks \(50 tokens\) but the decode instance's cache has only 3"):
         router.submit("x", Request([1] * 40, SamplingParams(max_tokens=10)), 0.0)
     with pytest.raises(ValueError, match="more than max_model_len"):
         router.submit("y", Request([1] * 129, SamplingParams(max_tokens=1)), 0.0)
