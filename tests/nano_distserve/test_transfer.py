@@ -11,9 +11,10 @@ import torch.distributed as dist
 from ds_fakes import FakeRunner, SimNet
 
 from nano_distserve.disagg import Router
-from nano_distserve.instance import PrefillInstance
+from nano_distserve.instance import DecodeInstance, PrefillInstance
 from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
 from nano_distserve.measure import MeasuredDecodeInstance, MeasuredPrefillInstance
+from nano_distserve.protocol import Renew, Stop
 from nano_distserve.transport import KVGeometry, handshake, register
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.loadgen import Request
@@ -140,3 +141,15 @@ def test_router_rejects_requests_longer_than_the_decode_cache_and_allocates_noth
     assert not s.has_unfinished() and s.block_manager.num_free_blocks == 20
     router.submit("ok", Request([1] * 40, SamplingParams(max_tokens=8)), 0.0)
     assert s.has_unfinished()
+
+
+def test_an_instance_rejects_a_message_it_does_not_expect_by_name():
+    net = SimNet(max_delay=0.0)  # every message arrives at once
+    pre = PrefillInstance(*_instance(net, 0, 20), [1], clock=net.clock)
+    dec = DecodeInstance(*_instance(net, 1, 20), 0, clock=net.clock)
+    net.transport(2).send(0, Stop())  # Stop is for decode instances
+    with pytest.raises(ValueError, match=r"prefill instance got an unexpected message Stop\(\)"):
+        pre.step()
+    net.transport(2).send(1, Renew(["x"]))  # Renew is for prefill instances
+    with pytest.raises(ValueError, match=r"decode instance got an unexpected message Renew\(rids=\['x'\]\)"):
+        dec.step()
