@@ -3,7 +3,9 @@ latency fit, and the simulation-only bench (< 1 minute on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,20 @@ def test_latency_fit_recovers_coefficients():
     fit = LatencyModel.fit(steps)
     for name in ("c0", "c_prefill", "c_decode", "c_context", "c_prefill_step", "c_mixed_context"):
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-12)
+
+
+def test_latency_fit_of_noise_is_non_negative_and_predicts_positive_time():
+    """What the measured bench may rely on however noisy its timings: a fit to positive step times has no
+    negative coefficient and predicts positive time (which coefficients carry it depends on the noise)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        steps = []
+        for _ in range(rng.randint(1, 12)):
+            p = rng.choice([0, 0, rng.randint(1, 300)])
+            steps.append(StepRecord(p, rng.randint(0, 8), p + rng.randint(0, 500), rng.uniform(1e-4, 0.1)))
+        fit = LatencyModel.fit(steps)
+        assert all(v >= 0 for v in dataclasses.astuple(fit)), trial
+        assert sum(fit.step_time(s.prefill_tokens, s.decode_seqs, s.context_tokens) for s in steps) > 0, trial
 
 
 def test_plain_colocation_stalls_decodes_and_disaggregation_does_not():
