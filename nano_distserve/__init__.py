@@ -1,6 +1,8 @@
 """nano_distserve: DistServe (arXiv 2401.09670) — prefill/decode disaggregation on top of nano_vllm.
 
-Instances (`instance.py`) and KV transfer (`kv_transfer.py`) run nano_vllm's scheduler and model runner by
-phase; `disagg.py` launches them as processes; `goodput.py` / `workloads.py` measure against SLOs;
-`simulator.py` and `planner.py` are §3's placement search; `bench.py` is the benchmark.
+The paper path: `protocol.py` (the pull's messages), `instance.py` (prefill and decode instances over
+nano_vllm's scheduler and model runner), `kv_transfer.py` (block export/import, leases), `goodput.py`,
+`simulator.py` and `planner.py` (§4.1's placement search). Beside it: `disagg.py` runs the instances as
+processes, `transport.py` connects them over torch.distributed, `workloads.py` holds Table 1;
+`measure.py` is the measurement layer the benchmark (`bench.py`) and the tests use.
 """

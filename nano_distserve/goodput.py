@@ -1,5 +1,5 @@
-"""Goodput under SLOs (DistServe, arXiv 2401.09670, §2): the highest request rate a system sustains while
-at least `target` (90 %) of requests meet *both* their TTFT and TPOT SLOs, divided by its GPUs.
+"""Goodput under SLOs (DistServe, arXiv 2401.09670, §1 and §2): the highest request rate a system sustains
+while at least `target` (90 %) of requests meet *both* their TTFT and TPOT SLOs, divided by its GPUs.
 
 TTFT / TPOT / percentiles / attainment are nano_vllm.metrics' (written once); this module adds per-token
 gaps (TPOT averages them away; a prefill stalling decodes shows up as one long gap) and the bisection.

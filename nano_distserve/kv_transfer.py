@@ -1,121 +1,63 @@
-"""KV-cache transfer between a prefill and a decode instance (DistServe, arXiv 2401.09670, §4.4 and §5).
+"""KV-cache transfer between a prefill and a decode instance (DistServe, arXiv 2401.09670, §4.3 and §5).
 
 After a prefill instance computes a prompt's K/V, the decode instance that will generate the rest *pulls*
 the request's blocks into its own paged cache: it first makes room (backpressure: it pulls only when the
 blocks fit), then asks for them; the prefill side copies the blocks into one contiguous buffer and sends
 it. The pieces here are transport-agnostic:
 
-* `KVGeometry` + `register` / `handshake`: every instance publishes its cache geometry (block size, layers,
-  kv heads, head dim, dtype); mismatched instances are rejected before any byte moves, since a block
-  copied between different geometries would be silently reinterpreted garbage.
 * `LeaseTable`: blocks held for a transfer belong to a lease with a deadline; whoever does not hear from
   its peer in time releases them, so a slow or dead peer leaks nothing (a lease, not a promise).
 * `export_blocks` / `import_blocks`: gather / scatter whole blocks of nano_vllm's cache
   (`ModelRunner.kv_cache`, shape [2, layers, blocks + 1, block_size, kv_heads, head_dim]).
-* `Transport`: a control plane (small messages) and a data plane (tagged tensor send/recv).
-  `DistTransport` uses a torch.distributed Store as mailbox and `dist.isend` / `dist.irecv` for K/V (NCCL
-  on GPUs, gloo on CPUs); tests use an in-memory transport with a simulated clock.
+
+The instances move the messages of nano_distserve.protocol and the exported blocks through a
+`transport.Transport` (torch.distributed in `transport.DistTransport`, in memory with a simulated clock in
+the tests), after checking that they share one KV geometry (`transport.handshake`).
 """
 
 from __future__ import annotations
 
-import json
-import pickle
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from datetime import timedelta
-from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """What must agree for a block computed on one instance to mean the same on another."""
-
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor) -> KVGeometry:
-        _, layers, _, block_size, heads, head_dim = kv_cache.shape
-        return cls(block_size, layers, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."))
-
-    def check_compatible(self, other: KVGeometry, me: str, peer: str) -> None:
-        diffs = [f"{f.name} {getattr(self, f.name)} != {getattr(other, f.name)}" for f in fields(self)
-                 if getattr(self, f.name) != getattr(other, f.name)]
-        if diffs:
-            raise ValueError(f"KV geometry mismatch between {me} and {peer}: {', '.join(diffs)}; "
-                             f"KV blocks cannot move between them")
-
-
-def register(store, name: str, geometry: KVGeometry, num_blocks: int) -> None:
-    """Publish an instance's geometry and cache size (the first half of the handshake)."""
-    store.set(f"instance/{name}", json.dumps({**asdict(geometry), "num_blocks": num_blocks}))
-
-
-def handshake(store, names: list[str], timeout_s: float) -> dict[str, dict]:
-    """Wait until every instance in `names` has registered, then check they share one geometry.
-
-    Returns {name: {"geometry": KVGeometry, "num_blocks": int}}. Raises TimeoutError naming the instances
-    that never registered, and ValueError on the first geometry mismatch."""
-    keys = [f"instance/{n}" for n in names]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
-        missing = [n for n, k in zip(names, keys) if not store.check([k])]
-        raise TimeoutError(f"instance(s) {missing} did not register within {timeout_s} s "
-                           f"(never started, crashed, or point at another store)") from e
-    info = {}
-    for name, key in zip(names, keys):
-        d = json.loads(store.get(key))
-        num_blocks = d.pop("num_blocks")
-        info[name] = {"geometry": KVGeometry(**d), "num_blocks": num_blocks}
-    first = names[0]
-    for name in names[1:]:
-        info[first]["geometry"].check_compatible(info[name]["geometry"], first, name)
-    return info
 
 
 class LeaseTable:
-    """Resources held on behalf of a peer until `deadline`; `release` runs exactly once, on expiry or
-    when the owner calls `release(key)`; `take(key)` ends a lease without releasing (ownership moved)."""
+    """Resources held on behalf of a peer (keyed by request id) until a deadline; `release` runs exactly
+    once, on expiry or when the owner calls `release(key)`; `take(key)` ends a lease without releasing
+    (ownership moved)."""
 
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
-        self.leases: dict[Any, tuple[float, Callable[[], None]]] = {}
+        self.leases: dict[str, tuple[float, Callable[[], None]]] = {}
 
     def __len__(self) -> int:
         return len(self.leases)
 
-    def __contains__(self, key: Any) -> bool:
+    def __contains__(self, key: str) -> bool:
         return key in self.leases
 
-    def grant(self, key: Any, ttl_s: float, release: Callable[[], None]) -> None:
+    def grant(self, key: str, ttl_s: float, release: Callable[[], None]) -> None:
         if key in self.leases:
             raise KeyError(f"lease {key!r} already held")
         self.leases[key] = (self.clock() + ttl_s, release)
 
-    def renew(self, key: Any, ttl_s: float) -> bool:
+    def renew(self, key: str, ttl_s: float) -> bool:
         if key not in self.leases:
             return False
         self.leases[key] = (self.clock() + ttl_s, self.leases[key][1])
         return True
 
-    def take(self, key: Any) -> bool:
+    def take(self, key: str) -> bool:
         return self.leases.pop(key, None) is not None
 
-    def release(self, key: Any) -> bool:
+    def release(self, key: str) -> bool:
         lease = self.leases.pop(key, None)
         if lease is not None:
             lease[1]()
         return lease is not None
 
-    def expire(self) -> list[Any]:
+    def expire(self) -> list[str]:
         """Release every lease past its deadline; returns their keys."""
         now = self.clock()
         gone = [k for k, (deadline, _) in self.leases.items() if deadline <= now]
@@ -126,68 +68,12 @@ class LeaseTable:
 
 def export_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """The K/V of whole blocks, all layers, as one contiguous [2, layers, n, block_size, heads, dim] copy
-    (one message instead of 2 x layers x n small ones: §4.4's point that transfer is bandwidth-bound)."""
+    (one message instead of 2 x layers x n small ones: §3.3: the transfer is bandwidth-bound)."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     return kv_cache.index_select(2, idx).contiguous()
 
 
 def import_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+    """Scatter `export_blocks`' copy into blocks `block_ids` of this instance's cache."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     kv_cache.index_copy_(2, idx, blocks)
-
-
-class Work(Protocol):
-    def is_completed(self) -> bool: ...
-    def wait(self) -> object: ...
-
-
-class Transport(Protocol):
-    """Control messages (dicts) between ranks and tagged K/V tensors (the data plane)."""
-
-    rank: int
-
-    def send(self, dst: int, msg: dict) -> None: ...
-    def poll(self) -> list[dict]: ...
-    def isend_kv(self, dst: int, tag: int, tensor: torch.Tensor) -> Work: ...
-    def irecv_kv(self, src: int, tag: int, tensor: torch.Tensor) -> Work: ...
-
-
-class DistTransport:
-    """Store mailbox for control messages, `dist.isend` / `dist.irecv` for K/V.
-
-    A mailbox is a counter `mb/<rank>/n` plus one key per message, so senders never block on receivers
-    (a decode instance busy in a step cannot stall a prefill instance). Each transfer has its own tag, so
-    a receive abandoned after its lease expired never captures a later transfer's bytes (gloo matches on
-    tags; NCCL ignores them and matches in order — there a timed-out transfer must not be re-posted)."""
-
-    def __init__(self, store, rank: int):
-        self.store, self.rank, self.next_msg = store, rank, 0
-
-    def send(self, dst: int, msg: dict) -> None:
-        i = self.store.add(f"mb/{dst}/n", 1) - 1
-        self.store.set(f"mb/{dst}/{i}", pickle.dumps({**msg, "src": self.rank}))
-
-    def poll(self) -> list[dict]:
-        n = self.store.add(f"mb/{self.rank}/n", 0)
-        out = []
-        while self.next_msg < n:
-            key = f"mb/{self.rank}/{self.next_msg}"
-            self.store.wait([key])  # counted but maybe not yet written: the set follows the add at once
-            out.append(pickle.loads(self.store.get(key)))
-            self.store.delete_key(key)
-            self.next_msg += 1
-        return out
-
-    def isend_kv(self, dst: int, tag: int, tensor: torch.Tensor) -> Work:
-        work = dist.isend(tensor, dst, tag=tag)
-        if not tensor.is_cuda:
-            # gloo reports completion only from wait(); the receive is already posted (pull protocol), so
-            # this waits for the bytes alone
-            work.wait()
-        # NCCL: no wait. It would make this GPU's stream wait for the send, which starts only when the
-        # peer's receive kernel does — after the decode step in flight there. The sender keeps the staging
-        # buffer until is_completed() (an event query) says the bytes are gone.
-        return work
-
-    def irecv_kv(self, src: int, tag: int, tensor: torch.Tensor) -> Work:
-        return dist.irecv(tensor, src, tag=tag)

@@ -1,4 +1,4 @@
-"""A discrete-event simulator of colocated and disaggregated serving (DistServe, arXiv 2401.09670, §3.3
+"""A discrete-event simulator of colocated and disaggregated serving (DistServe, arXiv 2401.09670, §4.1
 and Appendix A: the placement search needs attainment at many rates, far too many to measure).
 
 * `LatencyModel`: step time = c0 + c_prefill * prefill tokens + c_decode * decode sequences
@@ -6,7 +6,7 @@ and Appendix A: the placement search needs attainment at many rates, far too man
   step that carries prefill), divided by a tensor-parallel speed-up. The paper derives
   the same shape from FLOP counts (its Appendix A: linear and quadratic prefill terms, linear decode
   terms); `LatencyModel.fit` fits it by least squares to steps measured by the real engine
-  (`instance.StepRecord`), so the simulator predicts *this* engine on *this* GPU.
+  (`StepRecord`s, logged by nano_distserve.measure), so the simulator predicts *this* engine on *this* GPU.
 * KV memory: every instance has `kv_tokens` of cache; a request reserves prompt + output tokens when
   admitted (conservative: no preemption is modelled). A disaggregated prefill instance keeps a request's
   prompt K/V until the decode instance has pulled it, so a full decode side backs up into the prefill side.
@@ -14,7 +14,7 @@ and Appendix A: the placement search needs attainment at many rates, far too man
   compute (a separate link), starting when the decode instance admits the request (pull) — or, as the real
   instances do, when the prefill instance ends the step it was running then (`pull_at_step_boundary`).
 * Scheduling: colocated "plain" (vLLM before chunked prefill: a prefill step whenever prompts wait, which
-  stalls every decode — the interference of §2.2) or "chunked" (Sarathi: decodes first, prompt chunks fill
+  stalls every decode — the interference of §2.3) or "chunked" (Sarathi: decodes first, prompt chunks fill
   the token budget); disaggregated: prefill-only and decode-only instances, requests to the least-loaded.
 """
 
@@ -32,38 +32,41 @@ from nano_vllm.metrics import RequestMetrics
 
 @dataclass
 class LatencyModel:
+    """Step time of one instance (§4.1, Appendix A), with the coefficients fitted to measured steps."""
+
     c0: float = 5e-3
     c_prefill: float = 5e-5
     c_decode: float = 1e-4
     c_context: float = 1e-7
-    # Fixed cost of a step that carries any prefill tokens. nano_vllm replays CUDA graphs for decode-only
-    # steps but runs prefill / mixed steps eagerly, and an eager step is host-bound: on an H200 with the
-    # qwen3-0.6b shape a 256- or 480-token chunk step takes ~21 ms against ~2.5 ms for 32 decodes
-    # (BENCHMARKS.md, nano_distserve) — a per-token slope alone cannot fit both.
+    # Fixed cost of a step that carries any prefill tokens: a step that replays no CUDA graph is host-bound
+    # on a fast GPU (on an H200, qwen3-0.6b shape, a 256-token eager chunk step took ~21 ms against ~2.5 ms
+    # for 32 graph-replayed decodes), which a per-token slope alone cannot fit.
     c_prefill_step: float = 0.0
-    # Extra cost per context token in a step that carries prefill (a prompt chunk's attention grows with its
-    # context). Found when nano_vllm still attended a mixed step's decodes with the varlen prefill kernel, whose
-    # 128-row query tiles made a decode's one row pay for a tile's pass over its context: fitted ~1.4-2e-7
-    # s/token on an 8B shape against ~3-6e-8 in decode-only steps. With those decodes on the decode kernel the
-    # fit puts it at 0 (BENCHMARKS.md, nano_distserve sixth session); kept for engines where it is not.
+    # Extra cost per context token in a step that carries prefill. An engine that attends a mixed step's
+    # decodes with the varlen prefill kernel makes each decode's one query row pay for a 128-row tile's pass
+    # over its context (~1.4-2e-7 s/token on the llama3-8b shape against ~3-6e-8 in decode-only steps);
+    # nano_vllm routes those decodes to the decode kernel, and the fit puts this term at 0.
     c_mixed_context: float = 0.0
     tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
-        t = self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs + self.c_context * context_tokens
+        """Seconds of a step with these phase counts on `tp` GPUs."""
+        t = (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs
+             + self.c_context * context_tokens)
         if prefill_tokens:
             t += self.c_prefill_step + self.c_mixed_context * context_tokens
         return t / (tp * self.tp_efficiency ** (tp.bit_length() - 1))
 
     @classmethod
-    def fit(cls, steps) -> LatencyModel:
-        """Non-negative least squares over `StepRecord`s (prefill_tokens, decode_seqs, context_tokens,
-        seconds): a coefficient the data would make negative (noise) is fixed at 0 and the others are fitted
-        again without it (clamping it afterwards would leave the rest fitted to a model with it). Without both
-        decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot be told apart:
-        the minimum-norm solution splits it."""
-        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, float(s.prefill_tokens > 0),
-                           s.context_tokens * float(s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
+    def fit(cls, steps: list) -> LatencyModel:
+        """Non-negative least squares over measured steps (`measure.StepRecord`: prefill_tokens, decode_seqs,
+        context_tokens, seconds): a coefficient the data would make negative (noise) is fixed at 0 and the
+        others are fitted again without it (clamping it afterwards would leave the rest fitted to a model with
+        it). Without both decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot
+        be told apart: the minimum-norm solution splits it."""
+        # columns: 1, prefill tokens, decode seqs, context tokens, carries prefill, context if it does
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.prefill_tokens > 0,
+                           s.context_tokens * (s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
         scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of similar size: tokens are 1e3x seconds' terms
         active, coef = list(range(x.shape[1])), torch.zeros(x.shape[1], dtype=torch.float64)
@@ -73,9 +76,7 @@ class LatencyModel:
                 coef[active] = sol / scale[active]
                 break
             active.pop(int(sol.argmin()))  # the most negative goes first, then refit
-        c0, c_prefill, c_decode, c_context, c_step, c_mixed = coef.tolist()
-        return cls(c0=c0, c_prefill=c_prefill, c_decode=c_decode, c_context=c_context, c_prefill_step=c_step,
-                   c_mixed_context=c_mixed)
+        return cls(*coef.tolist())  # the columns are in the order of the coefficient fields
 
 
 @dataclass
@@ -122,7 +123,7 @@ class _Instance:
     kind: str  # "colocated" | "prefill" | "decode"
     tp: int
     kv_tokens: int
-    waiting: deque = field(default_factory=deque)  # prompts to prefill (or, decode side: to pull)
+    waiting: deque = field(default_factory=deque)  # prompts to prefill (or, decode side: (req, src) to pull)
     running: list = field(default_factory=list)
     kv_used: int = 0
     busy: bool = False
@@ -131,147 +132,170 @@ class _Instance:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def reservation(self, r: _Req) -> int:
+        """KV tokens `r` holds here: a prefill instance keeps the prompt only, the others prompt + output."""
+        return r.prompt + (0 if self.kind == "prefill" else r.output)
+
 
 def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]],
              arrivals: list[float], decode_model: LatencyModel | None = None) -> list[RequestMetrics]:
     """Serve (prompt_len, output_len) requests arriving at `arrivals`; returns nano_vllm RequestMetrics.
     `decode_model` (default `model`) times a disaggregated decode instance's steps: its iteration also
     receives and imports K/V, work a prefill instance's steps do not have, so each role gets its own fit."""
+    sim = _Simulation(cfg, model, decode_model or model)
     reqs = [_Req(i, a, p, max(o, 1)) for i, ((p, o), a) in enumerate(zip(requests, arrivals))]
-    if cfg.mode == "colocated":
-        fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_instances)]
-        decodes: list[_Instance] = []
-    elif cfg.mode == "disaggregated":
-        fronts = [_Instance("prefill", cfg.tp_prefill or cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_prefill)]
-        decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_decode)]
-    else:
-        raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {cfg.mode!r}")
     for r in reqs:
         if r.prompt + r.output > cfg.kv_tokens:
-            raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance holds {cfg.kv_tokens}")
-    events: list = []
-    tick = itertools.count()
+            raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance holds "
+                             f"{cfg.kv_tokens}")
+    sim.run(reqs)
+    return [RequestMetrics(str(r.rid), r.arrival, r.first_token,
+                           r.finish if r.finish is not None else r.arrival, r.prompt, r.output) for r in reqs]
 
-    def push(t: float, kind: str, *payload) -> None:
-        heapq.heappush(events, (t, next(tick), kind, payload))
 
-    for r in reqs:
-        push(r.arrival, "arrive", r)
+class _Simulation:
+    """`simulate`'s event loop: request arrivals, step ends and finished pulls, in time order."""
 
-    def start(inst: _Instance, now: float) -> None:
+    def __init__(self, cfg: SimConfig, model: LatencyModel, decode_model: LatencyModel):
+        self.cfg, self.model, self.decode_model = cfg, model, decode_model
+        if cfg.mode == "colocated":
+            self.fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_instances)]
+            self.decodes: list[_Instance] = []
+        elif cfg.mode == "disaggregated":
+            self.fronts = [_Instance("prefill", cfg.tp_prefill or cfg.tp, cfg.kv_tokens)
+                           for _ in range(cfg.num_prefill)]
+            self.decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens)
+                            for _ in range(cfg.num_decode)]
+        else:
+            raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {cfg.mode!r}")
+        self.events: list = []
+        self.tick = itertools.count()  # ties in time go in the order pushed
+
+    def push(self, t: float, handler, *args) -> None:
+        heapq.heappush(self.events, (t, next(self.tick), handler, args))
+
+    def run(self, reqs: list[_Req]) -> None:
+        for r in reqs:
+            self.push(r.arrival, self.arrive, r)
+        while self.events:
+            now, _, handler, args = heapq.heappop(self.events)
+            handler(now, *args)
+
+    # ------------------------------------------------------------------ events
+    def arrive(self, now: float, r: _Req) -> None:
+        target = min(self.fronts, key=_Instance.load)  # the router: least loaded instance
+        target.waiting.append(r)
+        self.start(target, now)
+
+    def pulled(self, now: float, inst: _Instance, r: _Req, src: _Instance) -> None:
+        """A request's K/V reached decode instance `inst`: it decodes from the next step; `src` frees it."""
+        src.kv_used -= src.reservation(r)
+        inst.running.append(r)
+        self.start(inst, now)
+        self.start(src, now)
+
+    def step_done(self, now: float, inst: _Instance, pre: list, dec: list) -> None:
+        """A step ended: its decodes got a token each, its prompt chunks advanced; done prompts move on."""
+        inst.busy = False
+        for r in dec:
+            r.generated += 1
+            if r.generated >= r.output:
+                inst.running.remove(r)
+                self.finish(inst, r, now)
+        handed = []
+        for r, n in pre:
+            r.prefilled += n
+            if r.prefilled < r.prompt:
+                continue
+            r.first_token, r.generated = now, 1
+            if inst.kind == "colocated":
+                inst.waiting.remove(r)
+            if r.output == 1:
+                self.finish(inst, r, now)
+            elif inst.kind == "colocated":
+                inst.running.append(r)
+            else:
+                handed.append(r)
+        for dec_inst, r in inst.pulls:  # pulls that waited for this step: served now, between steps
+            self.pull(dec_inst, r, inst, now)
+        inst.pulls.clear()
+        if inst.kind == "decode":
+            self.admit_decode(inst, now)
+        self.start(inst, now)
+        # The hand-offs' pulls come back after the instance may have started its next step (the decode
+        # side hears of them only now): with work waiting, they wait for that step too.
+        for r in handed:
+            target = min(self.decodes, key=_Instance.load)
+            target.waiting.append((r, inst))
+            self.admit_decode(target, now)
+
+    # ------------------------------------------------------------------ actions
+    def finish(self, inst: _Instance, r: _Req, now: float) -> None:
+        r.finish = now
+        inst.kv_used -= inst.reservation(r)
+
+    def start(self, inst: _Instance, now: float) -> None:
+        """Start the instance's next step unless it is busy or idle; it ends `LatencyModel.step_time`
+        later."""
         if inst.busy:
             return
-        batch = _plan_step(inst, cfg)
+        batch = self.plan_step(inst)
         if batch is None:
             return
         pre, dec = batch
-        ctx = sum(r.prefilled for r, _ in pre) + sum(n for r, n in pre) + sum(r.prompt + r.generated for r in dec)
-        m = decode_model if inst.kind == "decode" and decode_model is not None else model
-        t = m.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp)
+        ctx = sum(r.prefilled + n for r, n in pre) + sum(r.prompt + r.generated for r in dec)
+        model = self.decode_model if inst.kind == "decode" else self.model
         inst.busy = True
-        push(now + t, "step", inst, pre, dec)
+        self.push(now + model.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp), self.step_done,
+                  inst, pre, dec)
 
-    def pull(inst: _Instance, r: _Req, src: _Instance, now: float) -> None:
-        push(now + cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth, "pulled", inst, r, src)
+    def pull(self, inst: _Instance, r: _Req, src: _Instance, now: float) -> None:
+        """Start `r`'s KV transfer from `src` to `inst`: latency + prompt bytes / bandwidth."""
+        seconds = self.cfg.transfer_latency + r.prompt * self.cfg.kv_bytes_per_token / self.cfg.bandwidth
+        self.push(now + seconds, self.pulled, inst, r, src)
 
-    def admit_decode(inst: _Instance, now: float) -> None:
+    def admit_decode(self, inst: _Instance, now: float) -> None:
         """Backpressure: pull the oldest waiting request only when its whole reservation fits."""
-        while inst.waiting and inst.kv_used + inst.waiting[0][0].prompt + inst.waiting[0][0].output <= inst.kv_tokens:
+        while inst.waiting and inst.kv_used + inst.reservation(inst.waiting[0][0]) <= inst.kv_tokens:
             r, src = inst.waiting.popleft()
-            inst.kv_used += r.prompt + r.output
-            if cfg.pull_at_step_boundary and src.busy:
+            inst.kv_used += inst.reservation(r)
+            if self.cfg.pull_at_step_boundary and src.busy:
                 src.pulls.append((inst, r))
             else:
-                pull(inst, r, src, now)
+                self.pull(inst, r, src, now)
 
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            (r,) = payload
-            target = min(fronts, key=_Instance.load)  # the router: least loaded instance
-            target.waiting.append(r)
-            start(target, now)
-        elif kind == "pulled":
-            inst, r, src = payload
-            src.kv_used -= r.prompt
-            inst.running.append(r)
-            start(inst, now)
-            start(src, now)
-        else:  # a step ended
-            inst, pre, dec = payload
-            inst.busy = False
-            for r in dec:
-                r.generated += 1
-                if r.generated >= r.output:
-                    r.finish = now
-                    inst.running.remove(r)
-                    inst.kv_used -= r.prompt + r.output
-            handed = []
+    def plan_step(self, inst: _Instance) -> tuple[list, list] | None:
+        """(prefill [(req, tokens)], decode [req]) of the instance's next step, or None if it has nothing to
+        do."""
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        if inst.kind == "decode":
+            return ([], inst.running[: cfg.max_num_seqs]) if inst.running else None
+        chunked = inst.kind == "colocated" and cfg.policy == "chunked"
+        dec = inst.running[: cfg.max_num_seqs] if inst.kind == "colocated" else []
+        # Colocated, as nano_vllm's scheduler: the running decodes go first (one token of budget each), then
+        # prompts fill what is left — in chunks (chunked), or whole and only if they fit (plain). Either way
+        # a prompt rides in the same step as the decodes, whose step it slows down (interference).
+        budget -= len(dec)
+        pre: list = []
+        for r in inst.waiting:
+            if budget <= 0:
+                break
+            if r.prefilled == 0:  # admission: reserve its KV (prefill side: the prompt only)
+                if inst.kv_used + inst.reservation(r) > inst.kv_tokens:
+                    break
+                inst.kv_used += inst.reservation(r)
+            n = r.prompt - r.prefilled
+            if n > budget:
+                if not chunked and (pre or n <= cfg.max_num_batched_tokens):  # plain: whole prompts, in order
+                    inst.kv_used -= inst.reservation(r)
+                    break
+                # chunked: what fits; plain: a prompt over the whole budget (nano_vllm refuses that config)
+                n = budget if chunked else n
+            pre.append((r, n))
+            budget -= n
+        if inst.kind != "colocated":
             for r, n in pre:
-                r.prefilled += n
-                if r.prefilled < r.prompt:
-                    continue
-                r.first_token, r.generated = now, 1
-                if inst.kind == "colocated":
+                if r.prefilled + n >= r.prompt:
                     inst.waiting.remove(r)
-                    if r.output == 1:
-                        r.finish = now
-                        inst.kv_used -= r.prompt + r.output
-                    else:
-                        inst.running.append(r)
-                elif r.output == 1:
-                    r.finish = now
-                    inst.kv_used -= r.prompt
-                else:
-                    handed.append(r)
-            for dec_inst, r in inst.pulls:  # pulls that waited for this step: served now, between steps
-                pull(dec_inst, r, inst, now)
-            inst.pulls.clear()
-            if inst.kind == "decode":
-                admit_decode(inst, now)
-            start(inst, now)
-            # The hand-offs' pulls come back after the instance may have started its next step (the decode
-            # side hears of them only now): with work waiting, they wait for that step too.
-            for r in handed:
-                target = min(decodes, key=_Instance.load)
-                target.waiting.append((r, inst))
-                admit_decode(target, now)
-    return [RequestMetrics(str(r.rid), r.arrival, r.first_token, r.finish if r.finish is not None else r.arrival,
-                           r.prompt, r.output) for r in reqs]
-
-
-def _plan_step(inst: _Instance, cfg: SimConfig):
-    """(prefill [(req, tokens)], decode [req]) of the instance's next step, or None if it has nothing to do."""
-    budget = cfg.max_num_batched_tokens
-    if inst.kind == "decode":
-        return ([], inst.running[: cfg.max_num_seqs]) if inst.running else None
-    chunked = inst.kind == "colocated" and cfg.policy == "chunked"
-    dec = inst.running[: cfg.max_num_seqs] if inst.kind == "colocated" else []
-    # Colocated, as nano_vllm's scheduler: the running decodes go first (one token of budget each), then
-    # prompts fill what is left — in chunks (chunked), or whole and only if they fit (plain). Either way a
-    # prompt rides in the same step as the decodes, whose step it slows down (interference).
-    budget -= len(dec)
-    pre: list = []
-    for r in inst.waiting:
-        if budget <= 0:
-            break
-        if r.prefilled == 0:  # admission: reserve its KV (prefill side: the prompt only)
-            need = r.prompt + (r.output if inst.kind == "colocated" else 0)
-            if inst.kv_used + need > inst.kv_tokens:
-                break
-            inst.kv_used += need
-        n = r.prompt - r.prefilled
-        if n > budget:
-            if not chunked and (pre or n <= cfg.max_num_batched_tokens):  # plain: whole prompts, in order
-                inst.kv_used -= r.prompt + (r.output if inst.kind == "colocated" else 0)
-                break
-            # chunked: what fits; plain: a prompt over the whole budget (which nano_vllm refuses to configure)
-            n = budget if chunked else n
-        pre.append((r, n))
-        budget -= n
-    if inst.kind != "colocated":
-        for r, n in pre:
-            if r.prefilled + n >= r.prompt:
-                inst.waiting.remove(r)
-    return (pre, dec) if pre or dec else None
-
+        return (pre, dec) if pre or dec else None

@@ -3,11 +3,11 @@
 No datasets are downloaded: lengths are drawn from log-normal distributions whose medians and spreads
 mimic the paper's datasets (Fig. 7 of the paper shows the histograms), clipped to [min, max]:
 
-| workload        | dataset the paper used | prompt median (spread) | output median (spread) | TTFT SLO | TPOT SLO |
-|-----------------|------------------------|------------------------|------------------------|----------|----------|
-| chatbot         | ShareGPT (OPT-13B)     | 400 (sigma 1.0)        | 200 (sigma 1.0)        | 0.25 s   | 0.1 s    |
-| code_completion | HumanEval (OPT-66B)    | 150 (sigma 0.4)        | 100 (sigma 0.6)        | 0.125 s  | 0.2 s    |
-| summarization   | LongBench (OPT-66B)    | 1500 (sigma 0.5)       | 100 (sigma 0.6)        | 15 s     | 0.15 s   |
+| workload        | dataset (model)     | prompt median (sigma) | output median (sigma) | TTFT    | TPOT   |
+|-----------------|---------------------|-----------------------|-----------------------|---------|--------|
+| chatbot         | ShareGPT (OPT-13B)  | 400 (1.0)             | 200 (1.0)             | 0.25 s  | 0.1 s  |
+| code_completion | HumanEval (OPT-66B) | 150 (0.4)             | 100 (0.6)             | 0.125 s | 0.2 s  |
+| summarization   | LongBench (OPT-66B) | 1500 (0.5)            | 100 (0.6)             | 15 s    | 0.15 s |
 
 The SLOs are the paper's for its GPUs and models; `scaled(...)` multiplies them for smaller setups
 (e.g. a tiny model on a CPU), keeping the workload's *shape*: code completion has the tight TTFT,
@@ -56,7 +56,8 @@ class Workload:
 
     def scaled(self, length: float = 1.0, slo: float = 1.0) -> Workload:
         """Lengths multiplied by `length` (clipped), SLOs by `slo`."""
-        return replace(self, prompt_median=self.prompt_median * length, output_median=self.output_median * length,
+        return replace(self, prompt_median=self.prompt_median * length,
+                       output_median=self.output_median * length,
                        max_prompt=max(int(self.max_prompt * length), self.min_len),
                        max_output=max(int(self.max_output * length), self.min_len),
                        ttft_slo=self.ttft_slo * slo, tpot_slo=self.tpot_slo * slo)

@@ -7,13 +7,15 @@ import random
 
 import torch
 
+from nano_distserve.protocol import Message, Nack, Pull, Ready, Renew, Sent
+
 
 class SimNet:
     def __init__(self, seed: int = 0, max_delay: float = 0.05, drop: float = 0.0, slow: float = 0.0,
                  slow_delay: float = 5.0):
         self.now, self.rng = 0.0, random.Random(seed)
         self.max_delay, self.drop, self.slow, self.slow_delay = max_delay, drop, slow, slow_delay
-        self.inbox: dict[int, list[tuple[float, int, dict]]] = {}
+        self.inbox: dict[int, list[tuple[float, int, int, Message]]] = {}
         self.kv: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dead: set[int] = set()
         self.count = 0
@@ -41,21 +43,21 @@ class SimTransport:
     def __init__(self, net: SimNet, rank: int):
         self.net, self.rank = net, rank
 
-    def send(self, dst: int, msg: dict) -> None:
+    def send(self, dst: int, msg: Message) -> None:
         net = self.net
         # Transfer-protocol messages may be lost (a stand-in for a peer that dies and comes back); the
         # final reports to the router ride the reliable store, as in DistTransport, and rank 0 never dies.
-        lossy = msg["type"] in ("ready", "pull", "sent", "renew", "nack")
+        lossy = isinstance(msg, (Ready, Pull, Sent, Renew, Nack))
         if dst in net.dead or self.rank in net.dead or (lossy and net.rng.random() < net.drop):
             return  # lost: only a lease can notice
         delay = net.slow_delay if net.rng.random() < net.slow else net.rng.random() * net.max_delay
         net.count += 1
-        net.inbox[dst].append((net.now + delay, net.count, {**msg, "src": self.rank}))
+        net.inbox[dst].append((net.now + delay, net.count, self.rank, msg))
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[tuple[int, Message]]:
         box = self.net.inbox[self.rank]
         box.sort(key=lambda x: (x[0], x[1]))
-        ready = [m for t, _, m in box if t <= self.net.now]
+        ready = [(src, m) for t, _, src, m in box if t <= self.net.now]
         self.net.inbox[self.rank] = [x for x in box if x[0] > self.net.now]
         return ready
 

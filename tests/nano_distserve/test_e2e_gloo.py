@@ -9,6 +9,7 @@ import torch
 
 from nano_distserve.disagg import DisaggConfig, run_disaggregated
 from nano_distserve.goodput import report
+from nano_distserve.measure import measured_instance_main
 from nano_vllm import LLM, SamplingParams
 from nano_vllm.loadgen import Request
 
@@ -17,10 +18,11 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                   max_position_embeddings=256, initializer_range=0.08, bos_token_id=None,
-                                   eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                   head_dim=32, max_position_embeddings=256, initializer_range=0.08,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                   tie_word_embeddings=False)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # norms away from 1 so the greedy argmax is decisive
@@ -42,7 +44,8 @@ def test_disaggregated_greedy_equals_colocated_and_transformers_kv_bit_exact(ckp
     # 8 decode blocks: the five requests (2+2+3+3+1 blocks) cannot all be pulled at once -> backpressure.
     engine = dict(model=path, max_model_len=64, num_kv_blocks=16, enforce_eager=True)
     cfg = DisaggConfig(engine=engine, decode_engine={"num_kv_blocks": 8}, keep_kv=True, lease_ttl_s=60.0)
-    res = run_disaggregated(cfg, requests, [0.0, 0.0, 0.01, 0.02, 0.02], timeout_s=120)
+    res = run_disaggregated(cfg, requests, [0.0, 0.0, 0.01, 0.02, 0.02], timeout_s=120,
+                            main=measured_instance_main)
     outs = [c.output_token_ids for c in res["completions"]]
     assert all(c.finish_reason == "length" for c in res["completions"])
     colocated = LLM(path, **{k: v for k, v in engine.items() if k != "model"}).generate(
@@ -69,10 +72,12 @@ def test_disaggregated_on_two_gpus_nccl(ckpt):
     path, _ = ckpt
     g = torch.Generator().manual_seed(1)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    requests = [Request(torch.randint(0, 4096, (n,), generator=g).tolist(), sp) for n in [5, 17, 33, 40, 3, 60]]
+    requests = [Request(torch.randint(0, 4096, (n,), generator=g).tolist(), sp)
+                for n in [5, 17, 33, 40, 3, 60]]
     engine = dict(model=path, max_model_len=96, num_kv_blocks=32, dtype="float32")
     cfg = DisaggConfig(engine=engine, keep_kv=True, lease_ttl_s=60.0)
-    res = run_disaggregated(cfg, requests, [0.0, 0.0, 0.01, 0.02, 0.02, 0.03], timeout_s=180)
+    res = run_disaggregated(cfg, requests, [0.0, 0.0, 0.01, 0.02, 0.02, 0.03], timeout_s=180,
+                            main=measured_instance_main)
     colocated = LLM(path, device="cuda", **{k: v for k, v in engine.items() if k != "model"}).generate(
         [r.prompt for r in requests], sp, use_tqdm=False)
     assert [c.output_token_ids for c in res["completions"]] == [o.token_ids for o in colocated]

@@ -3,7 +3,9 @@ latency fit, and the simulation-only bench (< 1 minute on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,12 @@ from omegaconf import OmegaConf
 import nano_distserve
 from nano_distserve.bench import format_table, run_sim
 from nano_distserve.goodput import find_goodput
-from nano_distserve.instance import StepRecord
+from nano_distserve.measure import StepRecord
 from nano_distserve.planner import plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
+
+BENCH_YAML = Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"
 
 
 def test_planner_reproduces_the_papers_motivating_arithmetic():
@@ -41,6 +45,20 @@ def test_latency_fit_recovers_coefficients():
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-12)
 
 
+def test_latency_fit_of_noise_is_non_negative_and_predicts_positive_time():
+    """What the measured bench may rely on however noisy its timings: a fit to positive step times has no
+    negative coefficient and predicts positive time (which coefficients carry it depends on the noise)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        steps = []
+        for _ in range(rng.randint(1, 12)):
+            p = rng.choice([0, 0, rng.randint(1, 300)])
+            steps.append(StepRecord(p, rng.randint(0, 8), p + rng.randint(0, 500), rng.uniform(1e-4, 0.1)))
+        fit = LatencyModel.fit(steps)
+        assert all(v >= 0 for v in dataclasses.astuple(fit)), trial
+        assert sum(fit.step_time(s.prefill_tokens, s.decode_seqs, s.context_tokens) for s in steps) > 0, trial
+
+
 def test_plain_colocation_stalls_decodes_and_disaggregation_does_not():
     model = LatencyModel(0.01, 1e-4, 1e-4, 0.0)
     reqs = [(16, 50)] + [(4000, 2)] * 3  # one decoding request, then long prompts join
@@ -57,7 +75,8 @@ def test_a_pull_waits_for_the_prefill_step_in_flight():
     model = LatencyModel(c0=0.0, c_prefill=1e-3, c_decode=0.0, c_context=0.0)
     reqs, arrivals = [(100, 2), (1000, 2)], [0.0, 0.05]
     waits = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf), model, reqs, arrivals)
-    at_once = simulate(SimConfig(transfer_latency=1e-3, bandwidth=math.inf, pull_at_step_boundary=False), model, reqs, arrivals)
+    at_once_cfg = SimConfig(transfer_latency=1e-3, bandwidth=math.inf, pull_at_step_boundary=False)
+    at_once = simulate(at_once_cfg, model, reqs, arrivals)
     assert waits[0].first_token_time == pytest.approx(0.1) == at_once[0].first_token_time
     assert waits[0].finish_time == pytest.approx(1.1 + 1e-3)
     assert at_once[0].finish_time == pytest.approx(0.1 + 1e-3)
@@ -80,7 +99,7 @@ def test_workloads_have_table1_slos_and_seeded_lengths():
 
 
 def test_simulation_only_bench_runs_fast():
-    cfg = OmegaConf.to_container(OmegaConf.load(Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"))
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg.update(num_requests=100, rates=[1, 4])
     result = run_sim(cfg)
     assert {r["system"] for r in result["systems"]} == {"colocated", "colocated_chunked", "disaggregated"}

@@ -12,14 +12,10 @@ from ds_fakes import FakeRunner, SimNet
 
 from nano_distserve.disagg import Router
 from nano_distserve.instance import DecodeInstance, PrefillInstance
-from nano_distserve.kv_transfer import (
-    KVGeometry,
-    LeaseTable,
-    export_blocks,
-    handshake,
-    import_blocks,
-    register,
-)
+from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
+from nano_distserve.measure import MeasuredDecodeInstance, MeasuredPrefillInstance
+from nano_distserve.protocol import Renew, Stop
+from nano_distserve.transport import KVGeometry, handshake, register
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.loadgen import Request
 from nano_vllm.sampling_params import SamplingParams
@@ -86,11 +82,12 @@ def test_10000_requests_with_aborts_timeouts_and_a_dead_decode_instance_leak_not
     net = SimNet(seed=0, max_delay=0.03, drop=0.002, slow=0.01, slow_delay=3.0)
     ttl = 1.0
     s, r, t = _instance(net, 0, 200)
-    pre = PrefillInstance(s, r, t, [1, 2], lease_ttl_s=ttl, clock=net.clock, keep_sent=True)
+    # the measurement layer's instances: the paper's, keeping what each transfer sent and received
+    pre = MeasuredPrefillInstance(s, r, t, [1, 2], lease_ttl_s=ttl, clock=net.clock, keep_kv=True)
     decs = {}
     for rank in (1, 2):
         s, r, t = _instance(net, rank, 60)
-        decs[rank] = DecodeInstance(s, r, t, 0, lease_ttl_s=ttl, clock=net.clock, keep_received=True)
+        decs[rank] = MeasuredDecodeInstance(s, r, t, 0, lease_ttl_s=ttl, clock=net.clock, keep_kv=True)
     rng = random.Random(1)
     n, nxt, aborted = 10_000, 0, 0
     shared = [rng.randrange(1000) for _ in range(32)]  # shared prefixes exercise the prefill prefix cache
@@ -99,7 +96,7 @@ def test_10000_requests_with_aborts_timeouts_and_a_dead_decode_instance_leak_not
         tick = round(net.now * 100)
         net.dead = {2} if 300 <= tick < 700 else set()  # decode 2 stops answering for 4 s (> ttl)
         for _ in range(min(12, n - nxt)):
-            prompt = (shared[: rng.randrange(0, 33)] + [rng.randrange(1000) for _ in range(rng.randint(1, 40))])
+            prompt = shared[: rng.randrange(0, 33)] + [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
             pre.add_request(str(nxt), prompt, SamplingParams(max_tokens=rng.randint(1, 6), ignore_eos=True),
                             net.now)
             nxt += 1
@@ -136,10 +133,23 @@ def test_router_rejects_requests_longer_than_the_decode_cache_and_allocates_noth
     s, r, t = _instance(net, 0, 20)
     pre = PrefillInstance(s, r, t, [1], clock=net.clock)
     router = Router(pre, max_model_len=128, decode_blocks=3, block_size=16)
-    with pytest.raises(ValueError, match=r"needs 4 KV blocks \(50 tokens\) but the decode instance's cache has only 3"):
+    with pytest.raises(ValueError,
+                       match=r"needs 4 KV blocks \(50 tokens\) but the decode instance's cache has only 3"):
         router.submit("x", Request([1] * 40, SamplingParams(max_tokens=10)), 0.0)
     with pytest.raises(ValueError, match="more than max_model_len"):
         router.submit("y", Request([1] * 129, SamplingParams(max_tokens=1)), 0.0)
     assert not s.has_unfinished() and s.block_manager.num_free_blocks == 20
     router.submit("ok", Request([1] * 40, SamplingParams(max_tokens=8)), 0.0)
     assert s.has_unfinished()
+
+
+def test_an_instance_rejects_a_message_it_does_not_expect_by_name():
+    net = SimNet(max_delay=0.0)  # every message arrives at once
+    pre = PrefillInstance(*_instance(net, 0, 20), [1], clock=net.clock)
+    dec = DecodeInstance(*_instance(net, 1, 20), 0, clock=net.clock)
+    net.transport(2).send(0, Stop())  # Stop is for decode instances
+    with pytest.raises(ValueError, match=r"prefill instance got an unexpected message Stop\(\)"):
+        pre.step()
+    net.transport(2).send(1, Renew(["x"]))  # Renew is for prefill instances
+    with pytest.raises(ValueError, match=r"decode instance got an unexpected message Renew\(rids=\['x'\]\)"):
+        dec.step()
