@@ -18,8 +18,9 @@ outside by the entry points: see nano_vllm.performance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, ClassVar
 
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig
@@ -53,6 +54,9 @@ class LLMEngine:
     block_manager_cls: type[BlockManager] = BlockManager
     scheduler_cls: type[Scheduler] = Scheduler
     model_runner_cls: type[ModelRunner] = ModelRunner
+    # Performance layers that install themselves on every new engine, as its EngineConfig asks (overlapped
+    # scheduling: registered by nano_vllm.performance).
+    engine_layers: ClassVar[list[Callable[[LLMEngine], None]]] = []
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -72,6 +76,8 @@ class LLMEngine:
         eos = checkpoint_eos_ids(config.model, self.model_config, self.tokenizer)
         self.scheduler = self.scheduler_cls(sched, self.block_manager, eos)
         self.num_steps = 0
+        for install in self.engine_layers:
+            install(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
