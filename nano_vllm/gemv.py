@@ -55,10 +55,10 @@ def num_sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4096)
 def default_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
     """Tiles of 16 × 512 (M = 1) or 32 × 256 (M > 1) weights per iteration, and the smallest power-of-two
-    SPLIT_K (at most 8, each slice at least 2 iterations long) that gives ≥ 4 programs per SM."""
+    SPLIT_K (at most 8, each slice at least 2 iterations long) that gives ≥ 3 programs per SM."""
     block_n, block_k = (16, 512) if m == 1 else (32, 256)
     split, tiles = 1, cdiv(n, block_n)
-    while split < 8 and tiles * split < 4 * sms and k >= 4 * split * block_k:
+    while split < 8 and tiles * split < 3 * sms and k >= 4 * split * block_k:
         split *= 2
     return GemvConfig(block_n, block_k, split)
 
@@ -176,11 +176,12 @@ if HAS_TRITON:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None, workspace: GemvWorkspace | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None, workspace: GemvWorkspace | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x Wᵀ + b for x (M, K) with 1 <= M <= 16, W (N, K), as the split-K Triton GEMV (fp16, bf16, fp32;
-    fp32 with full-precision products). `config` defaults to `default_config`; a `workspace` too small for
-    it (or none) is allocated here, which a CUDA-graph capture must not do: the runner layer passes one
-    sized for its model."""
+    fp32 with full-precision products), into `out` (M, N) if given. `config` defaults to `default_config`;
+    a `workspace` too small for it (or none) is allocated here, which a CUDA-graph capture must not do: the
+    runner layer passes one sized for its model."""
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= MAX_ROWS:
@@ -191,7 +192,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     config = config or default_config(1 if m == 1 else MAX_ROWS, n, k, num_sms(x.device))
     if config.split_k > 1 and (workspace is None or not workspace.fits(m, n, config)):
         workspace = GemvWorkspace(config.split_k * m * n, cdiv(n, config.block_n), x.device)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be ({m}, {n}) {x.dtype} with a unit-stride last dim, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     partial, counters = (workspace.partial, workspace.counters) if config.split_k > 1 else (out, out)
     k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
     grid = (cdiv(n, config.block_n), config.split_k)
