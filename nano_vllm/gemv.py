@@ -46,7 +46,7 @@ class GemvConfig:
     num_warps: int = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (8 elsewhere: the interpreter's grid size is free)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -167,7 +167,7 @@ if HAS_TRITON:
                         other=0.0)
             w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # Wᵀ's (BLOCK_K, BLOCK_N) tile
-            if IEEE:  # fp32 inputs: full-precision products, not TF32
+            if IEEE:  # noqa: SIM108 -- fp32 inputs: full-precision products, not TF32
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
