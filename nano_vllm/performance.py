@@ -13,8 +13,9 @@ and `LLM` uses it as is. The layers make it fast without changing a greedy token
 | future tokens + overlapped steps (nano_vllm.overlap) | `runner_layers`, `LLMEngine.engine_layers` | `async_scheduling` |
 | kernel warm-up (nano_vllm.warmup) | `with_performance_layers(engine)` | CUDA |
 
-The switches are `EngineConfig` fields (off by default; `PERFORMANCE_ENGINE_ARGS` is what the bench's and
-the server's configs turn on, each key overridable: `engine.async_scheduling=false`). Runner layers run on
+The switches are `EngineConfig` fields, off by default; the bench and the server turn on
+`PERFORMANCE_ENGINE_ARGS` (`performance_engine_args`), each key overridable on their command lines
+(`engine.async_scheduling=false`). Runner layers run on
 every tensor-parallel rank, since each rank builds its runner from the same EngineConfig. Step timing
 (nano_vllm.step_timing) is a measurement hook the benches install themselves.
 
@@ -43,6 +44,15 @@ PERFORMANCE_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": True, "fused_proj
 
 # Order matters: the projections are fused before the GEMV swaps every Linear (the fused ones included).
 RUNNER_LAYERS = (apply_fused_projections, apply_gemv, apply_fused_sampling, install_future_tokens)
+
+
+def performance_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """`engine_args` with every layer switch it does not set taken from PERFORMANCE_ENGINE_ARGS; overlapped
+    scheduling stays off with tensor_parallel_size > 1 unless asked for (it needs one device)."""
+    defaults = dict(PERFORMANCE_ENGINE_ARGS)
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        defaults["async_scheduling"] = False
+    return {**defaults, **engine_args}
 
 
 def register_layers() -> None:
