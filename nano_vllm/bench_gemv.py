@@ -47,7 +47,7 @@ def _compiled_linear(mode: str) -> Any:
 
 
 def _best_of_sweep(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, device: torch.device,
-                   tol: float) -> tuple[float, GemvConfig | None]:
+                   tol: float, reps: dict) -> tuple[float, GemvConfig | None]:
     """Seconds and config of the fastest config of the grid whose output agrees with cuBLAS's."""
     best: tuple[float, GemvConfig | None] = (float("inf"), None)
     for c in SWEEP_M1 if x.shape[0] == 1 else SWEEP_DOT:
@@ -57,7 +57,7 @@ def _best_of_sweep(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, device: 
         if not torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol):
             print(f"  config {c} disagrees with cuBLAS on {tuple(w.shape)}: skipped", flush=True)
             continue
-        t = benchmark(gemv_triton, x, w, config=c, workspace=ws, out=out, device=device)
+        t = benchmark(gemv_triton, x, w, config=c, workspace=ws, out=out, device=device, **reps)
         best = min(best, (t, c), key=lambda p: p[0])
     return best
 
@@ -68,8 +68,10 @@ def run_gemv(cfg: Any, ceilings: Ceilings, device: str, interpreter: bool) -> di
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     shapes = layer_shapes(mcfg)
+    reps: dict[str, int] = {}
     if dev.type != "cuda":  # the interpreter: a small model's shapes, capped, to exercise the code path
-        shapes = {k: (min(n, 256), min(kk, 256)) for k, (n, kk) in shapes.items()}
+        shapes = {k: (min(n, 128), min(kk, 128)) for k, (n, kk) in shapes.items()}
+        reps = {"warmup": 1, "repeats": 2}
     copy = ceilings.copy_bytes_per_s
     compiled = _compiled_linear(str(cfg.gemv_compile)) if cfg.gemv_compile and dev.type == "cuda" else None
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -82,16 +84,17 @@ def run_gemv(cfg: Any, ceilings: Ceilings, device: str, interpreter: bool) -> di
             w = torch.randn(n, k, device=dev, dtype=dtype, generator=g) / k**0.5
             nbytes = (n * k + m * k + m * n) * dtype.itemsize
             row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
-            times = {"cuBLAS": benchmark(F.linear, x, w, device=dev)}
+            times = {"cuBLAS": benchmark(F.linear, x, w, device=dev, **reps)}
             ref = F.linear(x, w)
             config = default_config(1 if m == 1 else 16, n, k, sms)
             if dev.type == "cuda" or interpreter:
                 ws = GemvWorkspace.for_shapes([(n, k)], m, dev)
                 out = torch.empty_like(ref)
-                times["ours"] = benchmark(gemv_triton, x, w, config=config, workspace=ws, out=out, device=dev)
+                times["ours"] = benchmark(gemv_triton, x, w, config=config, workspace=ws, out=out, device=dev,
+                                          **reps)
                 row["config"] = f"{config.block_n}x{config.block_k}/{config.split_k}"
                 if cfg.gemv_sweep:
-                    t, best = _best_of_sweep(x, w, ref, dev, tol)
+                    t, best = _best_of_sweep(x, w, ref, dev, tol, reps)
                     if best is not None:
                         times["best"] = t
                         row["best config"] = f"{best.block_n}x{best.block_k}/{best.split_k}"
