@@ -2,7 +2,7 @@
 
 An eager step launches every kernel from the host (tens of µs each for Triton), so a small decode batch is
 bound by launches; a replayed graph launches them all at once. `capture_cudagraphs` is registered in
-`ModelRunner.graph_capturers` by nano_vllm/__init__.py and runs on every CUDA runner unless `enforce_eager`:
+`ModelRunner.graph_capturers` by nano_vllm.performance and runs on every CUDA runner unless `enforce_eager`:
 
 * `DecodeCudaGraphs` — nano-vllm's: one graph per decode batch size 1, 2, 4, 8, then every 16 up to
   max_num_seqs; a batch replays the graph of the next size up (padded rows write K/V to the scratch slot
@@ -13,8 +13,8 @@ bound by launches; a replayed graph launches them all at once. `capture_cudagrap
   max_num_seqs; paged attention throughout (a step's own K/V are in the cache once it has written them).
 
 A graph reads static device buffers; each step fills their pinned host twins with numpy and copies them
-over asynchronously (`StaticBuffer`). Delete this file and its line in nano_vllm/__init__.py, and every
-step runs eagerly: same tokens, slower.
+over asynchronously (`StaticBuffer`). Delete this file and its entry in nano_vllm/performance.py, and
+every step runs eagerly: same tokens, slower.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ sequences that run and how many tokens each computes (scheduler.py, §4.5), givi
 (model_runner.py, attention.py, §4.1, §4.3) and samples the next tokens (sampler.py); the scheduler
 appends them and finishes the sequences that are done. `LLM.generate` steps until none is left.
 
-Performance layers (CUDA graphs for mixed steps, the kernel warm-up, step timing) are applied from
-outside by the entry points: see nano_vllm.performance.
+Performance layers (CUDA graphs, overlapped scheduling, fused projections and sampling, the GEMV, the
+kernel warm-up) register into the hooks `ModelRunner.graph_capturers`, `ModelRunner.runner_layers` and
+`LLMEngine.engine_layers`, switched by EngineConfig fields: see nano_vllm.performance.
 """
 
 from __future__ import annotations

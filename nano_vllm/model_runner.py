@@ -92,7 +92,7 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
 class ModelRunner:
     """Runs one engine step on one device (one tensor-parallel rank)."""
 
-    # CUDA graphs are a performance layer (nano_vllm.cudagraph, registered by nano_vllm/__init__.py): each
+    # CUDA graphs are a performance layer (nano_vllm.cudagraph, registered by nano_vllm.performance): each
     # function here captures graph sets on a CUDA runner (unless enforce_eager) for `run` to replay.
     graph_capturers: ClassVar[list[Callable[[ModelRunner], list[StepGraphs]]]] = []
     # Other performance layers (registered by nano_vllm.performance) apply themselves to every new runner once
