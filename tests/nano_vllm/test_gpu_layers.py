@@ -103,7 +103,8 @@ def test_layers_match_the_eager_paper_path_bf16(ckpt):
             logits.append(runner.run(runner.prepare(out)).float())
         for p in list(llm.engine.scheduler.running):
             llm.engine.abort_request(p.request_id)
-    torch.testing.assert_close(logits[0], logits[1], rtol=3e-2, atol=3e-2)
+    # bf16 keeps 8 bits: two orders of summation differ by a few units of 2^-8 of the logits' range.
+    assert (logits[0] - logits[1]).abs().max() <= 8 * 2**-8 * logits[1].abs().max()
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     a = [o.token_ids for o in fast.generate(prompts, sp, use_tqdm=False)]
     b = [o.token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
