@@ -226,3 +226,18 @@ def test_engine_loop_streams_and_aborts_with_overlap(qwen3_ckpt, hf_greedy):
         wait_for(lambda: not loop.num_active and bm.num_free_blocks == bm.num_blocks, "every block free")
     finally:
         loop.stop()
+
+
+def test_entry_point_defaults_and_layer_switch_errors():
+    from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args
+
+    assert performance_engine_args({}) == PERFORMANCE_ENGINE_ARGS
+    assert performance_engine_args({"fused_sampling": False})["fused_sampling"] is False
+    tp = performance_engine_args({"tensor_parallel_size": 2})
+    assert tp["async_scheduling"] is False and tp["fused_projections"] is True  # overlap needs one device
+    with pytest.raises(TypeError, match="gemv_max_tokens must be an int"):
+        EngineConfig(gemv_max_tokens=2.5)
+    with pytest.raises(ValueError, match=r"gemv_max_tokens must be in \[0, 16\]"):
+        EngineConfig(gemv_max_tokens=17)
+    with pytest.raises(TypeError, match="fused_projections must be a bool"):
+        EngineConfig(fused_projections=1)
