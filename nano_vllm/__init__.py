@@ -10,15 +10,13 @@ an OpenAI-compatible server and the nano-vllm benchmark.
 """
 
 from nano_vllm.config import EngineConfig
-from nano_vllm.cudagraph import capture_cudagraphs
 from nano_vllm.engine import LLM, LLMEngine
-from nano_vllm.model_runner import ModelRunner
 from nano_vllm.outputs import CompletionOutput, RequestOutput
+from nano_vllm.performance import register_layers
 from nano_vllm.sampling_params import SamplingParams
 
-# The CUDA-graph performance layer registers into the paper path's runner (delete this line and
-# nano_vllm/cudagraph.py, and every step runs eagerly: same tokens, slower).
-if capture_cudagraphs not in ModelRunner.graph_capturers:
-    ModelRunner.graph_capturers.append(capture_cudagraphs)
+# The performance layers register into the paper path's hooks (nano_vllm.performance lists them; delete
+# this line and every step runs the paper path alone: same tokens, slower).
+register_layers()
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

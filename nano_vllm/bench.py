@@ -2,28 +2,36 @@
 
 Default workload (nano-vllm's bench.py, draw for draw): `random.seed(0)`; 256 prompts of `randint(100, 1024)`
 token ids `randint(0, 10000)`; then `max_tokens = randint(100, 1024)` each; temperature 0.6, ignore_eos;
-Qwen3-0.6B shape with random weights; one warm-up request; 133,966 output tokens. Prints output tokens,
-seconds, output tokens/s and the fraction of a roofline estimate, writes `bench.json` to the run directory.
+Qwen3-0.6B shape with random weights; 133,966 output tokens. Before timing, a warm-up: nano-vllm's one
+short request, then the first 32 workload prompts with 2 output tokens each (the real prefill and mixed-step
+shapes, so no Triton kernel is compiled inside the timed run). Prints output tokens, seconds, output
+tokens/s and the fraction of a roofline estimate, writes `bench.json` to the run directory.
 
-The roofline is a lower bound on the workload's time on this device: the prefill at the measured matmul
-peak, plus every decode step at max(bytes / bandwidth, FLOPs / peak), where a step reads all weights once
-plus the K/V of every active sequence, all sequences decoding together (so it ignores what batching
-limits add); bandwidth is the measured device copy (shared.bench), peak the measured bf16 matmul.
+The roofline (`shared.accounting.serving_roofline`) is a lower bound on the workload's time on this device:
+the prefill at the measured matmul peak, plus every decode step at max(bytes / bandwidth, FLOPs / peak),
+where a step reads the bytes it actually reads — every matmul weight once, one gathered embedding row per
+sequence, the K/V of every key — all sequences decoding together (so it ignores what batching limits add).
+Bandwidth and peak are the device copy and bf16 matmul measured once at process start, before the engine
+takes the memory (`shared.accounting.Ceilings`), reported beside the datasheet values.
 
-The engine runs with the performance layers on (`performance.with_performance_layers`: CUDA graphs, the
-kernel warm-up); `step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare
-included) and postprocess.
+The engine runs with the performance layers the config's `engine:` keys turn on (overlapped scheduling,
+fused projections, fused sampling, the GEMV; nano_vllm.performance) and the kernel warm-up.
+`step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare included) and
+postprocess, and its timeline gives host busy, device busy and device idle time per step (`timeline` in
+bench.json, drawn by `python -m shared.report`).
 
     python -m nano_vllm.bench                              # GPU: the workload above
     python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
     python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
     python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
+    python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
+    python -m nano_vllm.bench gemv=true                    # the decode GEMV vs cuBLAS and torch.compile
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
 """
 
 from __future__ import annotations
 
-import gc
+import os
 import time
 from pathlib import Path
 
@@ -36,12 +44,12 @@ from nano_vllm.engine import LLM
 from nano_vllm.kv_cache import kv_cache_summary
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import summarize
-from nano_vllm.performance import with_performance_layers
+from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args, with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.step_timing import StepTimer
-from shared.accounting import kv_cache_bytes, matmul_param_count, param_count
-from shared.bench import KernelCompiles, measure_copy_bandwidth, measure_matmul_flops, print_table, write_json
-from shared.config import ModelConfig, resolve_model_config
+from shared.accounting import Ceilings, serving_roofline
+from shared.bench import KernelCompiles, print_table, release_memory, write_json
+from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
 # Without a GPU the default would take hours: a tiny model and a few short requests instead.
@@ -52,33 +60,6 @@ QUICK = {"model": "tiny", "workload": {"num_seqs": 8, "min_input_len": 16, "max_
          "peer_config": {"num_blocks": 64, "max_batch_tokens": 256}}
 
 
-def roofline(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int,
-             bandwidth: float, peak_flops: float) -> dict:
-    """Lower-bound seconds for the workload (see the module docstring) and what binds the decode."""
-    n_matmul = matmul_param_count(cfg)
-    weight_bytes = param_count(cfg) * dtype_bytes
-    kv_token = kv_cache_bytes(cfg, 1, 1, dtype_bytes)
-    attn_flops_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim  # QKᵀ and PV
-    prefill_flops = sum(2 * n_matmul * p + attn_flops_per_key * p * (p + 1) / 2 for p in prompt_lens)
-    prefill_s = prefill_flops / peak_flops
-    decode_s, memory_bound_steps = 0.0, 0
-    steps = max(output_lens, default=0)
-    # Step t (t = 1 .. steps-1: the first token comes from the prefill) serves every request with more
-    # than t outputs; each reads its prompt + t keys.
-    for t in range(1, steps):
-        active = [p for p, o in zip(prompt_lens, output_lens) if o > t]
-        keys = sum(active) + t * len(active)
-        mem_s = (weight_bytes + kv_token * keys) / bandwidth
-        flop_s = (2 * n_matmul * len(active) + attn_flops_per_key * keys) / peak_flops
-        decode_s += max(mem_s, flop_s)
-        memory_bound_steps += mem_s >= flop_s
-    total, out = prefill_s + decode_s, sum(output_lens)
-    return {"roofline_s": total, "roofline_tok_per_s": out / total if total else float("nan"),
-            "decode_only_tok_per_s": out / decode_s if decode_s else float("nan"),
-            "prefill_bound_s": prefill_s, "decode_bound_s": decode_s,
-            "decode_memory_bound_frac": memory_bound_steps / max(steps - 1, 1)}
-
-
 def _workload(w: DictConfig) -> list[Request]:
     return nano_vllm_workload(int(w.num_seqs), int(w.min_input_len), int(w.max_input_len), int(w.min_output_len),
                               int(w.max_output_len), int(w.vocab), float(w.temperature), int(w.seed))
@@ -86,7 +67,8 @@ def _workload(w: DictConfig) -> list[Request]:
 
 def make_llm(cfg: DictConfig) -> LLM:
     """`LLM` of the config's model and engine arguments, with the performance layers on."""
-    llm = LLM(str(cfg.model), **engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+    args = performance_engine_args(engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+    llm = LLM(str(cfg.model), **args)
     with_performance_layers(llm.engine)
     return llm
 
@@ -100,7 +82,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
         llm.generate([r.prompt for r in reqs[:32]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         llm.engine.block_manager.reset_prefix_cache()  # the timed run must not hit the warm-up's prompts
     sync()
-    timer = StepTimer(llm.engine)
+    timer = StepTimer(llm.engine, timeline=True)
     with KernelCompiles() as compiles:  # any Triton compilation inside the timed run is a bench defect
         t0 = time.perf_counter()
         outs = llm.generate([r.prompt for r in reqs], [r.sampling_params for r in reqs],
@@ -112,14 +94,21 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     tokens = sum(len(o.token_ids) for o in outs)
     steps, phases = max(timer.num_steps, 1), timer.seconds
     print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in timer.per_step_ms().items())
-          + "  (execute includes prepare, the launches and the wait for the sampled tokens)", flush=True)
+          + "  (execute includes prepare, the launches and the wait for the sampled tokens; 0 when steps "
+            "overlap, which launch and wait apart)", flush=True)
+    timeline = timer.timeline.summary()
+    print(f"timeline per step (ms): host busy {timeline['host_busy_ms_per_step']:.3f}, device busy "
+          f"{timeline['device_busy_ms_per_step']:.3f}, device idle {timeline['device_idle_ms_per_step']:.3f} "
+          f"(device busy {100 * timeline['device_busy_frac']:.1f}% of the run)", flush=True)
     row = {"system": "nano_vllm", "requests": len(reqs), "output tokens": tokens, "seconds": seconds,
            "output tok/s": tokens / seconds, "steps": steps,
            "preemptions": llm.engine.scheduler.num_preemptions,
            "kernels built while timed": len(compiles.names) if compiles.available else None}
     row["_kernel_variants"] = compiles.reprs  # full signatures, for bench.json (not printed: "_" prefix)
+    row["_timeline"] = {"summary": timeline, "window": timer.timeline.window(int(cfg.timeline_steps))}
     row["ms/step"] = 1e3 * seconds / steps
     row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
+    row["device idle ms/step"] = timeline["device_idle_ms_per_step"]
     return row, llm
 
 
@@ -186,6 +175,18 @@ def sync() -> None:
 def run(cfg: DictConfig) -> dict:
     cuda = torch.cuda.is_available() and str(cfg.engine.get("device") or "cuda").startswith("cuda")
     quick = (not cuda) if cfg.quick is None else bool(cfg.quick)
+    device = "cuda" if cuda else "cpu"
+    # The ceilings first, on an empty device: every fraction below is of this one measurement.
+    ceilings = Ceilings.measure(device)
+    print(ceilings.describe(), flush=True)
+    if cfg.gemv:
+        from nano_vllm.bench_gemv import run_gemv
+
+        record = run_gemv(cfg, ceilings, device, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
+        path = Path(hydra_run_dir()) / "bench.json"
+        write_json(path, record)
+        print(f"wrote {path}", flush=True)
+        return record
     if quick:  # QUICK replaces the defaults, what was given on the command line still wins
         OmegaConf.set_struct(cfg, False)
         cfg = OmegaConf.merge(cfg, {k: v for k, v in QUICK.items() if k != "model"},
@@ -195,19 +196,17 @@ def run(cfg: DictConfig) -> dict:
               "say nothing about GPU throughput", flush=True)
     reqs = _workload(cfg.workload)
     mcfg = resolve_model_config(str(cfg.model))
-    device = "cuda" if cuda else "cpu"
+    bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
+    timeline = row.pop("_timeline")
     dtype = llm.engine.config.torch_dtype
-    llm.shutdown()  # tensor-parallel workers too: the device is needed for the measurements below
+    layers = {k: getattr(llm.engine.config, k) for k in PERFORMANCE_ENGINE_ARGS}
+    llm.shutdown()  # tensor-parallel workers too
     del llm
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    bandwidth = measure_copy_bandwidth(device)
-    peak = measure_matmul_flops(device, n=None if cuda else 256)
+    release_memory()
     prompt_lens = [len(r.prompt) for r in reqs]
     out_lens = [r.sampling_params.max_tokens for r in reqs]
-    bound = roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak)
+    bound = serving_roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak)
     row["% of roofline"] = 100 * row["output tok/s"] / bound["roofline_tok_per_s"]
     rows = [row]
     if cfg.serving_rate is not None:  # open-loop serving on a fresh engine: TTFT / TPOT under load
@@ -218,13 +217,13 @@ def run(cfg: DictConfig) -> dict:
                     title=f"open-loop serving, Poisson arrivals at {cfg.serving_rate} req/s (seconds)")
         llm.shutdown()
         del llm
-        gc.collect()
+        release_memory()
     else:
         serving = None
     if cfg.peer == "transformers":
         n = int(cfg.peer_num_seqs or len(reqs))
         peer = run_transformers(cfg, reqs[:n], device, dtype)
-        peer_bound = roofline(mcfg, prompt_lens[:n], out_lens[:n], dtype.itemsize, bandwidth, peak)
+        peer_bound = serving_roofline(mcfg, prompt_lens[:n], out_lens[:n], dtype.itemsize, bandwidth, peak)
         peer["% of roofline"] = 100 * peer["output tok/s"] / peer_bound["roofline_tok_per_s"]
         rows.append(peer)
         for r in rows:
@@ -233,8 +232,9 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"peer must be null or 'transformers', got {cfg.peer!r}")
     record = {"bench": "nano_vllm", "model": str(cfg.model), "device": device, "dtype": str(dtype).removeprefix("torch."),
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
-              OmegaConf.to_container(cfg.engine), "copy_GBps": bandwidth / 1e9, "matmul_TFLOPs": peak / 1e12,
-              **bound, "rows": rows, "serving": serving}
+              OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": bandwidth / 1e9,
+              "matmul_TFLOPs": peak / 1e12, "performance_layers": layers, **bound, "rows": rows, "serving": serving,
+              "timeline": timeline}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
@@ -242,7 +242,7 @@ def run(cfg: DictConfig) -> dict:
     print(f"roofline: {bound['roofline_tok_per_s']:,.0f} output tok/s ({bound['roofline_s']:.3g} s: prefill "
           f"{bound['prefill_bound_s']:.3g} s at {peak / 1e12:.1f} TFLOP/s, decode {bound['decode_bound_s']:.3g} s at "
           f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth, {100 * bound['decode_memory_bound_frac']:.0f}% of decode "
-          f"steps memory-bound)\nwrote {path}", flush=True)
+          f"steps memory-bound; bytes actually read)\nwrote {path}", flush=True)
     return record
 
 

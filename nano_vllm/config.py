@@ -40,6 +40,15 @@ class EngineConfig:
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
     seed: seed of the random weights of a preset and of unseeded sampling.
+
+    Performance layers (nano_vllm.performance; off here, on in the bench's and the server's configs), each
+    the same tokens faster:
+    async_scheduling: overlapped scheduling (vLLM's name; nano_vllm.overlap): the host schedules and
+        prepares step t+1 while the device runs step t. One device only.
+    fused_projections: q/k/v as one matmul and gate/up as one, fused at load time (nano_vllm.fused).
+    fused_sampling: sampling in one pass over the logits, seeds by counter (nano_vllm.fused_sampling).
+    gemv_max_tokens: steps of at most this many rows run their linear layers through the split-K Triton
+        GEMV on CUDA (nano_vllm.gemv; at most 16), cuBLAS above; 0 = cuBLAS always.
     """
 
     model: str = "tiny"
@@ -58,6 +67,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    async_scheduling: bool = False
+    fused_projections: bool = False
+    fused_sampling: bool = False
+    gemv_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -71,6 +84,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("async_scheduling", "fused_projections", "fused_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.gemv_max_tokens, int) or isinstance(self.gemv_max_tokens, bool):
+            raise TypeError(f"gemv_max_tokens must be an int, got {self.gemv_max_tokens!r}")
+        if not 0 <= self.gemv_max_tokens <= 16:
+            raise ValueError(f"gemv_max_tokens must be in [0, 16] (the GEMV's rows), got {self.gemv_max_tokens}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would not see the "
+                             "tokens of the step in flight); pass async_scheduling=False")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -2,7 +2,7 @@
 
 An eager step launches every kernel from the host (tens of µs each for Triton), so a small decode batch is
 bound by launches; a replayed graph launches them all at once. `capture_cudagraphs` is registered in
-`ModelRunner.graph_capturers` by nano_vllm/__init__.py and runs on every CUDA runner unless `enforce_eager`:
+`ModelRunner.graph_capturers` by nano_vllm.performance and runs on every CUDA runner unless `enforce_eager`:
 
 * `DecodeCudaGraphs` — nano-vllm's: one graph per decode batch size 1, 2, 4, 8, then every 16 up to
   max_num_seqs; a batch replays the graph of the next size up (padded rows write K/V to the scratch slot
@@ -13,8 +13,8 @@ bound by launches; a replayed graph launches them all at once. `capture_cudagrap
   max_num_seqs; paged attention throughout (a step's own K/V are in the cache once it has written them).
 
 A graph reads static device buffers; each step fills their pinned host twins with numpy and copies them
-over asynchronously (`StaticBuffer`). Delete this file and its line in nano_vllm/__init__.py, and every
-step runs eagerly: same tokens, slower.
+over asynchronously (`StaticBuffer`). Delete this file and its entry in nano_vllm/performance.py, and
+every step runs eagerly: same tokens, slower.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def cudagraph_batch_sizes(max_num_seqs: int) -> list[int]:
 class StaticBuffer:
     """A graph's static input on the device and its pinned host twin.
 
-    Reusing the twin every step is safe: each step ends by reading the sampled tokens back (a sync), after
-    which its copies are complete. (A tensor-parallel worker does not sample, but its next inputs arrive
-    only after rank 0 has its tokens, which needs this step's all-reduces, which follow its copies.)"""
+    The twin is rewritten every step, so a step first waits until the previous step's copies out of it
+    have run (`DecodeCudaGraphs.host_free`): with overlapped scheduling the host prepares step t+1 while
+    step t — copies included — may still be queued. (Without it the wait is free: each step ends by
+    reading its tokens back.)"""
 
     device: torch.Tensor
     host: torch.Tensor
@@ -57,6 +58,11 @@ class StaticBuffer:
 
     def upload(self, *index: slice | int) -> None:
         self.device[index].copy_(self.host[index], non_blocking=True)
+
+
+class _NoEvent:
+    def record(self) -> None: ...
+    def synchronize(self) -> None: ...
 
 
 class DecodeCudaGraphs:
@@ -73,6 +79,8 @@ class DecodeCudaGraphs:
         self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
                                   device=runner.device)
         self.pool = None
+        # recorded after each step's uploads from the host twins (a CPU runner: the tests' eager stand-in)
+        self.host_free = torch.cuda.Event() if runner.device.type == "cuda" else _NoEvent()
         self.graphs = {bs: self.capture(functools.partial(self._body, bs))
                        for bs in reversed(cudagraph_batch_sizes(max_bs))}
 
@@ -99,6 +107,7 @@ class DecodeCudaGraphs:
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         batch, rows, scratch = inputs.num_seqs, inputs.sample_rows, self.runner.scratch_slot
         bs = min(s for s in self.graphs if s >= batch)
+        self.host_free.synchronize()
         ins, lens = self.tokens.host.numpy(), self.context_lens.host.numpy()
         ins[0, :batch], ins[1, :batch] = inputs.token_ids, inputs.positions
         ins[2, :batch] = inputs.slot_mapping
@@ -112,6 +121,7 @@ class DecodeCudaGraphs:
         self.tokens.upload(slice(None), slice(bs))
         self.context_lens.upload(slice(bs))
         self.block_tables.upload(slice(bs), slice(width))
+        self.host_free.record()
         self.graphs[bs].replay()
         if len(rows) == batch and rows == list(range(batch)):  # the usual decode step: every row samples
             return self.logits[:batch]
@@ -162,6 +172,7 @@ class MixedStepGraphs:
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         size = self._size(inputs)
         n, batch, rows = len(inputs.token_ids), inputs.num_seqs, inputs.sample_rows
+        self.decode.host_free.synchronize()
         ins, cu = self.tokens.host.numpy(), self.cu_seqlens.host.numpy()
         ins[0, :n], ins[1, :n], ins[2, :n] = inputs.token_ids, inputs.positions, inputs.slot_mapping
         ins[:2, n:size], ins[2, n:size] = 0, self.runner.scratch_slot  # padding: no sequence, K/V to scratch
@@ -180,6 +191,7 @@ class MixedStepGraphs:
         self.sample_rows.upload(slice(num_rows))
         self.decode_lens.upload(slice(num_rows))
         self.decode.block_tables.upload(slice(batch), slice(width))
+        self.decode.host_free.record()
         self.graphs[size].replay()
         return self.decode.logits[: len(rows)] if rows else None
 

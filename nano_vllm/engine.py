@@ -12,14 +12,16 @@ sequences that run and how many tokens each computes (scheduler.py, §4.5), givi
 (model_runner.py, attention.py, §4.1, §4.3) and samples the next tokens (sampler.py); the scheduler
 appends them and finishes the sequences that are done. `LLM.generate` steps until none is left.
 
-Performance layers (CUDA graphs for mixed steps, the kernel warm-up, step timing) are applied from
-outside by the entry points: see nano_vllm.performance.
+Performance layers (CUDA graphs, overlapped scheduling, fused projections and sampling, the GEMV, the
+kernel warm-up) register into the hooks `ModelRunner.graph_capturers`, `ModelRunner.runner_layers` and
+`LLMEngine.engine_layers`, switched by EngineConfig fields: see nano_vllm.performance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, ClassVar
 
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig
@@ -53,6 +55,9 @@ class LLMEngine:
     block_manager_cls: type[BlockManager] = BlockManager
     scheduler_cls: type[Scheduler] = Scheduler
     model_runner_cls: type[ModelRunner] = ModelRunner
+    # Performance layers that install themselves on every new engine, as its EngineConfig asks (overlapped
+    # scheduling: registered by nano_vllm.performance).
+    engine_layers: ClassVar[list[Callable[[LLMEngine], None]]] = []
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -72,6 +77,8 @@ class LLMEngine:
         eos = checkpoint_eos_ids(config.model, self.model_config, self.tokenizer)
         self.scheduler = self.scheduler_cls(sched, self.block_manager, eos)
         self.num_steps = 0
+        for install in self.engine_layers:
+            install(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,

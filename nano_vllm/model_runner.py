@@ -92,9 +92,13 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
 class ModelRunner:
     """Runs one engine step on one device (one tensor-parallel rank)."""
 
-    # CUDA graphs are a performance layer (nano_vllm.cudagraph, registered by nano_vllm/__init__.py): each
+    # CUDA graphs are a performance layer (nano_vllm.cudagraph, registered by nano_vllm.performance): each
     # function here captures graph sets on a CUDA runner (unless enforce_eager) for `run` to replay.
     graph_capturers: ClassVar[list[Callable[[ModelRunner], list[StepGraphs]]]] = []
+    # Other performance layers (registered by nano_vllm.performance) apply themselves to every new runner once
+    # its model is loaded, before the KV cache is sized and graphs are captured; each reads its switch from
+    # the EngineConfig, so every tensor-parallel rank applies the same ones.
+    runner_layers: ClassVar[list[Callable[[ModelRunner], None]]] = []
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  tp_rank: int = 0, tp_size: int = 1, device: torch.device | None = None):
@@ -107,6 +111,8 @@ class ModelRunner:
         self.model = self.load_model().eval()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams
+        for apply_layer in self.runner_layers:
+            apply_layer(self)
         self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
                                           config.torch_dtype)
         self.num_blocks = decide_num_blocks(self)

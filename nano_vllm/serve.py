@@ -19,7 +19,7 @@ from nano_vllm.engine import LLMEngine
 from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.http_server import HTTPConfig, HTTPServer
 from nano_vllm.kv_cache import kv_cache_summary
-from nano_vllm.performance import with_performance_layers
+from nano_vllm.performance import performance_engine_args, with_performance_layers
 from nano_vllm.server import make_server
 
 
@@ -31,7 +31,7 @@ def http_config(cfg: DictConfig) -> HTTPConfig:
 def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config; the loop is started, the server not yet."""
     http = http_config(cfg)
-    args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
+    args = performance_engine_args(engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {}))
     engine = with_performance_layers(LLMEngine(EngineConfig(model=str(cfg.model), **args)))
     loop = EngineLoop(engine).start()
     name = cfg.get("served_model_name") or str(cfg.model)

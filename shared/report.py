@@ -6,6 +6,7 @@ input is missing is skipped, and the report says which bench to run for it:
   attention_hd<D>.png  nano_flashattn.bench: TFLOP/s vs sequence length, ours / SDPA flash / SDPA cuDNN
   decode.png           nano_flashattn.bench: Flash-Decoding TB/s of K/V read vs context, per batch
   vllm_roofline.png    nano_vllm.bench: output tokens/s of each system beside the workload's roofline
+  vllm_timeline.png    nano_vllm.bench: host and device busy intervals of consecutive engine steps
   mfu_scaling.png      shared / nano_megatron / nano_zero benches: MFU (by denominator), scaling efficiency
   sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate vs the analytic optimum, programs/s
   distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs rate, measured and simulated
@@ -228,6 +229,38 @@ def fig_vllm(records: list[Record], out: Path) -> list[Path]:
     return [_save(fig, out / "vllm_roofline.png")]
 
 
+TIMELINE_COLORS = {"schedule": "C1", "prepare": "C2", "launch": "C0", "postprocess": "C3"}
+
+
+def fig_vllm_timeline(records: list[Record], out: Path) -> list[Path]:
+    """One panel per nano_vllm record with a `timeline` (StepTimer's): a host lane (each phase's busy
+    intervals; white is waiting or other host work) over a device lane (each step's work; white is idle)."""
+    from matplotlib.patches import Patch
+
+    timed = [(name, rec) for name, rec in records if (rec.get("timeline") or {}).get("window")]
+    if not timed:
+        raise KeyError("timeline")
+    fig, axes = _grid(len(timed), 11, 2.2, columns=1)
+    for ax, (name, rec) in zip(axes, timed):
+        window, summary = rec["timeline"]["window"], rec["timeline"].get("summary") or {}
+        for phase, a, b in window["host"]:
+            ax.broken_barh([(a, b - a)], (1.1, 0.8), color=TIMELINE_COLORS.get(phase, "grey"))
+        ax.broken_barh([(a, b - a) for a, b in window["device"]], (0, 0.8), color="C4")
+        ax.set_yticks([0.4, 1.5], ["device", "host"])
+        ax.set_xlabel("ms")
+        layers = rec.get("performance_layers") or {}
+        on = ", ".join(k for k, v in layers.items() if v) or "paper path only"
+        stats = ", ".join(f"{label} {_num(summary.get(key)):.2f}" for label, key in (
+            ("host busy", "host_busy_ms_per_step"), ("device busy", "device_busy_ms_per_step"),
+            ("device idle", "device_idle_ms_per_step")) if _num(summary.get(key)) is not None)
+        ax.set_title(f"{Path(name).stem}: {rec.get('model')}, {len(window['device'])} steps; ms per step: {stats}"
+                     f"\nlayers: {on}; {_where(rec)}", fontsize=8)
+    handles = [Patch(color=c, label=p) for p, c in TIMELINE_COLORS.items()] + [Patch(color="C4", label="device")]
+    axes[0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _title(fig, "nano_vllm engine steps: where the host and the device spend the time", {})
+    return [_save(fig, out / "vllm_timeline.png")]
+
+
 # ------------------------------------------------------------------ training: MFU and scaling
 def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
     """(label, MFU %, denominator) bars of the training record in file `name`; the denominator names the
@@ -364,7 +397,7 @@ def fig_distserve(records: list[Record], out: Path) -> list[Path]:
 
 FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
     "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode),
-    "vllm": ("vllm", fig_vllm), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
+    "vllm": ("vllm", fig_vllm), "vllm_timeline": ("vllm", fig_vllm_timeline), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
     "distserve": ("distserve", fig_distserve),
 }
 

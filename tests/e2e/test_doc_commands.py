@@ -32,9 +32,7 @@ NO_PARSER: dict[str, str] = {}  # module -> why its examples cannot be parsed (n
 
 # Examples known to be wrong in files this test does not fix itself: (file, module, the override or flag
 # that fails). Strict: once an example is fixed, its entry must go.
-KNOWN_WRONG = {
-    ("nano_vllm/bench.py", "nano_vllm.bench", "rate=20"): "the key is serving_rate",
-}
+KNOWN_WRONG: dict[tuple[str, str, str], str] = {}
 
 COMMAND = re.compile(r"(?:\bpython3?|\btorchrun)\b[^`#\n]*?\s-m\s+(?P<module>(?:nano_\w+|shared)(?:\.\w+)+)"
                      r"(?=[\s`]|$)(?P<args>[^`#\n]*)")

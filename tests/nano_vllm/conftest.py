@@ -48,6 +48,16 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
     return tuple(out[0, len(prompt):].tolist())
 
 
+@pytest.fixture(params=["paper_path", "layers"])
+def layer_args(request):
+    """Engine arguments of each configuration the engine tests run: the paper path alone, and with every
+    performance layer the bench and the server turn on (overlapped steps, fused projections and sampling,
+    the GEMV layer, which on a CPU keeps F.linear)."""
+    from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS
+
+    return {} if request.param == "paper_path" else dict(PERFORMANCE_ENGINE_ARGS)
+
+
 @pytest.fixture
 def hf_greedy():
     """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' greedy generate produces."""

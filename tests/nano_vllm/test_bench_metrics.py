@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.bench import roofline
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import RequestMetrics, percentile, slo_attainment, summarize
+from shared.accounting import serving_roofline
 from shared.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def test_workload_is_nano_vllms():
 def test_roofline_matches_the_issue_estimate():
     """Qwen3-0.6B, bf16, H200 (4.24 TB/s, 751 TFLOP/s): the issue's ≈ 37.6k tok/s is the decode-only bound."""
     reqs = nano_vllm_workload()
-    bound = roofline(ModelConfig.from_name("qwen3-0.6b"), [len(r.prompt) for r in reqs],
+    bound = serving_roofline(ModelConfig.from_name("qwen3-0.6b"), [len(r.prompt) for r in reqs],
                      [r.sampling_params.max_tokens for r in reqs], 2, 4.24e12, 751e12)
     assert bound["decode_only_tok_per_s"] == pytest.approx(37_600, rel=0.01)
     assert bound["decode_memory_bound_frac"] == 1.0 and bound["roofline_tok_per_s"] < 37_600

@@ -2,7 +2,9 @@
 
 Each engine configuration exercises one mechanism of the paper on the same mixed-length batch: prefix
 caching on/off (§4.2), chunked prefill mixed with decodes, a KV cache so small that requests are
-preempted and recomputed (§4.5), no chunking at all.
+preempted and recomputed (§4.5), no chunking at all — each on the paper path alone and with the
+performance layers (`layer_args`: overlapped steps, whose decodes run on placeholder tokens resolved on the
+device, fused projections, fused sampling).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def _record_steps(llm):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_matches_transformers(ckpt, hf_greedy, case):
+def test_greedy_matches_transformers(ckpt, hf_greedy, case, layer_args):
     prompts = random_prompts(0, LENGTHS)
-    llm = LLM(ckpt, max_model_len=128, **CASES[case])
+    llm = LLM(ckpt, max_model_len=128, **CASES[case], **layer_args)
     steps = _record_steps(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -60,12 +62,12 @@ def test_greedy_matches_transformers(ckpt, hf_greedy, case):
         assert all(not (k > 1 and not s) for n, smp in steps for k, s in zip(n, smp))
 
 
-def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy):
+def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy, layer_args):
     """Shared prefixes, identical prompts in one step, then the same batch again (all hits)."""
     base = random_prompts(1, [40])[0]
     tails = random_prompts(2, [3, 9, 16])
     prompts = [base + t for t in tails] + [base + tails[0], base[:32], base[:32]]
-    llm = LLM(ckpt, max_model_len=128)
+    llm = LLM(ckpt, max_model_len=128, **layer_args)
     sp = SamplingParams(temperature=0.0, max_tokens=10)
     for round_ in range(2):
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -86,12 +88,12 @@ def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_stop_tokens_and_length(ckpt, hf_greedy):
+def test_stop_tokens_and_length(ckpt, hf_greedy, layer_args):
     prompt = random_prompts(3, [12])[0]
     ref = hf_greedy(ckpt, prompt, 12)
     stop = ref[5]
     k = ref.index(stop)  # the first occurrence ends the request, the stop token included
-    llm = LLM(ckpt, max_model_len=20)
+    llm = LLM(ckpt, max_model_len=20, **layer_args)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]),
                        use_tqdm=False)[0]
     assert out.token_ids == ref[: k + 1] and out.outputs[0].finish_reason == "stop"
@@ -115,11 +117,11 @@ def test_failed_step_forgets_hashes_of_uncomputed_blocks(qwen3_ckpt, hf_greedy, 
 
 
 @pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64}])
-def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra):
+def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra, layer_args):
     """The compile warm-up layer (what `with_performance_layers` runs on CUDA; called by hand here): it
     exercises a prefix hit in a mixed step, then leaves no request, no used block, no cached hash and no
     step count behind."""
-    llm = LLM(ckpt, max_model_len=64, **extra)
+    llm = LLM(ckpt, max_model_len=64, **extra, **layer_args)
     engine = llm.engine
     steps = _record_steps(llm)
     warm_up(engine)

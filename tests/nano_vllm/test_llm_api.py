@@ -96,8 +96,10 @@ def test_engine_errors(tiny):
     assert not tiny.engine.has_unfinished_requests()
 
 
-def test_abort_frees_blocks(tiny):
-    engine = tiny.engine
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_blocks(async_scheduling):
+    engine = LLM("tiny", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                 async_scheduling=async_scheduling).engine
     seq = engine.add_request([1, 2, 3, 4] * 8, SamplingParams(max_tokens=30))
     engine.step()
     assert seq.block_table and engine.abort_request(seq.request_id)
@@ -148,20 +150,20 @@ def _always_4095_checkpoint(path, eos_token_id=None) -> str:
     return str(path)
 
 
-def test_eos_comes_from_the_checkpoint_only(tmp_path, hf_greedy):
+def test_eos_comes_from_the_checkpoint_only(tmp_path, hf_greedy, layer_args):
     """A checkpoint that declares no EOS and ships no tokenizer runs to max_tokens, like transformers'
     generate: the fallback tokenizer's `<|endoftext|>` (4095) is an ordinary token to it."""
     ckpt = _always_4095_checkpoint(tmp_path)
-    llm = LLM(ckpt, max_model_len=64)
+    llm = LLM(ckpt, max_model_len=64, **layer_args)
     assert llm.engine.scheduler.eos_token_ids == set()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
     assert out.token_ids == hf_greedy(ckpt, [1, 2, 3], 6) == [4095] * 6
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_special_tokens_are_skipped_in_text_by_default(tmp_path):
+def test_special_tokens_are_skipped_in_text_by_default(tmp_path, layer_args):
     """vLLM's `skip_special_tokens=True`: the EOS the request stopped at is in token_ids, not in text."""
-    llm = LLM(_always_4095_checkpoint(tmp_path, eos_token_id=4095), max_model_len=64)
+    llm = LLM(_always_4095_checkpoint(tmp_path, eos_token_id=4095), max_model_len=64, **layer_args)
     assert llm.engine.scheduler.eos_token_ids == {4095}
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert out.token_ids == [4095] and out.outputs[0].finish_reason == "stop" and out.text == ""

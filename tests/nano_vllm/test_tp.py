@@ -18,12 +18,20 @@ def gqa_ckpt(tmp_path_factory):
                            num_key_value_heads=2, intermediate_size=192)
 
 
+# The runner layers (every rank applies them from the same EngineConfig): fused projections over each
+# rank's shards, the GEMV layer's module swap, fused sampling on rank 0. Overlapped steps need one device.
+TP_LAYERS = {"fused_projections": True, "fused_sampling": True, "gemv_max_tokens": 16}
+
+
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_transformers(gqa_ckpt, hf_greedy):
+@pytest.mark.parametrize("layers", [{}, TP_LAYERS], ids=["paper_path", "layers"])
+def test_tensor_parallel_2_matches_transformers(gqa_ckpt, hf_greedy, layers):
     prompts = random_prompts(20, [3, 18, 40])
-    llm = LLM(gqa_ckpt, tensor_parallel_size=2, max_model_len=96, num_kv_blocks=12)
+    llm = LLM(gqa_ckpt, tensor_parallel_size=2, max_model_len=96, num_kv_blocks=12, **layers)
     try:
         assert llm.engine.model_runner.num_kv_heads == 1  # each rank caches its own kv head
+        if layers:
+            assert type(llm.engine.model_runner.model.model.layers[0].self_attn).__name__ == "FusedAttention"
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.token_ids == hf_greedy(gqa_ckpt, p, 10)

@@ -30,7 +30,14 @@ VLLM = {"bench": "nano_vllm", "model": "qwen3-0.6b", "date": "2026-12-01T04:58:0
         "gpu": "NVIDIA H200", "workload": {"num_seqs": 256}, "copy_GBps": 3808.0, "matmul_TFLOPs": 787.0,
         "roofline_tok_per_s": 32416.0, "rows": [
             {"system": "nano_vllm", "output tok/s": 17449.0, "% of roofline": 53.8},
-            {"system": "transformers 5.17.0 CB", "output tok/s": 392.0, "% of roofline": 1.2}]}
+            {"system": "transformers 5.17.0 CB", "output tok/s": 392.0, "% of roofline": 1.2}],
+        "performance_layers": {"async_scheduling": True, "gemv_max_tokens": 0},
+        "timeline": {"summary": {"host_busy_ms_per_step": 0.6, "device_busy_ms_per_step": 7.0,
+                                 "device_idle_ms_per_step": 0.05},
+                     "window": {"host": [[p, 7.5 * i + j, 7.5 * i + j + 0.2]
+                                         for i in range(4) for j, p in enumerate(("postprocess", "schedule",
+                                                                                  "prepare", "launch"))],
+                                "device": [[7.5 * i + 0.1, 7.5 * i + 7.4] for i in range(4)]}}}
 SHARED = {"bench": "shared.kernels", "matmul_TFLOPs": 797.0, "copy_GBps": 4250.0, "rows": [],
           "model": {"model": "qwen3-0.6b", "rows": [{"impl": "shared.model", "MFU %": 43.3},
                                                     {"impl": "transformers 5.17", "MFU %": 29.9}]}}
@@ -54,7 +61,7 @@ DISTSERVE = {"mode": "measured", "workload": {"name": "summarization", "ttft_slo
 ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
        "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
        "nano_distserve_summarization.json": DISTSERVE}
-EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "mfu_scaling.png",
+EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "vllm_timeline.png", "mfu_scaling.png",
             "sglang_hit_rate.png", "distserve_slo.png"]
 
 

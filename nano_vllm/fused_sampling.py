@@ -1,0 +1,180 @@
+"""Sampling in one pass over the logits — a performance layer over nano_vllm.sampler.
+
+The paper path's sampler draws a (batch, vocab) fp32 noise tensor from a torch generator, then divides,
+takes logs, subtracts and reduces: about ten passes over batch × vocab fp32 values (at 512 rows of a 152k
+vocabulary, ~300 MB each) and one kernel per seeded row. Here one Triton kernel reads each logit once and
+keeps, per row, the argmax of
+
+    score_i = logit_i / T + g_i,      g_i = -log(-log(u_i)),  u_i ∈ (0, 1) uniform
+
+(the Gumbel-max trick: argmax of score_i is a draw from softmax(logits / T); the paper path's exponential
+race, argmax p_i / E_i, is the same trick with E_i = -log u_i). The uniforms come from a counter-based hash
+of (row key, token index) computed in the kernel, not from a generator, so nothing is materialised and no
+state is kept. A row's key hashes its request's seed with the index of the output token being drawn: a seeded
+request samples the same tokens whatever it is batched with and whether or not steps overlap; an
+unseeded one gets a fresh random seed per step (from a generator seeded by `EngineConfig.seed`).
+
+* greedy rows (temperature 0) take the plain argmax of the logits (no noise), first index on ties, as
+  torch.argmax;
+* rows with top-k / top-p: the paper path's mask (`sampler.apply_top_k_top_p`, one sort) on the
+  temperature-scaled logits first, then the same kernel;
+* nothing is read back: the result is a device tensor, so a step's one sync is the token transfer (which
+  the overlap layer defers).
+
+On CUDA tensors the Triton kernel runs, elsewhere `sample_reference` (the same arithmetic in torch; tests
+check the two agree under TRITON_INTERPRET=1). Applied to a runner (its `sample` method) when
+`EngineConfig.fused_sampling` is on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from nano_vllm.sampler import SamplingTensors, apply_top_k_top_p
+from nano_vllm.scheduler import SchedulerOutput
+from shared.kernels import HAS_TRITON, use_triton
+
+MASK32 = 0xFFFFFFFF
+# A 32-bit integer hash (xorshift-multiply rounds) whose multipliers are below 2^31, so the torch
+# reference can run it in int64 without overflow; the Weyl step spreads consecutive token indices.
+MIX1, MIX2, WEYL = 0x21F0AAAD, 0x735A2D97, 0x61C88647
+UNIFORM_BITS = 23  # u = (h >> 9 + 0.5) / 2^23: strictly inside (0, 1) in fp32, so log(-log u) is finite
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The hash on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * MIX1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MIX2) & MASK32
+    return x ^ (x >> 15)
+
+
+def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-row 32-bit keys (int64) from per-row seeds (uint32 values) and token positions."""
+    return _mix32(seeds ^ _mix32(offsets & MASK32))
+
+
+def sample_reference(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in torch: (B,) int64 argmax over the vocab of logit / T + Gumbel noise from the
+    hash of (row key, index); T = 0 rows take the argmax of the logits. seeds, offsets: (B,) int64."""
+    x = logits.float()
+    greedy = temperatures == 0
+    inv_t = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, temperatures))
+    keys = row_keys(seeds, offsets)
+    idx = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
+    h = _mix32((keys[:, None] + idx[None, :] * WEYL) & MASK32)
+    u = ((h >> (32 - UNIFORM_BITS)).float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+    noise = -torch.log(-torch.log(u))
+    score = x * inv_t[:, None] + noise * (~greedy).float()[:, None]
+    return score.argmax(dim=-1)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mix32_tl(x):
+        x = x ^ (x >> 16)
+        x = x * 0x21F0AAAD
+        x = x ^ (x >> 15)
+        x = x * 0x735A2D97
+        return x ^ (x >> 15)
+
+    @triton.jit(do_not_specialize=["vocab"])
+    def _sample_kernel(LOGITS, stride_row, TEMPS, SEEDS, OFFSETS, OUT, vocab, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0)
+        t = tl.load(TEMPS + row)
+        greedy = t == 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+        noise_on = tl.where(greedy, 0.0, 1.0)
+        seed = (tl.load(SEEDS + row) & 0xFFFFFFFF).to(tl.uint32)
+        offset = (tl.load(OFFSETS + row) & 0xFFFFFFFF).to(tl.uint32)
+        key = _mix32_tl(seed ^ _mix32_tl(offset))
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK_V], tl.int32)
+        row_ptr = LOGITS + row.to(tl.int64) * stride_row
+        for start in range(0, vocab, BLOCK_V):
+            idx = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+            h = _mix32_tl(key + idx.to(tl.uint32) * 0x61C88647)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            score = x * inv_t - tl.log(-tl.log(u)) * noise_on
+            better = score > best  # strictly: each lane keeps its first index among equal scores
+            best = tl.where(better, score, best)
+            best_idx = tl.where(better, idx, best_idx)
+        top = tl.max(best, axis=0)
+        token = tl.min(tl.where(best == top, best_idx, vocab), axis=0)  # first index of the maximum
+        tl.store(OUT + row, token.to(tl.int64))
+
+
+def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
+    """`sample_reference` as one Triton kernel: one program per row streams the row's logits once."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _sample_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, offsets, out, vocab,
+                                BLOCK_V=2048, num_warps=8)
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logits` (B, V): Triton on CUDA tensors, the torch reference elsewhere."""
+    impl = sample_triton if use_triton(logits) else sample_reference
+    return impl(logits, temperatures.float(), seeds, offsets)
+
+
+def _seed32(seed: int) -> int:
+    """Fold a request's seed (any non-negative int) into 32 bits."""
+    folded = 0
+    while True:
+        folded ^= seed & MASK32
+        seed >>= 32
+        if not seed:
+            return folded
+
+
+class FusedSampling:
+    """A runner's `sample(logits, out)` with the fused kernel. Per row: temperature, seed (the request's,
+    else a fresh draw), offset (which output token is drawn: 0 for the first, as a per-request generator
+    would count)."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.rng = np.random.default_rng(runner.config.seed)
+
+    def sample(self, logits: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:
+        seqs = [s for s, f in zip(out.seqs, out.samples) if f]
+        params = [s.sampling_params for s in seqs]
+        if all(p.temperature == 0.0 for p in params):
+            return logits.argmax(dim=-1)
+        fresh = self.rng.integers(0, 1 << 32, size=len(seqs), dtype=np.int64)
+        host = np.empty((3, len(seqs)), dtype=np.float64)  # temperature, seed, offset: exact in fp64
+        host[0] = [p.temperature for p in params]
+        host[1] = [fresh[i] if p.seed is None else _seed32(p.seed) for i, p in enumerate(params)]
+        host[2] = [s.num_output_tokens for s in seqs]
+        dev = self.runner._to_device(torch.from_numpy(host))
+        temps, seeds, offsets = dev[0].float(), dev[1].long(), dev[2].long()
+        if any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params):
+            st = SamplingTensors.build(params, [None] * len(seqs), self.runner.vocab_size, logits.device)
+            scaled = logits.float() / torch.where(temps > 0, temps, 1.0)[:, None]
+            logits = apply_top_k_top_p(scaled, st.top_ks if st.any_top_k else None,
+                                       st.top_ps if st.any_top_p else None)
+            temps = (temps > 0).float()  # already divided by T: the kernel adds the noise only
+        return sample_tokens(logits, temps, seeds, offsets)
+
+
+def apply_fused_sampling(runner: Any) -> None:
+    """The runner layer (`ModelRunner.runner_layers`): the runner samples with the fused kernel when the
+    config asks (its `sample` method replaced on this instance)."""
+    if runner.config.fused_sampling:
+        runner.sample = FusedSampling(runner).sample

@@ -1,0 +1,246 @@
+"""A split-K GEMV for decode-sized batches — a performance layer: y = x Wᵀ (+ b) for M = 1..16 rows of x,
+reading W once at the memory bandwidth.
+
+A decode step of a small batch multiplies a few activation rows by every weight matrix: the work is
+reading W (N × K), and a kernel is good when it keeps enough bytes in flight on every SM. cuBLAS picks
+GEMM tiles that leave most SMs idle at M = 1 on some shapes (on an H200, 2026-12-01: 1.78 TB/s on
+llama3-8b's o_proj against a 4.24 TB/s copy). Here:
+
+* every program owns BLOCK_N output columns for all M rows (so W is read once) and a 1/SPLIT_K slice of
+  K; M = 1 multiplies and sums in registers, M = 2..16 uses `tl.dot` with the rows padded to 16;
+* SPLIT_K is chosen so that the grid has a few programs per SM even when N is small; the partial sums go
+  to an fp32 workspace and the last program of each column block (a per-block arrival counter) adds them
+  in split order — deterministic, no second kernel, and the counter is reset for the next call, so the
+  kernel replays inside a CUDA graph.
+
+`GemvLinear` is nn.Linear whose forward takes this path on CUDA (bf16 / fp16) when x has at most
+`EngineConfig.gemv_max_tokens` rows, and cuBLAS (F.linear) otherwise; the crossover is measured by
+`python -m nano_vllm.bench gemv=true`. The runner layer swaps every nn.Linear of the loaded model (after
+fusing and tensor-parallel sharding) in place: same parameters, same names.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.kernels import HAS_TRITON, use_triton
+from shared.kernels.launch import cdiv
+
+MAX_ROWS = 16  # the dot path pads the rows of x to 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters: BLOCK_N output columns per program, BLOCK_K of K per loop iteration, K cut into
+    SPLIT_K slices, num_warps per program."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (8 elsewhere: the interpreter's grid size is free)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+@functools.lru_cache(maxsize=4096)
+def default_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
+    """Tiles of 16 × 512 (M = 1) or 32 × 256 (M > 1) weights per iteration, and the smallest power-of-two
+    SPLIT_K (at most 8, each slice at least 2 iterations long) that gives ≥ 3 programs per SM."""
+    block_n, block_k = (16, 512) if m == 1 else (32, 256)
+    split, tiles = 1, cdiv(n, block_n)
+    while split < 8 and tiles * split < 3 * sms and k >= 4 * split * block_k:
+        split *= 2
+    return GemvConfig(block_n, block_k, split)
+
+
+class GemvWorkspace:
+    """The split-K partial sums (fp32) and per-column-block arrival counters (zero between calls) that every
+    GEMV of one model shares: its kernels run one after another on one stream."""
+
+    def __init__(self, partial_elems: int, num_counters: int, device: torch.device):
+        self.partial = torch.empty(max(partial_elems, 1), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(num_counters, 1), dtype=torch.int32, device=device)
+
+    def fits(self, m: int, n: int, config: GemvConfig) -> bool:
+        return (config.split_k * m * n <= self.partial.numel()
+                and cdiv(n, config.block_n) <= self.counters.numel())
+
+    @classmethod
+    def for_shapes(cls, shapes: list[tuple[int, int]], max_rows: int, device: torch.device,
+                   config_of=None) -> GemvWorkspace:
+        """A workspace large enough for every (N, K) of `shapes` at up to `max_rows` rows."""
+        config_of = config_of or (lambda m, n, k: default_config(m, n, k, num_sms(device)))
+        need_partial = need_counters = 0
+        for n, k in shapes:
+            for m in {1, max_rows}:
+                c = config_of(m, n, k)
+                need_partial = max(need_partial, c.split_k * max_rows * n if c.split_k > 1 else 0)
+                need_counters = max(need_counters, cdiv(n, c.block_n))
+        return cls(need_partial, need_counters, device)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b in fp32 torch, returned in x's dtype: the specification."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _finish(acc, offs_m, m_ok, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL, COUNTERS, M, N,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Add the bias (first slice only), then store — through the workspace when K is split: the last
+        slice of a column block to arrive sums the partials in split order and resets the counter."""
+        if HAS_BIAS:
+            b = tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, b, 0.0)[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(PARTIAL + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            arrived = tl.atomic_add(COUNTERS + pid_n, 1)  # acq_rel: partials before, sums after
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros(acc.shape, tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(PARTIAL + s * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(OUT.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(COUNTERS + pid_n, 0)
+
+    @triton.jit(do_not_specialize=["M", "k_per_split"])
+    def _gemv_m1_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr):  # fmt: skip
+        """One row of x: products summed in registers, no tensor cores."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        offs_m = tl.arange(0, 1)
+        _finish(acc[None, :], offs_m, offs_m < M, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL,
+                COUNTERS, M, N, HAS_BIAS, SPLIT_K)
+
+    @triton.jit(do_not_specialize=["M", "k_per_split"])
+    def _gemv_dot_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """2..16 rows of x, padded to 16: one `tl.dot` per K block."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        offs_m = tl.arange(0, 16)
+        m_ok = offs_m < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # Wᵀ's (BLOCK_K, BLOCK_N) tile
+            if IEEE:  # noqa: SIM108 -- fp32 inputs: full-precision products, not TF32
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        _finish(acc, offs_m, m_ok, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL, COUNTERS, M, N,
+                HAS_BIAS, SPLIT_K)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None, workspace: GemvWorkspace | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b for x (M, K) with 1 <= M <= 16, W (N, K), as the split-K Triton GEMV (fp16, bf16, fp32;
+    fp32 with full-precision products), into `out` (M, N) if given. `config` defaults to `default_config`;
+    a `workspace` too small for it (or none) is allocated here, which a CUDA-graph capture must not do: the
+    runner layer passes one sized for its model."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv: x must have 1..{MAX_ROWS} rows, got {m}")
+    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must agree on K, with a "
+                         f"unit-stride K")
+    config = config or default_config(1 if m == 1 else MAX_ROWS, n, k, num_sms(x.device))
+    if config.split_k > 1 and (workspace is None or not workspace.fits(m, n, config)):
+        workspace = GemvWorkspace(config.split_k * m * n, cdiv(n, config.block_n), x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be ({m}, {n}) {x.dtype} with a unit-stride last dim, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    partial, counters = (workspace.partial, workspace.counters) if config.split_k > 1 else (out, out)
+    k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    grid = (cdiv(n, config.block_n), config.split_k)
+    args = (x, weight, bias if bias is not None else weight, out, partial, counters, m, n, k, x.stride(0),
+            weight.stride(0), out.stride(0), k_per_split)
+    common = {"HAS_BIAS": bias is not None, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+              "SPLIT_K": config.split_k, "num_warps": config.num_warps}
+    if m == 1:
+        _gemv_m1_kernel[grid](*args, **common)
+    else:
+        _gemv_dot_kernel[grid](*args, IEEE=x.dtype == torch.float32, **common)
+    return out
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear that runs `gemv_triton` for inputs of at most `max_rows` rows on CUDA (bf16 / fp16), and
+    F.linear (cuBLAS) otherwise. Made from an nn.Linear in place by `GemvLinear.swap`."""
+
+    max_rows: int
+    workspace: GemvWorkspace | None
+
+    @classmethod
+    def swap(cls, linear: nn.Linear, max_rows: int, workspace: GemvWorkspace | None) -> GemvLinear:
+        linear.__class__ = cls
+        linear.max_rows, linear.workspace = max_rows, workspace
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if 0 < rows <= self.max_rows and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
+            y = gemv_triton(x.reshape(rows, x.shape[-1]), self.weight, self.bias, workspace=self.workspace)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, self.weight, self.bias)
+
+
+def apply_gemv(runner: Any) -> None:
+    """The runner layer (`ModelRunner.runner_layers`): every nn.Linear of the loaded model becomes a
+    GemvLinear when `EngineConfig.gemv_max_tokens` > 0, sharing one workspace."""
+    max_rows = runner.config.gemv_max_tokens
+    if max_rows == 0:
+        return
+    linears = [m for m in runner.model.modules() if type(m) is nn.Linear]
+    workspace = None
+    if runner.device.type == "cuda":
+        workspace = GemvWorkspace.for_shapes([tuple(m.weight.shape) for m in linears], max_rows, runner.device)
+    for m in linears:
+        GemvLinear.swap(m, max_rows, workspace)

@@ -1,0 +1,71 @@
+"""Fused projections (nano_vllm.fused): q/k/v and gate/up as one matmul each give the unfused model's
+outputs, keep shared.model unfused, and shard correctly under tensor parallelism (§4.6)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from nano_vllm.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
+from nano_vllm.tp import shard_model
+from shared.config import ModelConfig
+from shared.model import Attention, build_model
+
+CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, initializer_range=0.1)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # q/k norm; q/k/v bias
+def test_fused_model_computes_the_unfused_logits(family):
+    cfg = CFG.replace(qk_norm=True) if family == "qwen3" else CFG.replace(attention_bias=True)
+    ref = build_model(cfg, seed=1)
+    if family == "qwen2":  # non-zero biases, so a misplaced bias would show
+        with torch.no_grad():
+            for layer in ref.model.layers:
+                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    m.bias.normal_()
+    fused = fuse_projections(copy.deepcopy(ref))
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), ref(ids), rtol=1e-5, atol=1e-5)
+    layer = fused.model.layers[0]
+    assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
+    assert layer.self_attn.qkv_proj.weight.shape == (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in ref.parameters())
+    assert hasattr(Attention(cfg, 0), "q_proj")  # shared.model itself stays unfused
+    assert fuse_projections(fused) is fused  # fusing twice changes nothing
+
+
+def test_each_rank_fuses_its_own_shards():
+    """Shard (column-parallel q/k/v and gate/up), then fuse: rank r's qkv_proj is [Wq_r; Wk_r; Wv_r] and its
+    outputs are rank r's slices of the unfused projections (vLLM's QKVParallelLinear layout)."""
+    full = build_model(CFG, seed=2)
+    x = torch.randn(3, 5, CFG.hidden_size)
+    attn, mlp = full.model.layers[0].self_attn, full.model.layers[0].mlp
+    qs, ks, vs, gates, ups = [], [], [], [], []
+    for rank in range(2):
+        shard = fuse_projections(shard_model(build_model(CFG, seed=2), rank, 2))
+        a, m = shard.model.layers[0].self_attn, shard.model.layers[0].mlp
+        q, k, v = a.qkv_proj(x).split(a.qkv_sizes, dim=-1)
+        gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+        for acc, t in zip((qs, ks, vs, gates, ups), (q, k, v, gate, up)):
+            acc.append(t)
+    with torch.no_grad():
+        for parts, proj in zip((qs, ks, vs, gates, ups), (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
+                                                          mlp.up_proj)):
+            torch.testing.assert_close(torch.cat(parts, dim=-1), proj(x), rtol=1e-5, atol=1e-5)
+
+
+def test_stack_linears_errors():
+    with pytest.raises(ValueError, match="different input sizes"):
+        stack_linears([nn.Linear(4, 2), nn.Linear(5, 2)])
+    with pytest.raises(ValueError, match="only some have a bias"):
+        stack_linears([nn.Linear(4, 2), nn.Linear(4, 2, bias=False)])
+    a, b = nn.Linear(4, 2), nn.Linear(4, 3)
+    fused = stack_linears([a, b])
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(fused(x), torch.cat([a(x), b(x)], dim=-1))
