@@ -188,7 +188,7 @@ def test_bad_input_ids_shape():
         model(torch.zeros(5, dtype=torch.long))
 
 
-# ---------------------------------------------------------------------------------- GPU (lent machine)
+# ---------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [16, 64])  # both run the FlashAttention-2 kernel on CUDA
 @pytest.mark.parametrize("case", sorted(HF_CASES))
