@@ -9,6 +9,7 @@ Llama (untied embeddings, GQA) and one Qwen3 (q/k norm, tied embeddings), 2 laye
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -62,6 +63,17 @@ def layer_args(request):
 def hf_greedy():
     """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' greedy generate produces."""
     return lambda path, prompt, n: list(_hf_greedy(path, tuple(prompt), n))
+
+
+@pytest.fixture(autouse=True)
+def free_cuda_memory():
+    """An engine sizes its KV cache from the GPU memory left free. Engines of earlier tests may still be
+    held by reference cycles (the step timer and the layers wrap methods of the instances they serve)
+    until the collector runs: collect them, so every GPU test starts with the device's memory free."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)
