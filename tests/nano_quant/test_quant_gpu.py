@@ -35,7 +35,7 @@ def test_per_token_quant(dtype, m, k):
     q8_ref, s8_ref = quantize_rowwise(x, "fp8")
     torch.testing.assert_close(s8, s8_ref, rtol=2**-22, atol=0)
     differ = (q8.float() != q8_ref.float())
-    assert differ.float().mean() < 1e-3  # both round to nearest even; allow a rare tie broken differently
+    assert differ.float().mean() < 5e-3  # a one-ulp scale difference moves values on a rounding boundary
     assert torch.all((q8.float() - q8_ref.float()).abs() <= q8_ref.float().abs() * 2**-3 + 2**-9)
 
 
@@ -63,12 +63,13 @@ def test_fp8_gemm_vs_torch_scaled_mm(m, n, k):
     qw, sw = quantize_rowwise(torch.randn(n, k, device=DEV) * 0.02, "fp8")
     ours = kernels.scaled_mm_triton(qa, qw, sa, sw, None, torch.bfloat16)
     exact = scaled_mm_torch(qa, qw, sa, sw, None, torch.float64)
-    # cuBLASLt's FP8 GEMM wants M and K multiples of 16: zero rows and zero columns (which add nothing)
-    rows, cols = m + (-m % 16), k + (-k % 16)
-    qa_p, sa_p, qw_p = qa.new_zeros(rows, cols), sa.new_ones(rows), qw.new_zeros(n, cols)
-    qa_p[:m, :k], sa_p[:m], qw_p[:, :k] = qa, sa, qw
-    peer = torch._scaled_mm(qa_p, qw_p.t(), scale_a=sa_p[:, None], scale_b=sw[None, :],
-                            out_dtype=torch.bfloat16)[:m]
+    # cuBLASLt's FP8 GEMM wants M, N and K multiples of 16: zero padding, which adds nothing, sliced off after
+    rows, outs, cols = m + (-m % 16), n + (-n % 16), k + (-k % 16)
+    qa_p, sa_p = qa.new_zeros(rows, cols), sa.new_ones(rows)
+    qw_p, sw_p = qw.new_zeros(outs, cols), sw.new_ones(outs)
+    qa_p[:m, :k], sa_p[:m], qw_p[:n, :k], sw_p[:n] = qa, sa, qw, sw
+    peer = torch._scaled_mm(qa_p, qw_p.t(), scale_a=sa_p[:, None], scale_b=sw_p[None, :],
+                            out_dtype=torch.bfloat16)[:m, :n]
     # Hopper's FP8 tensor cores may accumulate with fewer than 32 bits: 4x the peer's error, plus bf16's step
     assert rel(ours, exact) <= 4 * rel(peer, exact) + 2**-8
 
