@@ -18,6 +18,9 @@ from nano_vllm.step_timing import StepTimer
 
 pytestmark = pytest.mark.gpu
 
+# A fixed KV pool: an engine sized from free memory would take 90% of the GPU and leave the next test
+# (or a second engine in the same test) none; only test_kv_cache_sized_from_free_memory sizes from memory.
+KV = {"num_kv_blocks": 512}
 LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
 
 
@@ -26,7 +29,8 @@ LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
                                    {"max_num_batched_tokens": 64, "max_num_seqs": 4, "mixed_cudagraph_sizes": [16, 64]}])
 def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
     prompts = random_prompts(40, LENGTHS)
-    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager, **extra)
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager,
+              **{**KV, **extra})
     with_performance_layers(llm.engine)  # the kernel warm-up runs first, as in the bench and the server
     runner = llm.engine.model_runner
     mixed = bool(extra.get("mixed_cudagraph_sizes")) and not eager
@@ -55,7 +59,7 @@ def test_kv_cache_sized_from_free_memory(qwen3_ckpt):
 
 
 def test_bf16_graphs_and_seeded_sampling(qwen3_ckpt):
-    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128)
+    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128, **KV)
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=24, seed=11)
     a = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0].token_ids
     b = llm.generate([[7, 8], [1, 2, 3], [9] * 30], [SamplingParams(temperature=1.0)] + [sp] * 2,
@@ -82,7 +86,7 @@ def test_no_kernel_compiles_mid_serving_for_new_token_counts(ckpt):
     declared do_not_specialize)."""
     from shared.bench import KernelCompiles
 
-    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128)
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, **KV)
     with_performance_layers(llm.engine)  # the kernel warm-up, as in the bench and the server
     one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(random_prompts(41, [17]), one, use_tqdm=False)  # warm-up: one prefill of 17 tokens

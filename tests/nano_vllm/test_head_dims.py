@@ -80,7 +80,7 @@ def test_check_head_dim():
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_greedy_matches_transformers(wide_ckpt, hf_greedy, case):
     """The Triton paged kernels (padded to 128 for head_dim 96), CUDA graphs on; fp32 (no TF32)."""
-    llm = LLM(wide_ckpt, device="cuda", dtype="float32", max_model_len=128, **CASES[case])
+    llm = LLM(wide_ckpt, device="cuda", dtype="float32", max_model_len=128, **{"num_kv_blocks": 512, **CASES[case]})
     _check_greedy(llm, wide_ckpt, hf_greedy, random_prompts(0, LENGTHS), MAX_TOKENS)
 
 
