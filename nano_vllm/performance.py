@@ -19,7 +19,8 @@ The switches are `EngineConfig` fields, off by default; the bench and the server
 every tensor-parallel rank, since each rank builds its runner from the same EngineConfig. Step timing
 (nano_vllm.step_timing) is a measurement hook the benches install themselves.
 
-The bench, the server, nano_sglang's runtime and bench and nano_distserve's instances call `with_performance_layers`.
+The bench, the server, nano_sglang's runtime and bench and nano_distserve's instances call
+`with_performance_layers`.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ Engine = TypeVar("Engine", bound=LLMEngine)
 
 # The engine arguments the bench and the server turn on (their configs list them; the crossover of the
 # GEMV is a measured number: `python -m nano_vllm.bench gemv=true` prints it).
+# The split-K GEMV stays off: on an H200 (2026-12-01, `python -m nano_vllm.bench model=llama3-8b
+# workload=batch1`, the other layers on) batch-1 decode ran 158.4 tok/s with it up to 16 rows and 193.7
+# with cuBLAS (`gemv_max_tokens=0`); `engine.gemv_max_tokens=16` turns it on.
 PERFORMANCE_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": True, "fused_projections": True,
-                                           "fused_sampling": True, "gemv_max_tokens": 16}
+                                           "fused_sampling": True, "gemv_max_tokens": 0}
 
 # Order matters: the projections are fused before the GEMV swaps every Linear (the fused ones included).
 RUNNER_LAYERS = (apply_fused_projections, apply_gemv, apply_fused_sampling, install_future_tokens)
