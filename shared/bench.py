@@ -235,6 +235,17 @@ def print_table(rows: list[dict], title: str | None = None) -> None:
     print(format_table(rows, title), flush=True)
 
 
+def command_line() -> str:
+    """This process's command as a reader would type it: `python -m pkg.module args` for a module run with
+    -m (sys.argv[0] is then the module's file path), else the interpreter and its arguments."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        module = spec.name.removesuffix(".__main__")
+        return " ".join(["python", "-m", module, *sys.argv[1:]])
+    return " ".join([os.path.basename(sys.executable), *sys.argv])
+
+
 def write_json(path: str | os.PathLike, record: dict) -> dict:
     """Write `record` as JSON, adding when and where it was measured (date, host, GPU, python,
     torch and triton versions, the command line); returns what was written."""
@@ -251,7 +262,7 @@ def write_json(path: str | os.PathLike, record: dict) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton_version,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command_line(),
     }
     full = {**meta, **record}
     parent = os.path.dirname(os.fspath(path))
