@@ -34,14 +34,17 @@ def stackable(linears: list[nn.Module]) -> bool:
     """Whether `stack_linears` fuses these: all nn.Linear, or all of one quantized layer class that stacks
     itself (nano_quant's `W8A8Linear.stack`, `WQLinear_GEMM.stack`). Other mixes stay unfused."""
     kind = type(linears[0])
-    return all(type(m) is kind for m in linears) and (kind is nn.Linear or hasattr(kind, "stack"))
+    return all(type(m) is kind for m in linears) and (issubclass(kind, nn.Linear) or hasattr(kind, "stack"))
 
 
 def stack_linears(linears: list[nn.Module]) -> nn.Module:
     """One Linear whose output is the concatenation of `linears`' outputs (weights and biases stacked); a
     quantized layer class stacks its own tensors (`stack`)."""
     first = linears[0]
-    if type(first) is not nn.Linear and stackable(linears):
+    if not stackable(linears):
+        raise ValueError(f"cannot stack layers of types {[type(m).__name__ for m in linears]}: they must be "
+                         "all nn.Linear or all one quantized class with a `stack` method")
+    if not isinstance(first, nn.Linear):
         return type(first).stack(linears)
     if any(m.in_features != first.in_features for m in linears):
         raise ValueError(f"cannot stack Linear layers of different input sizes "
