@@ -3,9 +3,10 @@
 Three checkpoints: AWQ W4A16 (calibrated, ours), SmoothQuant W8A8 INT8 (ours), and one in AutoAWQ's own
 spelling (`w_bit`, `q_group_size`, `"version": "GEMM"`, every float tensor fp16) holding random 4-bit
 values, zero points and scales, with q/k/v biases (Qwen2). The reference of each is shared.model with the
-dequantized weights — for the AutoAWQ file computed from the random integers themselves, (q − z)·Δ, not by
-unpacking — and for W8A8 with every decoder Linear's input fake-quantized per token (absmax INT8 / e4m3),
-which is what the W8A8 layer computes.
+dequantized weights — for the AutoAWQ file also checked against the random integers themselves, (q − z)·Δ,
+not by unpacking — and for W8A8 with every decoder Linear's input rounded per token (absmax INT8 / e4m3)
+and back, which is what the W8A8 layer computes. nano_quant's tests prove the formats; these prove that
+the engine (paged attention, batching, fused layers) runs the quantized model as shared.model does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from nano_quant import dequantize_model, load_quantized_model, quantize_model, save_quantized
-from nano_quant.quant import pack_awq
+from nano_quant.quant import dequantize_rowwise, pack_awq, quantize_rowwise
 from shared.checkpoint import save_checkpoint
 from shared.config import ModelConfig
 from shared.model import CausalLM, build_model
@@ -87,15 +88,11 @@ def save_autoawq(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def fake_quantize_inputs(model: CausalLM, fmt: str) -> CausalLM:
-    """Round every decoder Linear's input per token (absmax INT8, or e4m3), as W8A8 layers do."""
-    qmax = 127.0 if fmt == "int8" else 448.0
+    """Round every decoder Linear's input per token (absmax INT8, or e4m3) and back, as W8A8 layers do
+    (nano_quant's number format, tested against its own spec in tests/nano_quant)."""
 
     def hook(module, args):
-        x = args[0]
-        scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-8)
-        y = x / scale
-        y = y.round().clamp(-127, 127) if fmt == "int8" else y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        return (y * scale,)
+        return (dequantize_rowwise(*quantize_rowwise(args[0], fmt)).to(args[0].dtype),)
 
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and ".layers." in name:
