@@ -136,7 +136,8 @@ class EngineConfig:
                                                                                       self.model)
         if self.tensor_parallel_size > 1:
             what = (f"quantization={self.quantization!r}" if self.quantization is not None else
-                    f"the quantized checkpoint {self.model!r}" if checkpoint_quantization(self.model) else None)
+                    f"the quantized checkpoint {self.model!r}" if checkpoint_quantization(self.model) is not None
+                    else None)
             if what is not None:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported with "
                                  f"{what}: nano_quant's quantized layers are not sharded; use "

@@ -126,7 +126,8 @@ def kv_cache_summary(engine: LLMEngine) -> str:
     what they no longer take is what §5's sizing gives to KV blocks."""
     r, bs = engine.model_runner, engine.config.block_size
     qcfg = getattr(r.model, "quantization_config", None)
-    quantized = "16-bit" if qcfg is None else f"quantized: {qcfg.to_dict()}"
+    quantized = str(engine.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
+        f"quantized: {qcfg.to_dict()}"
     return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
             f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
             f"{_size(r.num_blocks * r.block_bytes * r.tp_size)} "

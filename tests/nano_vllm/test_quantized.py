@@ -125,7 +125,7 @@ def test_weight_memory_is_reported(ckpts):
     linear_fp32 = sum(k * n * 4 for k, n in k_n) * cfg.num_hidden_layers
     linear_w4 = sum(k * n // 2 + (k // 128) * n * (2 + 0.5) for k, n in k_n) * cfg.num_hidden_layers
     assert weight_bytes(w4.engine.model_runner.model) == float_bytes - linear_fp32 + linear_w4
-    assert kv_cache_summary(plain.engine).startswith("weights: ") and "16-bit" in kv_cache_summary(plain.engine)
+    assert kv_cache_summary(plain.engine).startswith("weights: ") and "(float32)" in kv_cache_summary(plain.engine)
     assert "'quant_method': 'awq'" in kv_cache_summary(w4.engine)
 
 
