@@ -20,17 +20,19 @@ from .checkpoint import (
 )
 from .config import METHODS, QuantizationConfig
 from .linear import W8A8Linear, WQLinear_GEMM, replace_linears
-from .methods import quantize_model
+from .methods import ON_THE_FLY, check_quantization, quantize_model
 from .smoothquant import smooth_lm
 
 __all__ = [
     "METHODS",
+    "ON_THE_FLY",
     "AWQConfig",
     "QuantizationConfig",
     "W8A8Linear",
     "WQLinear_GEMM",
     "awq_model",
     "calibration_samples",
+    "check_quantization",
     "dequantize_model",
     "input_stats",
     "load_for_inference",

@@ -20,9 +20,9 @@ from shared.checkpoint import _IGNORED_SUFFIXES, load_model, load_state_dict, sa
 from shared.config import ModelConfig
 from shared.model import CausalLM
 
-from .config import METHODS, QuantizationConfig
+from .config import QuantizationConfig
 from .linear import W8A8Linear, WQLinear_GEMM, replace_linears
-from .methods import CALIBRATED, empty_quantized_linear, quantize_model, skip_fn
+from .methods import check_quantization, empty_quantized_linear, quantize_model, skip_fn
 from .quant import dequantize_rowwise
 
 _QUANTIZED = ("qweight", "qzeros", "weight_scale")  # tensors whose dtype the layout fixes
@@ -127,17 +127,13 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
     calibration (rtn-w4, naive-w8a8, naive-fp8). Calibrated methods are run offline by
     `python -m nano_quant.quantize`; asking for one here, or re-quantizing a quantized checkpoint, is a
     ValueError naming the argument."""
+    check_quantization(quantization, str(path))
     if quantization is None:
         return load_quantized_model(path, device, dtype)
-    if quantization not in METHODS:
-        raise ValueError(f"quantization must be one of {sorted(METHODS)} or None, got {quantization!r}")
     qcfg = quantization_config_of(path)
     if qcfg is not None:
         raise ValueError(f"quantization={quantization!r} was requested, but {str(path)!r} is already "
                          f"quantized ({qcfg.to_dict()}); leave quantization unset to use its own")
-    if quantization in CALIBRATED:
-        raise ValueError(f"quantization={quantization!r} needs calibration: run `python -m "
-                         f"nano_quant.quantize model={path} method={quantization} out=DIR` and load DIR")
     model = load_model(path, device=device, dtype=dtype)
     quantize_model(model, quantization)
     return model

@@ -78,6 +78,19 @@ class W8A8Linear(nn.Module):
             m.bias = linear.bias.detach().clone()
         return m
 
+    @classmethod
+    def stack(cls, layers: list[W8A8Linear]) -> W8A8Linear:
+        """One layer computing the concatenation of `layers`' outputs (one input, e.g. q/k/v): weights, scales
+        and biases stacked by output channel. Exact — every channel keeps its scale — and the input is
+        quantized once instead of once per layer."""
+        first = _check_stackable(layers, "fmt")
+        out = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.fmt,
+                  "meta")
+        out.weight = torch.cat([m.weight for m in layers])
+        out.weight_scale = torch.cat([m.weight_scale for m in layers])
+        out.bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         q, scale = OPS["quantize_per_token"](x2, self.fmt)
@@ -124,6 +137,19 @@ class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
             m.bias = linear.bias.detach().clone()
         return m
 
+    @classmethod
+    def stack(cls, layers: list[WQLinear_GEMM]) -> WQLinear_GEMM:
+        """One layer computing the concatenation of `layers`' outputs (one input, e.g. q/k/v): the packed
+        columns, zero points and scales side by side (each layer's width is a multiple of 8, so no int32 holds
+        nibbles of two layers). Exact."""
+        first = _check_stackable(layers, "group_size")
+        out = cls(4, first.group_size, first.in_features, sum(m.out_features for m in layers),
+                  first.bias is not None, "meta")
+        for name in ("qweight", "qzeros", "scales"):
+            setattr(out, name, torch.cat([getattr(m, name) for m in layers], dim=1))
+        out.bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+        return out
+
     def dequantize(self) -> torch.Tensor:
         """The (out, in) fp32 weight this layer multiplies by: (q − z)·Δ."""
         return awq_dequantize_torch(self.qweight, self.qzeros, self.scales, self.group_size).t()
@@ -136,6 +162,18 @@ class WQLinear_GEMM(nn.Module):  # AutoAWQ's class name
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, w_bit={self.w_bit}, "
                 f"group_size={self.group_size}")
+
+
+def _check_stackable(layers: list[nn.Module], setting: str) -> nn.Module:
+    """The first of `layers` if all are one class with one input size, `setting` and bias presence."""
+    first = layers[0]
+    if any(type(m) is not type(first) or m.in_features != first.in_features or
+           getattr(m, setting) != getattr(first, setting) or (m.bias is None) != (first.bias is None)
+           for m in layers):
+        raise ValueError(f"cannot stack {[type(m).__name__ for m in layers]} with in_features "
+                         f"{[m.in_features for m in layers]}, {setting} {[getattr(m, setting) for m in layers]}"
+                         " and bias presence differing")
+    return first
 
 
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module],

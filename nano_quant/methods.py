@@ -20,11 +20,28 @@ from shared.model import CausalLM
 
 from .awq import AWQConfig, awq_model
 from .calibration import calibration_samples, input_stats
-from .config import QuantizationConfig
+from .config import METHODS, QuantizationConfig
 from .linear import W8A8Linear, WQLinear_GEMM, replace_linears
 from .smoothquant import smooth_lm
 
 CALIBRATED = ("awq", "smoothquant", "smoothquant-fp8")
+ON_THE_FLY = tuple(m for m in METHODS if m not in CALIBRATED)  # rtn-w4, naive-w8a8, naive-fp8
+
+
+def check_quantization(quantization: object, model: str = "DIR") -> None:
+    """An engine's `quantization=` argument (vLLM's name): None, or a method that needs no calibration
+    (`ON_THE_FLY`). Calibrated methods run offline on `model` (`python -m nano_quant.quantize`)."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
+    if quantization in CALIBRATED:
+        raise ValueError(f"quantization={quantization!r} needs calibration: run `python -m nano_quant.quantize "
+                         f"model={model} method={quantization} out=DIR` and load DIR")
+    if quantization not in ON_THE_FLY:
+        raise ValueError(f"quantization must be one of {list(ON_THE_FLY)} or None, got {quantization!r} "
+                         f"(awq / smoothquant checkpoints are made offline by `python -m nano_quant.quantize` "
+                         "and load with quantization unset)")
 
 
 def quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig) -> nn.Module:

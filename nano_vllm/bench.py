@@ -27,6 +27,10 @@ bench.json, drawn by `python -m shared.report`).
     python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
     python -m nano_vllm.bench gemv=true                    # the decode GEMV vs cuBLAS and torch.compile
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
+    python -m nano_vllm.bench quantization=rtn-w4          # quantized on the fly (or model=a quantized checkpoint)
+
+The weights' memory and the KV blocks it left are printed (`kv_cache_summary`) and recorded (`memory`);
+the roofline stays the 16-bit model's, so a quantized run can pass 100% of it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_vllm.config import engine_args_from
 from nano_vllm.engine import LLM
-from nano_vllm.kv_cache import kv_cache_summary
+from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import summarize
 from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args, with_performance_layers
@@ -66,8 +70,12 @@ def _workload(w: DictConfig) -> list[Request]:
 
 
 def make_llm(cfg: DictConfig) -> LLM:
-    """`LLM` of the config's model and engine arguments, with the performance layers on."""
-    args = performance_engine_args(engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True)))
+    """`LLM` of the config's model and engine arguments (`quantization` among them), with the performance
+    layers on."""
+    engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    if cfg.get("quantization") is not None:
+        engine["quantization"] = str(cfg.quantization)
+    args = performance_engine_args(engine_args_from(engine))
     llm = LLM(str(cfg.model), **args)
     with_performance_layers(llm.engine)
     return llm
@@ -105,6 +113,12 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
            "preemptions": llm.engine.scheduler.num_preemptions,
            "kernels built while timed": len(compiles.names) if compiles.available else None}
     row["_kernel_variants"] = compiles.reprs  # full signatures, for bench.json (not printed: "_" prefix)
+    runner = llm.engine.model_runner  # what the weights take and what §5's sizing left to KV blocks
+    qcfg = getattr(runner.model, "quantization_config", None)
+    row["_memory"] = {"quantization": llm.engine.config.quantization,
+                      "quantization_config": qcfg.to_dict() if qcfg is not None else None,
+                      "weights_GiB": weight_bytes(runner.model) / 2**30, "kv_blocks": runner.num_blocks,
+                      "kv_cache_GiB": runner.num_blocks * runner.block_bytes * runner.tp_size / 2**30}
     row["_timeline"] = {"summary": timeline, "window": timer.timeline.window(int(cfg.timeline_steps))}
     row["ms/step"] = 1e3 * seconds / steps
     row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
@@ -198,7 +212,7 @@ def run(cfg: DictConfig) -> dict:
     mcfg = resolve_model_config(str(cfg.model))
     bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
-    timeline = row.pop("_timeline")
+    timeline, memory = row.pop("_timeline"), row.pop("_memory")
     dtype = llm.engine.config.torch_dtype
     layers = {k: getattr(llm.engine.config, k) for k in PERFORMANCE_ENGINE_ARGS}
     llm.shutdown()  # tensor-parallel workers too
@@ -234,7 +248,7 @@ def run(cfg: DictConfig) -> dict:
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": bandwidth / 1e9,
               "matmul_TFLOPs": peak / 1e12, "performance_layers": layers, **bound, "rows": rows, "serving": serving,
-              "timeline": timeline}
+              "timeline": timeline, "memory": memory}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from shared.config import ModelConfig
+from shared.config import PRESETS, ModelConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -40,6 +43,11 @@ class EngineConfig:
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
     seed: seed of the random weights of a preset and of unseeded sampling.
+    quantization: vLLM's name: quantize a 16-bit model (checkpoint or preset) on the fly by a method that
+        needs no calibration — "rtn-w4" (AWQ's W4A16 g128 format, round to nearest), "naive-w8a8" (INT8
+        weights and per-token activations), "naive-fp8" (the same in e4m3). None: the model as it is; a
+        checkpoint whose config.json has a `quantization_config` (AWQ / AutoAWQ GEMM, SmoothQuant W8A8) is
+        served quantized by itself. Both go through nano_quant, imported only then.
 
     Performance layers (nano_vllm.performance; off here, on in the bench's and the server's configs), each
     the same tokens faster:
@@ -67,6 +75,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    quantization: str | None = None
     async_scheduling: bool = False
     fused_projections: bool = False
     fused_sampling: bool = False
@@ -91,6 +100,7 @@ class EngineConfig:
             raise TypeError(f"gemv_max_tokens must be an int, got {self.gemv_max_tokens!r}")
         if not 0 <= self.gemv_max_tokens <= 16:
             raise ValueError(f"gemv_max_tokens must be in [0, 16] (the GEMV's rows), got {self.gemv_max_tokens}")
+        self._check_quantization()
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would not see the "
                              "tokens of the step in flight); pass async_scheduling=False")
@@ -117,6 +127,21 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence must be able to decode in one step")
+
+    def _check_quantization(self) -> None:
+        """`quantization` is None or a method nano_quant runs on the fly; a quantized model runs on one
+        device (nano_quant's layers are not sharded for tensor parallelism)."""
+        if self.quantization is not None:
+            import_nano_quant(f"quantization={self.quantization!r}").check_quantization(self.quantization,
+                                                                                      self.model)
+        if self.tensor_parallel_size > 1:
+            what = (f"quantization={self.quantization!r}" if self.quantization is not None else
+                    f"the quantized checkpoint {self.model!r}" if checkpoint_quantization(self.model) is not None
+                    else None)
+            if what is not None:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported with "
+                                 f"{what}: nano_quant's quantized layers are not sharded; use "
+                                 "tensor_parallel_size=1")
 
     @property
     def torch_device(self) -> torch.device:
@@ -153,6 +178,29 @@ class EngineConfig:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens})"
                              f" must be >= max_model_len ({max_len}), or a long prompt could never run")
         return max_len
+
+
+def checkpoint_quantization(model: str) -> dict[str, Any] | None:
+    """The `quantization_config` of a checkpoint directory's config.json, as written; None for a float
+    checkpoint, a preset, or a path without config.json (loading the model reports that)."""
+    path = Path(model) / "config.json"
+    if model in PRESETS or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError):
+        return None  # not a JSON object: shared.config's loader names the file
+
+
+def import_nano_quant(what: str) -> ModuleType:
+    """nano_quant, imported only for a quantized model: a copy of nano_vllm that never serves one runs
+    without it. A missing nano_quant is an ImportError naming what asked for it."""
+    try:
+        import nano_quant
+    except ImportError as e:
+        raise ImportError(f"{what} needs the nano_quant package (nano_quant/ beside nano_vllm/; it stands on "
+                          f"shared/ alone): {e}") from e
+    return nano_quant
 
 
 def engine_args_from(node: Mapping[str, Any]) -> dict[str, Any]:

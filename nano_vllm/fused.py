@@ -15,7 +15,8 @@ matmul. `fuse_projections(model)` does the stacking once, at load time (the runn
 Tensor parallelism (§4.6) shards first (nano_vllm.tp: q/k/v, gate and up are column-parallel, each rank
 keeps its heads' rows), then each rank fuses its own shards, so rank r's `qkv_proj` is [Wq_r; Wk_r; Wv_r] —
 the layout vLLM's QKVParallelLinear loads. The modules are changed in place (their class and their
-projections); parameters that are not fused stay the same tensors.
+projections); parameters that are not fused stay the same tensors. Quantized projections (nano_quant's
+W8A8Linear, WQLinear_GEMM) fuse too, by their own `stack`: their tensors concatenate the same way.
 """
 
 from __future__ import annotations
@@ -29,9 +30,22 @@ from shared import kernels
 from shared.model import MLP, Attention, CausalLM
 
 
-def stack_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the concatenation of `linears`' outputs (weights and biases stacked)."""
+def stackable(linears: list[nn.Module]) -> bool:
+    """Whether `stack_linears` fuses these: all nn.Linear, or all of one quantized layer class that stacks
+    itself (nano_quant's `W8A8Linear.stack`, `WQLinear_GEMM.stack`). Other mixes stay unfused."""
+    kind = type(linears[0])
+    return all(type(m) is kind for m in linears) and (issubclass(kind, nn.Linear) or hasattr(kind, "stack"))
+
+
+def stack_linears(linears: list[nn.Module]) -> nn.Module:
+    """One Linear whose output is the concatenation of `linears`' outputs (weights and biases stacked); a
+    quantized layer class stacks its own tensors (`stack`)."""
     first = linears[0]
+    if not stackable(linears):
+        raise ValueError(f"cannot stack layers of types {[type(m).__name__ for m in linears]}: they must be "
+                         "all nn.Linear or all one quantized class with a `stack` method")
+    if not isinstance(first, nn.Linear):
+        return type(first).stack(linears)
     if any(m.in_features != first.in_features for m in linears):
         raise ValueError(f"cannot stack Linear layers of different input sizes "
                          f"{[m.in_features for m in linears]}")
@@ -94,12 +108,14 @@ class FusedMLP(MLP):
 
 def fuse_projections(model: CausalLM) -> CausalLM:
     """Fuse q/k/v and gate/up of every decoder layer of `model` in place; returns it. Layers already fused
-    are left as they are."""
+    are left as they are, and so are projections `stack_linears` cannot stack (`stackable`: say a quantized
+    q_proj beside a 16-bit k_proj)."""
     for layer in model.model.layers:
-        if not isinstance(layer.self_attn, FusedAttention):
-            FusedAttention.fuse(layer.self_attn)
-        if not isinstance(layer.mlp, FusedMLP):
-            FusedMLP.fuse(layer.mlp)
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, FusedAttention) and stackable([attn.q_proj, attn.k_proj, attn.v_proj]):
+            FusedAttention.fuse(attn)
+        if not isinstance(mlp, FusedMLP) and stackable([mlp.gate_proj, mlp.up_proj]):
+            FusedMLP.fuse(mlp)
     return model
 
 

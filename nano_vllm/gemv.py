@@ -238,6 +238,8 @@ def apply_gemv(runner: Any) -> None:
     max_rows = runner.config.gemv_max_tokens
     if max_rows == 0:
         return
+    # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their
+    # own kernels; its 16-bit LM head still takes the GEMV.
     linears = [m for m in runner.model.modules() if type(m) is nn.Linear]
     workspace = None
     if runner.device.type == "cuda":

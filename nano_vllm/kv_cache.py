@@ -4,18 +4,20 @@ The block pool is one tensor of (2, layers, num_blocks + 1, block_size, kv_heads
 every layer, one scratch block at the end (`ModelRunner.allocate_kv_cache`). Its size comes from, in order:
 `num_kv_blocks`; `kv_cache_memory_bytes`; on CUDA, the memory left under `gpu_memory_utilization` once
 the weights are loaded and the largest step has been profiled for its peak activation memory (§5); on a
-CPU, room for `max_num_seqs` full sequences, at most 1 GiB.
+CPU, room for `max_num_seqs` full sequences, at most 1 GiB. Quantized weights (nano_quant) leave that
+sizing more memory: `kv_cache_summary` reports both.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from nano_vllm.attention import AttentionContext
-from nano_vllm.config import EngineConfig
+from nano_vllm.config import EngineConfig, checkpoint_quantization, import_nano_quant
 from nano_vllm.sampler import SamplingTensors
 from nano_vllm.sampling_params import SamplingParams
 from shared.checkpoint import load_model
@@ -30,10 +32,29 @@ CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache budget on a CPU (when not given
 
 
 def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> CausalLM:
-    """An HF checkpoint directory through shared.checkpoint, or a preset with seeded random weights."""
+    """An HF checkpoint directory through shared.checkpoint, or a preset with seeded random weights. A
+    quantized model comes from nano_quant (imported only then): a checkpoint whose config.json carries a
+    `quantization_config` (AWQ W4A16 in AutoAWQ's GEMM layout, ours or AutoAWQ's; SmoothQuant W8A8), or
+    a 16-bit model quantized on the fly by `config.quantization` (rtn-w4, naive-w8a8, naive-fp8). Its
+    decoder Linears become nano_quant's W8A8Linear / WQLinear_GEMM; everything else is unchanged."""
+    if config.quantization is None and checkpoint_quantization(config.model) is None:
+        if config.model in PRESETS:
+            return build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+        return load_model(config.model, device=device, dtype=config.torch_dtype)
+    nano_quant = import_nano_quant(f"serving {config.model!r} quantized")
     if config.model in PRESETS:
-        return build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
-    return load_model(config.model, device=device, dtype=config.torch_dtype)
+        model = build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+        nano_quant.quantize_model(model, config.quantization, progress=False)
+        return model
+    return nano_quant.load_for_inference(config.model, device, config.torch_dtype, config.quantization)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (quantized weights, scales and zero points included),
+    each storage counted once (tied embeddings share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(storages.values())
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
@@ -100,8 +121,18 @@ def profile_num_blocks(runner: ModelRunner) -> int:
 
 
 def kv_cache_summary(engine: LLMEngine) -> str:
-    """One line: blocks, tokens, GiB (all tensor-parallel ranks) and how many full-length sequences fit."""
+    """One line: the weights (GiB on rank 0, and their quantization), then the KV cache: blocks, tokens,
+    GiB (all tensor-parallel ranks) and how many full-length sequences fit. With the weights quantized,
+    what they no longer take is what §5's sizing gives to KV blocks."""
     r, bs = engine.model_runner, engine.config.block_size
-    return (f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
-            f"{r.num_blocks * r.block_bytes * r.tp_size / 2**30:.2f} GiB "
+    qcfg = getattr(r.model, "quantization_config", None)
+    quantized = str(engine.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
+        f"quantized: {qcfg.to_dict()}"
+    return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
+            f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
+            f"{_size(r.num_blocks * r.block_bytes * r.tp_size)} "
             f"({math.floor(r.num_blocks * bs / engine.max_model_len)} full-length sequences)")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

@@ -7,6 +7,7 @@ and `LLM` uses it as is. The layers make it fast without changing a greedy token
 | layer | hook | on when |
 |---|---|---|
 | CUDA graphs (nano_vllm.cudagraph) | `ModelRunner.graph_capturers` | CUDA and not `enforce_eager` |
+| nano_quant's Triton kernels (nano_quant.kernels) | `ModelRunner.runner_layers` | a quantized model on CUDA |
 | fused q/k/v and gate/up (nano_vllm.fused) | `ModelRunner.runner_layers` | `fused_projections` |
 | split-K GEMV (nano_vllm.gemv) | `ModelRunner.runner_layers` | `gemv_max_tokens` > 0, on CUDA |
 | fused sampling (nano_vllm.fused_sampling) | `ModelRunner.runner_layers` | `fused_sampling` |
@@ -46,8 +47,19 @@ Engine = TypeVar("Engine", bound=LLMEngine)
 PERFORMANCE_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": True, "fused_projections": True,
                                            "fused_sampling": True, "gemv_max_tokens": 0}
 
+
+
+def use_quantized_kernels(runner: ModelRunner) -> None:
+    """The runner layer for a quantized model on CUDA (`quantization_config` on the model: nano_quant loaded
+    it): import nano_quant.kernels, which registers its Triton GEMMs into the quantized layers, before the
+    KV cache is profiled and graphs are captured. Without it those layers run their torch references."""
+    if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
+        import nano_quant.kernels  # noqa: F401  (registers on import)
+
+
 # Order matters: the projections are fused before the GEMV swaps every Linear (the fused ones included).
-RUNNER_LAYERS = (apply_fused_projections, apply_gemv, apply_fused_sampling, install_future_tokens)
+RUNNER_LAYERS = (use_quantized_kernels, apply_fused_projections, apply_gemv, apply_fused_sampling,
+                 install_future_tokens)
 
 
 def performance_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:

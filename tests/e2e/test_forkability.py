@@ -26,10 +26,10 @@ STANDS_ON = {
     "shared": ["nano_flashattn"],
     "nano_megatron": ["shared", "nano_flashattn"],
     "nano_zero": ["shared", "nano_flashattn"],
-    "nano_vllm": ["shared", "nano_flashattn"],
+    "nano_vllm": ["shared", "nano_flashattn", "nano_quant"],
     "nano_quant": ["shared", "nano_flashattn"],
-    "nano_sglang": ["nano_vllm", "shared", "nano_flashattn"],
-    "nano_distserve": ["nano_vllm", "shared", "nano_flashattn"],
+    "nano_sglang": ["nano_vllm", "shared", "nano_flashattn", "nano_quant"],
+    "nano_distserve": ["nano_vllm", "shared", "nano_flashattn", "nano_quant"],
 }
 CHECK = textwrap.dedent('''
     import importlib, pkgutil, sys

@@ -1,1 +1,1 @@
-"""Workload presets of `python -m nano_vllm.bench` (`workload=nano_vllm` default, `workload=batch1`)."""
+"""Workload presets of `python -m nano_vllm.bench` (`workload=nano_vllm` default, `batch1`, `batch16`, `prefill`)."""

@@ -1,0 +1,73 @@
+"""Quantized models through nano_vllm on a CUDA GPU (marker `gpu`; run by hand:
+`pytest tests/nano_vllm/test_gpu_quantized.py -m gpu`): nano_quant's Triton kernels inside captured CUDA
+graphs give the eager steps' tokens, and the memory quantized weights free goes to KV blocks.
+
+Graphs and eager steps run the same kernels on the same row counts only when every decode step has a
+captured batch size (1, 2, 4, 8, 16, ...): the four requests here decode together from the first token to
+the last, so each replay is bit for bit the eager step it stands for.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from quant_checkpoints import save_ours
+
+from nano_vllm import LLM, SamplingParams
+from nano_vllm.kv_cache import weight_bytes
+from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, with_performance_layers
+from nano_vllm.step_timing import StepTimer
+
+pytestmark = pytest.mark.gpu
+PROMPTS = [[17, 400, 9, 2211, 5], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], list(range(100, 123)), [7] * 40]
+ENGINE = {"device": "cuda", "max_model_len": 128, "num_kv_blocks": 256, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized_gpu")
+    return {m: save_ours(root / m, m) for m in ("awq", "smoothquant", "smoothquant-fp8")}
+
+
+def run(path, eager: bool, layers: dict) -> tuple[list[list[int]], StepTimer]:
+    llm = with_performance_layers(LLM(str(path), enforce_eager=eager, **ENGINE, **layers).engine)
+    timer = StepTimer(llm)
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), request_id=str(i))
+    outs: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        for seq in llm.step()[1]:
+            outs[seq.request_id] = seq.output_token_ids
+    timer.remove()
+    return [outs[str(i)] for i in range(len(PROMPTS))], timer
+
+
+@pytest.mark.parametrize("layers", [{}, PERFORMANCE_ENGINE_ARGS], ids=["paper_path", "layers"])
+@pytest.mark.parametrize("method", ["awq", "smoothquant", "smoothquant-fp8"])
+def test_cuda_graphs_equal_eager_steps(ckpts, method, layers):
+    graphed, timer = run(ckpts[method], eager=False, layers=layers)
+    eager, eager_timer = run(ckpts[method], eager=True, layers=layers)
+    assert graphed == eager and all(len(o) == 24 for o in graphed)
+    assert timer.num_eager_steps < timer.num_steps // 2  # the decode steps replayed graphs
+    assert eager_timer.num_eager_steps == eager_timer.num_steps
+
+
+@pytest.mark.parametrize("method", ["rtn-w4", "naive-w8a8", "naive-fp8"])
+def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
+    """§5's sizing on the qwen3-0.6b shape: the bytes the quantized weights no longer take come back as KV
+    blocks (less what the quantized layers' temporaries add to the profiled peak)."""
+    sizes = {}
+    for quantization in (None, method):
+        llm = LLM("qwen3-0.6b", device="cuda", gpu_memory_utilization=0.4, max_model_len=256, max_num_seqs=16,
+                  max_num_batched_tokens=2048, enforce_eager=True, quantization=quantization)
+        r = llm.engine.model_runner
+        sizes[quantization] = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
+        del llm, r
+        gc.collect()
+        torch.cuda.empty_cache()
+    (w16, blocks16, block_bytes), (wq, blocksq, _) = sizes[None], sizes[method]
+    assert wq < 0.75 * w16
+    freed_blocks = (w16 - wq) / block_bytes
+    assert blocksq - blocks16 >= 0.75 * freed_blocks, (sizes, freed_blocks)
