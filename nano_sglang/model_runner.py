@@ -63,8 +63,8 @@ class SGLModelRunner(ModelRunner):
             return []
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         masked = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
-        if masked:
-            logits = logits.clone()  # may be a CUDA graph's static output buffer
-            for i, c in masked:
-                logits[i].masked_fill_(~c.mask(logits.device), float("-inf"))
+        if masked:  # all constrained rows in one fill, out of place: logits may be a CUDA graph's buffer
+            rows = self._tensor([i for i, _ in masked], torch.long)
+            banned = ~torch.stack([c.mask(logits.device) for _, c in masked])
+            logits = logits.index_put((rows,), logits[rows].masked_fill(banned, float("-inf")))
         return self.sample(logits, out).tolist()
