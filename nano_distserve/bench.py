@@ -327,8 +327,13 @@ def run_interference(cfg: dict) -> dict:
     Each running decode gets its next token from the step that carries the prefill, so the ratio of the
     slowest such step to the median decode-only step is the longest token gap a decode sees, relative to
     its usual one: a per-step spike, which a request's TPOT (its mean gap) averages over all its steps.
-    Returns both step traces (StepRecord dicts)."""
+    `interference.policies` picks the policies and the order their engines are built in (default plain,
+    then chunked). Returns the step traces (StepRecord dicts)."""
     c = cfg["interference"]
+    policies = c.get("policies") or ["plain", "chunked"]
+    if (not isinstance(policies, (list, tuple)) or not set(policies) <= {"plain", "chunked"}
+            or len(set(policies)) != len(policies)):
+        raise ValueError(f"interference.policies must list plain and/or chunked once each, got {policies!r}")
     decodes, prefill, chunk = int(c["decodes"]), int(c["prefill_tokens"]), int(c["chunk_tokens"])
     before, after = int(c["steps_before"]), int(c["steps_after"])
     chunk_steps = -(-prefill // max(chunk - decodes, 1))
@@ -340,7 +345,7 @@ def run_interference(cfg: dict) -> dict:
     long_prompt = torch.randint(0, vocab, (prefill,), generator=gen).tolist()
     keep = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
     rows, traces = [], {}
-    for policy in ("plain", "chunked"):
+    for policy in policies:  # one engine at a time, in this order (each sizes its KV cache from free memory)
         budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
         graphs = [int(v) for v in (c.get("mixed_cudagraph_sizes") or []) if int(v) <= budget]
         engine = with_performance_layers(LLMEngine(EngineConfig(**{

@@ -63,8 +63,10 @@ class SGLModelRunner(ModelRunner):
             return []
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         masked = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
-        if masked:
-            logits = logits.clone()  # may be a CUDA graph's static output buffer
-            for i, c in masked:
-                logits[i].masked_fill_(~c.mask(logits.device), float("-inf"))
+        if masked:  # one fill for the whole batch, out of place: logits may be a CUDA graph's output buffer
+            allowed = torch.stack([c.mask(logits.device) for _, c in masked])
+            if len(masked) < len(seqs):  # the unconstrained rows allow every token
+                rows = self._tensor([i for i, _ in masked], torch.long)
+                allowed = logits.new_ones(logits.shape, dtype=torch.bool).index_put_((rows,), allowed)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return self.sample(logits, out).tolist()

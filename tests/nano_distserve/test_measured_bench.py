@@ -52,15 +52,17 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
 
 @pytest.mark.slow
 def test_interference_trace_plain_vs_chunked():
-    """mode=interference on a CPU: the traces have the right shape (the times mean nothing here)."""
+    """mode=interference on a CPU: the traces have the right shape (the times mean nothing here); the
+    policies run in the order `interference.policies` names them."""
     from nano_distserve.bench import format_interference_table, run_interference
 
     cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["interference"].update(decodes=4, prefill_tokens=256, chunk_tokens=64, steps_before=4, steps_after=2,
-                               engine={"model": "tiny", "enable_prefix_caching": False})
+                               engine={"model": "tiny", "enable_prefix_caching": False},
+                               policies=["chunked", "plain"])
     result = run_interference(cfg)
-    plain, chunked = result["rows"]
-    assert (plain["policy"], chunked["policy"]) == ("plain", "chunked")
+    chunked, plain = result["rows"]
+    assert (chunked["policy"], plain["policy"]) == ("chunked", "plain")
     assert plain["steps carrying the prefill"] == 1  # the whole prompt in one step
     assert chunked["steps carrying the prefill"] == math.ceil(256 / (64 - 4))  # decodes go first in each step
     for policy, trace in result["traces"].items():
@@ -87,3 +89,15 @@ def test_measured_bench_runs_a_subset_of_systems():
         cfg["measured"]["systems"] = bad
         with pytest.raises(ValueError, match=message):
             run_measured(cfg)
+
+
+@pytest.mark.parametrize("policies", [["chunked", "chunked"], ["eager"], "plain"])
+def test_interference_policies_are_checked(policies):
+    """interference.policies: plain and/or chunked, each once, as a list; anything else is refused by name
+    before an engine is built."""
+    from nano_distserve.bench import run_interference
+
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
+    cfg["interference"]["policies"] = policies
+    with pytest.raises(ValueError, match="interference.policies"):
+        run_interference(cfg)

@@ -75,3 +75,21 @@ def test_regex_outputs_match_greedy_and_sampled(ckpt):
         assert all(re.fullmatch(pattern, o.text) for o in outs), [o.text for o in outs]
     bm = engine.block_manager
     assert bm.num_free_blocks + bm.tree.total_pages() == bm.num_blocks
+
+
+def test_masks_touch_only_the_constrained_rows_of_a_mixed_batch(ckpt, hf_greedy):
+    """Constrained and free requests decode in the same steps: the constrained rows match their regex, the
+    free rows are transformers' greedy tokens (the masks were applied to no other row)."""
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    pattern = r"[a-z]{2,6} (\d{1,3}|none)\."
+    prompts = [[11 + i, 300 + 7 * i, 42, 9 + i] for i in range(6)]
+    seqs = [engine.add_request(p, params, regex=pattern) if i % 2 else engine.add_request(p, params)
+            for i, p in enumerate(prompts)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, seq in enumerate(seqs):
+        if i % 2:
+            assert re.fullmatch(pattern, engine.tokenizer.decode(seq.output_token_ids)), seq.output_token_ids
+        else:
+            assert seq.output_token_ids == hf_greedy(tuple(prompts[i]), 10)
