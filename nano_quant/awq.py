@@ -38,6 +38,7 @@ class AWQConfig:
     clip: bool = True
     max_shrink: float = 0.5  # clipping tries max|w|·(1 − i/n_grid) for i < max_shrink·n_grid
     clip_tokens: int = 512  # calibration tokens the clipping search looks at
+    duo_scaling: bool = False  # AutoAWQ's option: s = s_X^α / s_W^(1−α) instead of §3.3's s_X^α
 
     def __post_init__(self) -> None:
         check_bits(self.bits)
@@ -55,11 +56,24 @@ class ScaleSearch:
     losses: list[float] = field(default_factory=list)
 
 
-def awq_scales(s_x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s = s_X^α, normalised so that max(s)·min(s) = 1 (a common factor of s changes nothing but the
-    range of the scaled weights; centring it keeps them near the originals)."""
-    s = s_x.float().pow(alpha).clamp(min=1e-4)
+def awq_scales(s_x: torch.Tensor, alpha: float, s_w: torch.Tensor | None = None) -> torch.Tensor:
+    """s = s_X^α (or s_X^α / s_W^(1−α) with AutoAWQ's `duo_scaling`), normalised so that max(s)·min(s) = 1
+    (a common factor of s changes nothing but the range of the scaled weights; centring it keeps them near
+    the originals)."""
+    s = s_x.float().pow(alpha)
+    if s_w is not None:
+        s = s / (s_w.float().pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_magnitude(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
+    """s_W for `duo_scaling`: the mean over output rows of |W| relative to its group's max|W|, per input
+    channel (the weight-side twin of s_X; a channel whose weights already sit near the group's max gains
+    little from a larger s)."""
+    w = torch.cat([fc.weight.detach().float() for fc in linears])
+    groups = w.abs().reshape(-1, group_size)
+    return (groups / (groups.amax(-1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
 
 
 @torch.no_grad()
@@ -82,14 +96,14 @@ def awq_loss(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Lin
 def search_scale(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Linear], x: torch.Tensor,
                  cfg: AWQConfig, tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ScaleSearch:
     """α* = argmin over {0, 1/n, ..., (n−1)/n} of L(s_X^α) (§3.3); `x` is the input of `linears`, `block`
-    maps it to the output whose error counts. `tie` projects s_X onto factors a GQA fold can realise."""
+    maps it to the output whose error counts. `tie` projects s onto factors a GQA fold can realise."""
     s_x = x.reshape(-1, x.shape[-1]).abs().float().mean(0)  # s_X: average magnitude per input channel
-    if tie is not None:
-        s_x = tie(s_x)
+    s_w = weight_magnitude(linears, cfg.group_size) if cfg.duo_scaling else None
     reference = block(x)
     best = ScaleSearch(alpha=-1.0, scales=torch.ones_like(s_x))
     for i in range(cfg.n_grid):
-        s = awq_scales(s_x, i / cfg.n_grid)
+        s = awq_scales(s_x, i / cfg.n_grid, s_w)
+        s = s if tie is None else tie(s)
         best.losses.append(awq_loss(block, linears, x, s, reference, cfg))
         if best.losses[-1] < min(best.losses[:-1], default=float("inf")):
             best.alpha, best.scales = i / cfg.n_grid, s

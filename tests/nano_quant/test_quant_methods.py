@@ -107,6 +107,24 @@ def test_awq_search_returns_the_argmin_of_its_objective():
     assert float(s.max() * s.min()) == pytest.approx(1.0)
 
 
+def test_awq_duo_scaling_divides_by_the_weight_magnitude():
+    """AutoAWQ's duo_scaling: s = s_X^α / s_W^(1−α), s_W the mean of |W| / its group's max per input channel
+    (recomputed by hand here); the search is still the argmin of its own objective."""
+    torch.manual_seed(2)
+    fc = nn.Linear(64, 48)
+    x = torch.randn(40, 64) * torch.where(torch.rand(64) < 0.05, 20.0, 1.0)
+    cfg = AWQConfig(group_size=32, n_grid=10, duo_scaling=True)
+    found = search_scale(fc, [fc], x, cfg)
+    w = fc.weight.detach().abs()
+    s_w = torch.cat([w[:, :32] / w[:, :32].amax(1, keepdim=True), w[:, 32:] / w[:, 32:].amax(1, keepdim=True)],
+                    1).mean(0)
+    s_x = x.abs().mean(0)
+    expected = (s_x.pow(found.alpha) / (s_w.pow(1 - found.alpha) + 1e-4)).clamp(min=1e-4)
+    expected = expected / (expected.max() * expected.min()).sqrt()
+    assert torch.allclose(found.scales, expected, rtol=1e-5)
+    assert found.losses[int(round(found.alpha * 10))] == min(found.losses)
+
+
 def test_clip_search_brute_force():
     torch.manual_seed(1)
     w, x = torch.randn(6, 64), torch.randn(50, 64)
