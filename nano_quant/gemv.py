@@ -78,7 +78,7 @@ def split_k_reduce(partial: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, cfg: dict,
            name: str) -> None:
-    m, k = x.shape
+    k = x.shape[1]
     n = scales.shape[1]
     if qweight.shape != (k, n // 8) or k % group_size or qweight.stride(1) != 1:
         raise ValueError(f"{name}: x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / "

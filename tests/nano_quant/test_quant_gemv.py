@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quant_kernels import poisoned, within_fa_rule  # noqa: F401 (a fixture)
 
 from nano_quant import gemv, kernels
 from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
-
-from test_quant_kernels import poisoned, within_fa_rule  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
