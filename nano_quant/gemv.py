@@ -76,17 +76,29 @@ def split_k_reduce(partial: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
     return out
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, cfg: dict,
-           name: str) -> None:
-    k = x.shape[1]
+def _launch(kernel, picker, name: str, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
+            scales: torch.Tensor, group_size: int, bias: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+    """Check the shapes, pick tiles, run a (N tiles, SPLIT_K, M tiles) grid of `kernel`, reduce split-K."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
     n = scales.shape[1]
+    cfg = dict(config or picker(m, n, k, group_size, num_sms(x.device)))
     if qweight.shape != (k, n // 8) or k % group_size or qweight.stride(1) != 1:
         raise ValueError(f"{name}: x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / "
                          f"scales {tuple(scales.shape)} with group_size {group_size}")
     if group_size % cfg["BLOCK_K"]:
         raise ValueError(f"{name}: BLOCK_K {cfg['BLOCK_K']} must divide group_size {group_size}")
-    if cfg["SPLIT_K"] < 1:
-        raise ValueError(f"{name}: SPLIT_K must be >= 1, got {cfg['SPLIT_K']}")
+    split = cfg.pop("SPLIT_K")
+    if split < 1:
+        raise ValueError(f"{name}: SPLIT_K must be >= 1, got {split}")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    partial = split_k_partials(out, split, bias)
+    grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
+    kernel[grid](x, qweight, qzeros, scales, partial, m, n, n // 8, k, x.stride(0), qweight.stride(0), split,
+                 GROUP_SIZE=group_size, **cfg)
+    return split_k_reduce(partial, out, bias)
 
 
 def _split_k(tiles: int, groups: int, num_sms: int, waves: int) -> int:
@@ -162,21 +174,8 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
                     config: dict | None = None) -> torch.Tensor:
     """x (M, K) @ Ŵ (K, N) (+ bias) on CUDA cores for a few rows of x (AutoAWQ GEMM layout, AWQ §4's
     memory-bound decoding): weights read once as packed words, scale and zero applied once per group."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = scales.shape[1]
-    cfg = dict(config or awq_gemv_config(m, n, k, group_size, num_sms(x.device)))
-    _check(x, qweight, scales, group_size, cfg, "awq_gemv")
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return out
-    split = cfg.pop("SPLIT_K")
-    partial = split_k_partials(out, split, bias)
-    grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
-    _awq_gemv_kernel[grid](x, qweight, qzeros, scales, partial, m, n, n // 8, k, x.stride(0),
-                           qweight.stride(0), split,
-                           GROUP_SIZE=group_size, **cfg)
-    return split_k_reduce(partial, out, bias)
+    return _launch(_awq_gemv_kernel, awq_gemv_config, "awq_gemv", x, qweight, qzeros, scales, group_size, bias,
+                   config)
 
 
 # ------------------------------------------------------------------ swap AB: tensor cores, 8 < M ≤ 64
@@ -230,17 +229,5 @@ def awq_gemm_swapab_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch
                            config: dict | None = None) -> torch.Tensor:
     """x (M, K) @ Ŵ (K, N) (+ bias) as outᵀ = Ŵᵀ xᵀ on the tensor cores (AutoAWQ GEMM layout): the
     dequantized weight is the dot's register operand, a decode batch of 16..64 tokens its narrow side."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = scales.shape[1]
-    cfg = dict(config or awq_swapab_config(m, n, k, group_size, num_sms(x.device)))
-    _check(x, qweight, scales, group_size, cfg, "awq_gemm_swapab")
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return out
-    split = cfg.pop("SPLIT_K")
-    partial = split_k_partials(out, split, bias)
-    grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
-    _awq_gemm_swapab_kernel[grid](x, qweight, qzeros, scales, partial, m, n, n // 8, k, x.stride(0),
-                                  qweight.stride(0), split, GROUP_SIZE=group_size, **cfg)
-    return split_k_reduce(partial, out, bias)
+    return _launch(_awq_gemm_swapab_kernel, awq_swapab_config, "awq_gemm_swapab", x, qweight, qzeros, scales,
+                   group_size, bias, config)
