@@ -9,7 +9,8 @@ random weights quantized once:
 | system | what runs | peer |
 |---|---|---|
 | `bf16` | `x @ Wᵀ`, cuBLAS | — |
-| `w4a16` | ours: AWQ GEMM, INT4 dequantized in registers (M ≤ 64), else dequantize + cuBLAS | `tinygemm` |
+| `w4a16` | ours: what `kernels.awq_gemm` dispatches for this M (GEMV, swap AB, GEMM, dequantize + cuBLAS) | `tinygemm` |
+| `w4a16 gemv` / `w4a16 swapab` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / 8 < M ≤ 64 / M ≤ 64) | `tinygemm` |
 | `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
 | `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
 | `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | `int_mm+scale` |
@@ -25,6 +26,7 @@ are measured in the same process. Without CUDA a tiny smoke run on the torch ref
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -43,13 +45,14 @@ from shared.bench import (
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
-from . import kernels
+from . import gemv, kernels
 from .linear import awq_dequantize_torch
 from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
-PEERS = {"w4a16": "tinygemm", "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
+PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 swapab": "tinygemm", "w4a16 mma": "tinygemm",
+         "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -96,6 +99,12 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
         "fp8": (lambda: kernels.scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out,
                 ref_fp8),
     }
+    awq = (ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None)
+    for name, kernel, (lo, hi) in (("w4a16 gemv", gemv.awq_gemv_triton, (1, 8)),
+                                   ("w4a16 swapab", gemv.awq_gemm_swapab_triton, (9, 64)),
+                                   ("w4a16 mma", kernels.awq_gemm_triton, (1, 64))):
+        if x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
+            found[name] = (functools.partial(kernel, x, *awq), w4_bytes + m * k * 2 + out, ref4)
     if x.is_cuda:
         found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
                                                                           ops["scales_and_zeros"]),
@@ -149,13 +158,24 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, wa
     return rows
 
 
-def tune_configs(kind: str, m: int) -> list[dict]:
-    """Candidate tile configs for the sweep (`tune=true`)."""
-    if kind == "awq":
+def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
+    """Candidate tile configs for the sweep (`tune=true`), at most ~40 per kernel and M; SPLIT_K from
+    how many times the grid should cover the SMs (132 on an H200) for this (N, K)."""
+    sms, groups = 132, k // GROUP
+
+    def split(tiles: int, waves: int) -> int:
+        return max(1, min(groups, -(-waves * sms // tiles)))
+
+    if kind == "awq_gemv":  # 3 x 3 x 2 x 2 = 36
+        bm = 1 if m == 1 else 2 if m == 2 else 4
+        grid = itertools.product((128, 256, 512), (16, 32, 64), (2, 4), (2, 4))
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
+                 "num_warps": w, "num_stages": 1} for bn, bk, w, wv in grid]
+    if kind == "awq_swapab":  # 2 x 3 x 3 x 2 = 36
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        grid = itertools.product((64, 128), (64, 128), (1, 2, 4, 8, 16), (3, 4))
-        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
-                for bn, bk, sk, st in grid]
+        grid = itertools.product((64, 128), (32, 64, 128), (1, 2, 4), (2, 3))
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
+                 "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -169,9 +189,13 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
                                                          torch.bfloat16, c), "mm"),
             "w8a8": (lambda c: kernels.scaled_mm_triton(qa, ops["int8"][0], sa, ops["int8"][1], None,
                                                           torch.bfloat16, c), "mm")}
+    awq = (x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None)
     if x.shape[0] <= kernels.AWQ_LARGE_M:
-        jobs["w4a16"] = (lambda c: kernels.awq_gemm_triton(x, ops["qweight"], ops["qzeros"], ops["scales"],
-                                                            GROUP, None, c), "awq")
+        jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
+    if x.shape[0] <= 8:
+        jobs["w4a16 gemv"] = (lambda c: gemv.awq_gemv_triton(*awq, c), "awq_gemv")
+    if 8 < x.shape[0] <= 64:
+        jobs["w4a16 swapab"] = (lambda c: gemv.awq_gemm_swapab_triton(*awq, c), "awq_swapab")
     return jobs
 
 
@@ -184,7 +208,7 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device) -
         for system, (fn, kind) in jobs.items():
             default = benchmark(fn, None, device=device)
             best, best_t = None, default
-            for c in tune_configs(kind, m):
+            for c in tune_configs(kind, m, n, k):
                 try:
                     t = benchmark(fn, c, warmup=2, repeats=10, device=device)
                 except Exception as e:  # a config that does not fit (shared memory, registers): skip it
@@ -220,8 +244,9 @@ def run(cfg: DictConfig) -> dict:
                                       f"{GROUP}")
         rows += shape_rows
         if cfg.tune and cuda:
-            tuned += tune_shape(name, k, n, ms, device)
-            print_table(tuned[-3 * len(ms):], title=f"tile sweep, {name}")
+            shape_tuned = tune_shape(name, k, n, ms, device)
+            print_table(shape_tuned, title=f"tile sweep, {name}")
+            tuned += shape_tuned
     print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
           "(read + write)", flush=True)
     record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,

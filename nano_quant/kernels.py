@@ -12,7 +12,9 @@ references); the entry points import it, a forker may delete it and everything s
   unpacks the eight nibbles in AutoAWQ's order, applies zero points and scales in registers and feeds the
   16-bit tile to the tensor cores: HBM traffic is the 4-bit weight (plus 1/G of scales). K is split over
   several programs (partial sums reduced by a second small kernel) so that a few output tiles still fill
-  every SM. For large M the GEMM is compute-bound and `awq_dequantize_triton` + cuBLAS is faster.
+  every SM. For large M the GEMM is compute-bound and `awq_dequantize_triton` + cuBLAS is faster; for a
+  few rows the CUDA-core GEMV of `gemv.py` and for decode batches its swap-AB variant may be faster:
+  `awq_gemm` picks by M (the AWQ_* constants below).
 
 Under `TRITON_INTERPRET=1` these run on CPU tensors (the tests); the interpreter computes bf16 wrongly, so
 CPU tests use fp16 / fp32 activations.
@@ -31,12 +33,19 @@ from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
 from . import linear
+from .gemv import awq_gemm_swapab_triton, awq_gemv_triton, num_sms, split_k_partials, split_k_reduce
 from .quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
 
 # Adding then subtracting 1.5·2^23 rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (as
 # torch.round), with plain IEEE adds: portable to every Triton version and to its interpreter.
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # a jitted kernel may read only constexpr globals
-AWQ_LARGE_M = 64  # above this many rows: dequantize once, then a cuBLAS GEMM
+# W4A16 dispatch by M (rows of x): up to AWQ_GEMV_MAX_M the CUDA-core GEMV (`gemv.py`; its work grows with M,
+# a tensor-core kernel's does not), then up to AWQ_SWAPAB_MAX_M the swap-AB tensor-core kernel, then up to
+# AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once, then a cuBLAS GEMM. Set from
+# `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`, `w4a16 swapab`, `w4a16 mma`).
+AWQ_GEMV_MAX_M = 4
+AWQ_SWAPAB_MAX_M = 0
+AWQ_LARGE_M = 64
 
 
 @triton.jit
@@ -181,19 +190,6 @@ def _awq_gemm_kernel(X, QW, QZ, S, OUT, M, N, K, stride_xm, SPLIT_K, GROUP_SIZE:
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
 
 
-@triton.jit
-def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
 @functools.lru_cache(maxsize=1024)
 def awq_gemm_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
     """Tiles for `_awq_gemm_kernel`, and SPLIT_K chosen so the grid covers the SMs about twice."""
@@ -204,11 +200,6 @@ def awq_gemm_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> di
     split_k = max(1, min(k // block_k, 16, cdiv(2 * num_sms, tiles)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
             "num_warps": 4, "num_stages": 4}
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -224,22 +215,16 @@ def awq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    cfg = dict(config or CONFIGS["awq_gemm"](m, n, k, group_size, _num_sms(x.device)))
+    cfg = dict(config or CONFIGS["awq_gemm"](m, n, k, group_size, num_sms(x.device)))
     if group_size % cfg["BLOCK_K"]:
         raise ValueError(f"awq_gemm: BLOCK_K {cfg['BLOCK_K']} must divide group_size {group_size}")
     split = cfg["SPLIT_K"]
-    partial = out
-    if split > 1 or bias is not None:  # fp32 partial sums, reduced (+ bias) by a second kernel
-        partial = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    partial = split_k_partials(out, split, bias)
     grid = (cdiv(m, cfg["BLOCK_M"]), cdiv(n, cfg["BLOCK_N"]), split)
     tiles = {key: v for key, v in cfg.items() if key != "SPLIT_K"}
     _awq_gemm_kernel[grid](x, qweight, qzeros, scales, partial, m, n, k, x.stride(0), split,
                            GROUP_SIZE=group_size, **tiles)
-    if partial is not out:
-        block = 1024
-        _split_k_sum_kernel[(cdiv(m * n, block),)](partial, bias if bias is not None else partial, out, m * n,
-                                                    n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block)
-    return out
+    return split_k_reduce(partial, out, bias)
 
 
 @triton.jit
@@ -287,7 +272,12 @@ def scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):  # the OPS signature
 def awq_gemm(x, qweight, qzeros, scales, group_size, bias):  # the OPS signature
     if not use_triton(x):
         return _REFERENCE["awq_gemm"](x, qweight, qzeros, scales, group_size, bias)
-    if x.shape[0] <= AWQ_LARGE_M:
+    m = x.shape[0]
+    if m <= AWQ_GEMV_MAX_M:
+        return awq_gemv_triton(x, qweight, qzeros, scales, group_size, bias)
+    if m <= AWQ_SWAPAB_MAX_M:
+        return awq_gemm_swapab_triton(x, qweight, qzeros, scales, group_size, bias)
+    if m <= AWQ_LARGE_M:
         return awq_gemm_triton(x, qweight, qzeros, scales, group_size, bias)
     out = x @ awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
     return out if bias is None else out + bias

@@ -9,17 +9,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nano_quant import kernels
+from nano_quant import gemv, kernels
 
-DIVISIBLE = ("N", "K", "stride_am", "stride_bn", "stride_cm", "stride_xm")
+DIVISIBLE = ("N", "NP", "K", "stride_am", "stride_bn", "stride_cm", "stride_xm", "stride_qw")
 
 
-def build(fn, sig: dict, consts: dict, **options) -> str:
+def build(fn, sig: dict, consts: dict, asm: str = "ttgir", **options) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if ty.startswith("*") or name in DIVISIBLE}
     sig = sig | {k: "constexpr" for k in consts}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm[asm]
 
 
 def split(cfg: dict) -> tuple[dict, dict]:
@@ -46,10 +46,22 @@ def main() -> None:
     ir = build(kernels._awq_gemm_kernel, awq, {"GROUP_SIZE": 128, **cfg}, **opts)
     assert "async_copy" in ir, "the W4A16 GEMM lost its pipeline"
     reduce = {"P": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "MN": "i32", "N": "i32"}
-    build(kernels._split_k_sum_kernel, reduce, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024})
+    build(gemv._split_k_sum_kernel, reduce, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024})
+    small = awq | {"NP": "i32", "stride_qw": "i32"}
+    small = {key: small[key] for key in ("X", "QW", "QZ", "S", "OUT", "M", "N", "NP", "K", "stride_xm",
+                                         "stride_qw", "SPLIT_K")}
+    for m in (1, 4):
+        cfg, opts = split(gemv.awq_gemv_config(m, 4096, 4096, 128, 132))
+        cfg.pop("SPLIT_K")
+        ptx = build(gemv._awq_gemv_kernel, small, {"GROUP_SIZE": 128, **cfg}, **opts, asm="ptx")
+        assert "ld.global.v4" in ptx, "the W4A16 GEMV lost its 16-byte weight loads"
+    cfg, opts = split(gemv.awq_swapab_config(32, 4096, 4096, 128, 132))
+    cfg.pop("SPLIT_K")
+    ir = build(gemv._awq_gemm_swapab_kernel, small, {"GROUP_SIZE": 128, **cfg}, **opts)
+    assert "warp_group_dot" in ir, "the swap-AB W4A16 GEMM lost wgmma"
     dequant = {"QW": "*i32", "QZ": "*i32", "S": "*fp16", "W": "*bf16", "N": "i32"}
     build(kernels._awq_dequantize_kernel, dequant, {"GROUP_SIZE": 128, "BLOCK_K": 32, "BLOCK_N": 128})
-    print(f"compiled 7 kernels for sm_90 with Triton {triton.__version__}")
+    print(f"compiled 10 kernels for sm_90 with Triton {triton.__version__}")
 
 
 if __name__ == "__main__":
