@@ -41,6 +41,14 @@ def split(head_dim: int) -> tuple[int, int] | None:
 
 SPLIT_HEAD_DIMS = tuple(d for d in HEAD_DIMS if split(d))  # 48, 80, 96, 144, 160, 192
 
+
+def _parts(head_dim: int) -> tuple[int, int]:
+    parts = split(head_dim)
+    if parts is None:
+        raise ValueError(f"head_dim {head_dim} (q.shape[-1]) has no two-part split; the split kernels take "
+                         f"{SPLIT_HEAD_DIMS}")
+    return parts
+
 # Launch configs of the split kernels, 16-bit inputs, by head_dim; a head_dim without an entry takes the
 # paper path's entry for its padded width (configs.py), which the split tiles fit with room to spare.
 # tools/flashattn_sweep.py measures these for the head_dims this layer runs and prints the tables.
@@ -292,7 +300,7 @@ def split_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    d0, d1 = split(head_dim)
+    d0, d1 = _parts(head_dim)
     block_m, block_n, num_warps, num_stages = config or fwd_config(head_dim, q.dtype, q.device)
     paged = block_table is not None
     _split_fwd_kernel[(cdiv(seqlen_q, block_m), heads_q, batch)](
@@ -319,7 +327,7 @@ def split_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     do = do.contiguous()
-    d0, d1 = split(head_dim)
+    d0, d1 = _parts(head_dim)
     (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = config or bwd_config(head_dim, q.dtype, q.device)
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     pre_m = 128 if q.is_cuda else 16
@@ -361,6 +369,24 @@ def applies(q: torch.Tensor, **arguments) -> bool:
     return q.shape[-1] in SPLIT_HEAD_DIMS
 
 
-# Importing the module is the opt-in (interface.register_kernel); these remove the registrations.
-REMOVE_FORWARD = register_kernel("forward", split_forward, applies)
-REMOVE_BACKWARD = register_kernel("backward", split_backward, applies)
+_removers: list = []
+
+
+def register() -> None:
+    """Run the split kernels for the calls `applies` accepts (interface.register_kernel); idempotent."""
+    unregister()
+    _removers.extend(register_kernel(kind, launch, applies)
+                     for kind, launch in (("forward", split_forward), ("backward", split_backward)))
+
+
+def unregister() -> None:
+    """Hand every call back to the paper path."""
+    while _removers:
+        _removers.pop()()
+
+
+def registered() -> bool:
+    return bool(_removers)
+
+
+register()  # importing the module is the opt-in
