@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, interface
 from .backward import _bwd_preprocess
 from .checks import HEAD_DIMS, cdiv, next_pow2
 from .configs import Config, block_d
@@ -369,24 +369,24 @@ def applies(q: torch.Tensor, **arguments) -> bool:
     return q.shape[-1] in SPLIT_HEAD_DIMS
 
 
-_removers: list = []
+_REMOVERS: list = []
 
 
 def register() -> None:
     """Run the split kernels for the calls `applies` accepts (interface.register_kernel); idempotent."""
     unregister()
-    _removers.extend(register_kernel(kind, launch, applies)
-                     for kind, launch in (("forward", split_forward), ("backward", split_backward)))
+    _REMOVERS[:] = [register_kernel(kind, launch, applies)
+                    for kind, launch in (("forward", split_forward), ("backward", split_backward))]
 
 
 def unregister() -> None:
     """Hand every call back to the paper path."""
-    while _removers:
-        _removers.pop()()
+    for remove in _REMOVERS:  # a registration's entries compare equal to any other's: removes the live one
+        remove()
 
 
 def registered() -> bool:
-    return bool(_removers)
+    return any(launch is split_forward for launch, _ in interface._LAYERS["forward"])
 
 
 register()  # importing the module is the opt-in

@@ -2,13 +2,12 @@
 parts of the head axis, against the fp64 reference with FlashAttention's error rule, forward and backward,
 dense and varlen, GQA, windows, paged K/V. On CPU the kernels run under TRITON_INTERPRET=1 (16-row tiles).
 
-The layer registers while these tests run and is unregistered after them (unless something had registered
-it before), so the other test files keep testing the paper path's padded tiles at these head_dims."""
+Each test registers the layer; conftest's `paper_path` drops the registration after it, so the other test
+files keep testing the paper path's padded tiles at these head_dims."""
 
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
@@ -20,15 +19,12 @@ from nano_flashattn import configs
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def layer():
-    before = sys.modules.get("nano_flashattn.split_head")
-    was = before is not None and before.registered()
-    mod = importlib.import_module("nano_flashattn.split_head")  # importing registers
+    """The layer, registered for this test (the `paper_path` fixture drops the registration after it)."""
+    mod = importlib.import_module("nano_flashattn.split_head")
     mod.register()
-    yield mod
-    if not was:
-        mod.unregister()
+    return mod
 
 
 @pytest.fixture
@@ -132,6 +128,14 @@ def test_varlen_fwd_bwd(fa_check, launches, d, causal):
 def test_varlen_paged_kv(fa_check, launches):
     _compare_varlen(fa_check, [1, 7, 12], [5, 40, 33], 4, 2, 96, torch.float16, True, page=16)
     assert launches["fwd"] == 1
+
+
+def test_bench_turns_the_layer_on_and_off(layer):
+    from nano_flashattn import bench
+
+    assert bench.use_split_head(False) is False and not layer.registered()
+    assert bench.use_split_head(True) is True and layer.registered()
+    assert bench.parse_args(["--no-split-head"]).no_split_head
 
 
 def test_empty_batch(layer):
