@@ -11,6 +11,7 @@
     targets:   each head_dim's row against head_dim 128's at the same shape (TFLOP/s or TB/s, so per unit
                of work), in the summary
     ceilings:  measured bf16 matmul TFLOP/s and device-copy TB/s, the physical limits of both
+    layers:    the split_head layer runs head_dims 48/80/96/144/160/192 (--no-split-head: padded tiles)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
@@ -55,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-decode-tokens", type=int, default=1 << 20, help="skip batch x context above this")
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--no-split-head", action="store_true",
+                   help="run every head_dim on the paper path's padded tiles (the split_head layer off)")
     p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
     args = p.parse_args(argv)
     if args.sweep:  # the sweep is a tool, not part of the package (a non-editable install has no tools/)
@@ -274,7 +277,8 @@ def markdown(result: dict) -> str:
     env, ceil = result["env"], result["ceilings"]
     lines = [
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: "
-        f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s",
+        f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s, "
+        f"split_head {'on' if env.get('split_head') else 'off'}",
         "",
     ]
     if result["attention"]:
@@ -298,6 +302,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + summary(result))
 
 
+def use_split_head(on: bool) -> bool:
+    """Turn the split_head performance layer (head_dims 48/80/96/144/160/192 without padding) on or off in
+    this process; returns whether it is on. The bench runs it on a GPU unless --no-split-head."""
+    if on:
+        from . import split_head  # importing registers
+
+        split_head.register()
+    elif "nano_flashattn.split_head" in sys.modules:
+        sys.modules["nano_flashattn.split_head"].unregister()
+    return on
+
+
 def main(argv=None, sweep: dict | None = None) -> dict:
     """Run the bench; `sweep` (a config sweep's report, from tools/flashattn_sweep.py) is saved with it."""
     args = parse_args(argv)
@@ -312,9 +328,11 @@ def main(argv=None, sweep: dict | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "command": "python -m nano_flashattn.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "ours": "triton" if device.type == "cuda" else "torch reference (no GPU)",
+        "split_head": use_split_head(device.type == "cuda" and not args.no_split_head),
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']}")
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']} | "
+          f"split_head {'on' if env['split_head'] else 'off'}")
     ceil = result["ceilings"]
     print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     os.makedirs(args.out, exist_ok=True)

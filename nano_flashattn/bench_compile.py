@@ -10,17 +10,17 @@ config, strides that are multiples of 16); Triton's on-disk cache then serves th
 
 from __future__ import annotations
 
+import importlib
 import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 import torch
 
-from . import configs
-from .backward import attention_backward
+from . import configs, interface
 from .checks import NO_WINDOW
 from .decode import decode_forward
-from .forward import attention_forward
+from .interface import run_kernel
 
 SEQLEN, BATCH, HIDDEN = 8192, 2, 2048  # the attention shape a sweep times (heads x head_dim = HIDDEN)
 DEVICE = "cuda"
@@ -31,22 +31,28 @@ def _attn_inputs(head_dim: int, seqlen: int, batch: int, dtype=torch.bfloat16):
     return [torch.randn(batch * seqlen, heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(4)]
 
 
+def _attn_args(head_dim: int, causal: bool, seqlen: int, batch: int) -> dict:
+    q, k, v, do = _attn_inputs(head_dim, seqlen, batch)
+    return dict(q=q, k=k, v=v, do=do, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, cu_seqlens_q=None,
+                cu_seqlens_k=None, scale=head_dim**-0.5, window_left=NO_WINDOW,
+                window_right=0 if causal else NO_WINDOW)
+
+
 def run_fwd(head_dim: int, causal: bool, cfg, seqlen: int = SEQLEN, batch: int = BATCH):
-    """A closure launching the forward (Algorithm 1) with tile config `cfg` on packed bf16 inputs."""
-    q, k, v, _ = _attn_inputs(head_dim, seqlen, batch)
-    right = 0 if causal else NO_WINDOW
-    return lambda: attention_forward(q, k, v, batch, seqlen, seqlen, None, None, None, head_dim**-0.5,
-                                     NO_WINDOW, right, config=cfg)
+    """A closure launching the forward (Algorithm 1, or the layer registered for it: `run_kernel`) with tile
+    config `cfg` (None: the launcher's default) on packed bf16 inputs."""
+    a = _attn_args(head_dim, causal, seqlen, batch)
+    del a["do"]
+    return lambda: run_kernel("forward", block_table=None, config=cfg, **a)
 
 
 def run_bwd(head_dim: int, causal: bool, cfg, seqlen: int = SEQLEN, batch: int = BATCH):
-    """A closure launching the backward (Algorithm 2) with configs `cfg` = (dK/dV, dQ)."""
-    q, k, v, do = _attn_inputs(head_dim, seqlen, batch)
-    right = 0 if causal else NO_WINDOW
-    scale = head_dim**-0.5
-    out, lse = attention_forward(q, k, v, batch, seqlen, seqlen, None, None, None, scale, NO_WINDOW, right)
-    return lambda: attention_backward(do, q, k, v, out, lse, batch, seqlen, seqlen, None, None, scale,
-                                      NO_WINDOW, right, config=cfg)
+    """A closure launching the backward (Algorithm 2, or its registered layer) with configs `cfg` =
+    (dK/dV, dQ), None: the launcher's default."""
+    a = _attn_args(head_dim, causal, seqlen, batch)
+    do = a.pop("do")
+    out, lse = run_kernel("forward", block_table=None, **a)
+    return lambda: run_kernel("backward", do=do, out=out, lse=lse, config=cfg, **a)
 
 
 def run_decode(batch: int, ctx: int, cfg, splits: int, paged: bool, head_dim: int = 128, heads_q: int = 32,
@@ -81,13 +87,21 @@ def _compile(job: tuple) -> str | None:
         return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+def _import_all(modules: list[str]) -> None:
+    for name in modules:
+        importlib.import_module(name)
+
+
 def precompile(jobs: list[tuple]) -> set[str]:
     """Compile `jobs` in parallel: ("fwd", head_dim, causal, cfg), ("bwd", head_dim, causal, (cfg, cfg)),
     ("dec", head_dim, cfg, splits, page or 0). Prints and returns the jobs (as str) that failed."""
     if not jobs:
         return set()
     workers = min(len(jobs), os.cpu_count() or 1, 16)
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    # spawned workers import the performance layers registered here, so they compile the kernels that run
+    layers = sorted({launch.__module__ for entries in interface._LAYERS.values() for launch, _ in entries})
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_import_all,
+                             initargs=(layers,)) as pool:
         errors = [e for e in pool.map(_compile, jobs) if e]
     for e in errors:
         print("compile failed:", e, flush=True)
@@ -97,10 +111,8 @@ def precompile(jobs: list[tuple]) -> set[str]:
 def precompile_tables(head_dims, decode_head_dims=(128,), pages=(16, 256), causal=(False, True)) -> None:
     """Compile what a bench run will launch with the current config tables (cache hits are cheap)."""
     cuda = torch.device("cuda")
-    jobs = []
-    for d in head_dims:
-        fwd, bwd = configs.fwd_config(d, torch.bfloat16, cuda), configs.bwd_config(d, torch.bfloat16, cuda)
-        jobs += [job for c in causal for job in (("fwd", d, c, fwd), ("bwd", d, c, bwd))]
+    # attention: config None, so that each launcher (the paper path's or a layer's) picks its own
+    jobs = [job for d in head_dims for c in causal for job in (("fwd", d, c, None), ("bwd", d, c, None))]
     for d in decode_head_dims:
         for page in (0, *pages):
             cfg = configs.decode_config(d, torch.bfloat16, cuda, page > 0)

@@ -69,6 +69,9 @@ try:  # shared stands on nano_flashattn (DESIGN.md dependency rule); absent in a
     from nano_flashattn.checks import HEAD_DIMS as _FLASH_HEAD_DIMS
 except ImportError:  # pragma: no cover - depends on what is installed
     _flash_attn_func, _FLASH_HEAD_DIMS = None, ()
+else:
+    if torch.cuda.is_available():  # the opt-in of every model user: head_dims 48/80/96/144/160/192 unpadded
+        import nano_flashattn.split_head  # noqa: F401  (a performance layer; registers on import)
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

@@ -3,6 +3,9 @@
     python tools/flashattn_sweep.py [--sweep-head-dims 64 96 128] [--no-decode-sweep] [--no-bench]
                                     [bench options...]
 
+head_dims the split_head layer runs (48, 80, 96, 144, 160, 192) are swept on its kernels into its tables
+(printed under "nano_flashattn/split_head.py"); with the bench option --no-split-head, on the padded ones.
+
 Tries a few tile shapes per kernel, keeps the fastest, writes it into nano_flashattn.configs' tables for the
 rest of the process, prints the tables to paste into nano_flashattn/configs.py (with the one line that says
 what they were tuned on), then runs `python -m nano_flashattn.bench` with the remaining options and saves
@@ -55,10 +58,18 @@ def _best(scores: dict, label: str):
     return best
 
 
+def _tables(d: int):
+    """The module whose config tables the kernels running head_dim d read: the split_head layer's when it is
+    on and takes d, else configs (the paper path's)."""
+    layer = sys.modules.get("nano_flashattn.split_head")
+    return layer if layer is not None and layer.registered() and d in layer.SPLIT_HEAD_DIMS else configs
+
+
 def sweep_attention(head_dims, report: dict) -> None:
     """Forward, then the backward's dK/dV tiles with dQ's held, then dQ's with the best dK/dV: speed summed
-    over causal and not (1/ms), at bench_compile's shape."""
-    base = {d: configs.bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
+    over causal and not (1/ms), at bench_compile's shape. Each head_dim is swept on the kernels that run it
+    (the split_head layer's for its head_dims, unless --no-split-head) and written into their tables."""
+    base = {d: _tables(d).bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
     jobs = [("fwd", d, c, cfg) for d in head_dims for c in (False, True) for cfg in FWD_CANDIDATES]
     for d in head_dims:
         jobs += [("bwd", d, c, (a, base[d][1])) for c in (False, True) for a in DKDV_CANDIDATES]
@@ -68,7 +79,7 @@ def sweep_attention(head_dims, report: dict) -> None:
         ok = [cfg for cfg in FWD_CANDIDATES
               if not any(str(("fwd", d, c, cfg)) in failed for c in (False, True))]
         scores = {cfg: sum(1 / _ms(run_fwd(d, c, cfg)) for c in (False, True)) for cfg in ok}
-        configs.FWD_CONFIGS[d] = _best(scores, f"fwd hd{d}")
+        _tables(d).FWD_CONFIGS[d] = _best(scores, f"fwd hd{d}")
         report["fwd"][d] = {str(k): v for k, v in scores.items()}
         best, scores = base[d], {}
         for which, candidates in ((0, DKDV_CANDIDATES), (1, DQ_CANDIDATES)):
@@ -78,7 +89,7 @@ def sweep_attention(head_dims, report: dict) -> None:
                 if not any(str(("bwd", d, c, compiled)) in failed for c in (False, True)):
                     scores[cfg] = sum(1 / _ms(run_bwd(d, c, cfg)) for c in (False, True))
             best = max(scores, key=scores.get)
-        configs.BWD_CONFIGS[d] = _best(scores, f"bwd hd{d}")
+        _tables(d).BWD_CONFIGS[d] = _best(scores, f"bwd hd{d}")
         report["bwd"][d] = {str(k): v for k, v in scores.items()}
         torch.cuda.empty_cache()
 
@@ -114,9 +125,15 @@ def tables(command: str) -> str:
         commit = "unknown"
     gpu, date = torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     tuned = f"# Tuned on an {gpu}, {date}, commit {commit}: `{command}`"
-    return "\n".join([tuned, f"FWD_CONFIGS = {dict(sorted(configs.FWD_CONFIGS.items()))!r}",
-                      tuned, f"BWD_CONFIGS = {dict(sorted(configs.BWD_CONFIGS.items()))!r}",
-                      tuned, f"DECODE_CONFIGS = {configs.DECODE_CONFIGS!r}"])
+    lines = [tuned, f"FWD_CONFIGS = {dict(sorted(configs.FWD_CONFIGS.items()))!r}",
+             tuned, f"BWD_CONFIGS = {dict(sorted(configs.BWD_CONFIGS.items()))!r}",
+             tuned, f"DECODE_CONFIGS = {configs.DECODE_CONFIGS!r}"]
+    layer = sys.modules.get("nano_flashattn.split_head")
+    if layer is not None and (layer.FWD_CONFIGS or layer.BWD_CONFIGS):
+        lines += ["# nano_flashattn/split_head.py:",
+                  tuned, f"FWD_CONFIGS = {dict(sorted(layer.FWD_CONFIGS.items()))!r}",
+                  tuned, f"BWD_CONFIGS = {dict(sorted(layer.BWD_CONFIGS.items()))!r}"]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -127,6 +144,8 @@ def main(argv=None) -> dict:
     args, bench_argv = p.parse_known_args(argv)
     if not torch.cuda.is_available():
         p.error("the sweep times kernels on a CUDA GPU")
+    # the layers the bench will run are on while sweeping, so that each head_dim is tuned on its kernels
+    bench.use_split_head(not bench.parse_args(bench_argv).no_split_head)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     sweep_attention(args.sweep_head_dims, report)
     if not args.no_decode_sweep:

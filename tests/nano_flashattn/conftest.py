@@ -2,6 +2,7 @@
 
 * `poison`: every tensor the kernels allocate with torch.empty / empty_like starts as NaN (floats) or
   a huge value (ints), so an output element no program wrote fails the comparison.
+* `paper_path`: no performance layer is registered when a test starts (so these tests test the paper path).
 * `fa_check`: FlashAttention's error rule (flash-attn's tests): our error against the fp64 oracle must
   be at most twice the error of the same reference computed in the low precision, plus a rounding eps.
 """
@@ -24,6 +25,16 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
 def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _poisoned(_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _poisoned(_empty_like(*a, **kw)))
+
+
+@pytest.fixture(autouse=True)
+def paper_path(monkeypatch):
+    """Every test starts on the paper path: performance layers that modules imported elsewhere in the
+    process registered (nano_flashattn.split_head: shared.model imports it on CUDA) are hidden for the
+    test; a layer's own tests register it inside the test."""
+    from nano_flashattn import interface
+
+    monkeypatch.setattr(interface, "_LAYERS", {kind: [] for kind in interface._LAYERS})
 
 
 def _err(x: torch.Tensor, ref: torch.Tensor) -> float:
