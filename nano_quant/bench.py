@@ -199,13 +199,17 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
     return jobs
 
 
-def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device) -> list[dict]:
-    """Time every candidate config of our kernels; the best per (shape, M, kernel) against the default."""
+def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
+               systems: list[str] | None = None) -> list[dict]:
+    """Time every candidate config of our kernels (those named in `systems`, all when None); the best per
+    (shape, M, kernel) against the default."""
     ops = weights(k, n, device)
     rows = []
     for m in ms:
         jobs = _tune_jobs(ops, torch.randn(m, k, device=device, dtype=torch.bfloat16))
         for system, (fn, kind) in jobs.items():
+            if systems is not None and system not in systems:
+                continue
             default = benchmark(fn, None, device=device)
             best, best_t = None, default
             for c in tune_configs(kind, m, n, k):
@@ -244,7 +248,8 @@ def run(cfg: DictConfig) -> dict:
                                       f"{GROUP}")
         rows += shape_rows
         if cfg.tune and cuda:
-            shape_tuned = tune_shape(name, k, n, ms, device)
+            systems = cfg.get("tune_systems")
+            shape_tuned = tune_shape(name, k, n, ms, device, None if systems is None else list(systems))
             print_table(shape_tuned, title=f"tile sweep, {name}")
             tuned += shape_tuned
     print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "

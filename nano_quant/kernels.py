@@ -43,7 +43,7 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)  # a jitted kernel may read only constex
 # a tensor-core kernel's does not), then up to AWQ_SWAPAB_MAX_M the swap-AB tensor-core kernel, then up to
 # AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once, then a cuBLAS GEMM. Set from
 # `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`, `w4a16 swapab`, `w4a16 mma`).
-AWQ_GEMV_MAX_M = 4
+AWQ_GEMV_MAX_M = 1
 AWQ_SWAPAB_MAX_M = 0
 AWQ_LARGE_M = 64
 
