@@ -157,13 +157,10 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
                        USE_TMA: tl.constexpr):
     """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)."""
     HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
-    pid_m = tl.program_id(0)
-    if REVERSE:  # causal: the heaviest query tiles first, so the tail of the grid is short
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    h, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
-    start_m = pid_m * BLOCK_M
+    # causal (REVERSE): the heaviest query tiles first, so the tail of the grid is short
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)) * BLOCK_M
     if start_m >= q_len:
         return
     q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
