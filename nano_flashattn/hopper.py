@@ -25,6 +25,7 @@ same arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class HopperConfig:
     num_stages: int = 2  # K/V tiles in flight (the software pipeline's depth)
     warp_specialize: bool = False  # producer / consumer warps on the unmasked key loop
     split_m: bool = False  # two independent BLOCK_M / 2 query halves per K/V tile
+    two_phase: bool = True  # masked / unmasked / masked key loops; False: one loop, every tile masked
     disallow_acc_multi_buffer: bool = False  # tl.range's knob, on the unmasked key loop
     use_tma: bool = True  # tensor-descriptor (TMA) loads and O store; False: pointer loads
 
@@ -124,8 +126,8 @@ def _kv_loop(acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base,
              MASKED: tl.constexpr, SPLIT_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
              DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
     """Algorithm 1, lines 6-11, over key tiles [lo, hi); the second query half (SPLIT_M) shares each K/V tile."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED,
-                            disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER and not MASKED):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE,
+                            disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _rows(k_desc, k_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
         v = _rows(v_desc, v_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -153,7 +155,7 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
                        window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        VARLEN: tl.constexpr, REVERSE: tl.constexpr, SPLIT_M: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr,
+                       TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr,
                        USE_TMA: tl.constexpr):
     """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)."""
     HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
@@ -161,8 +163,10 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     # causal (REVERSE): the heaviest query tiles first, so the tail of the grid is short
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)) * BLOCK_M
-    if start_m >= q_len:
-        return
+    # a dense grid has no tile past its sequence; warp specialisation fails on the early exit's branch
+    if VARLEN:  # noqa: SIM102 (a compile-time branch: no early exit is compiled for dense batches)
+        if start_m >= q_len:
+            return
     q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
     o_base = Out + q_start.to(tl.int64) * stride_qt + h * stride_qh
     kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
@@ -194,19 +198,24 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
     lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
                                           n=k_len, BLOCK=BLOCK_N)
-    # three runs, as forward.py: left window edge (masked), fully visible middle, diagonal / end (masked)
-    acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-        acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-        lo, full_lo, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
-        WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
-    acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-        acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-        full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, False, SPLIT_M,
-        WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
-    acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-        acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-        full_hi, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
-        WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+    if TWO_PHASE:  # as forward.py: left window edge (masked), fully visible middle, diagonal / end (masked)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            lo, full_lo, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            False, False, USE_TMA)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, False,
+            SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            full_hi, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            False, False, USE_TMA)
+    else:  # one loop, every tile masked: Triton warp-specialises only a kernel's single, branch-free loop
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            lo, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
 
     lse_base = LSE + h * stride_lse_h + q_start
     _finish(acc0, l0, m0, o_desc, o_base, lse_base, offs_m0, start_m, q_len, stride_qt, HALF_M, HEAD_DIM,
@@ -250,13 +259,15 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
+    if cfg.warp_specialize and cu_seqlens_q is not None:  # packed batches keep the early exit (see kernel)
+        cfg = dataclasses.replace(cfg, warp_specialize=False)
     if cfg.use_tma and not interpret:
         _ensure_allocator()
     _hopper_fwd_kernel[(cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // k.shape[-2],
         scale * LOG2E, window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m,
+        VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m, TWO_PHASE=cfg.two_phase,
         WARP_SPECIALIZE=cfg.warp_specialize, DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer,
         USE_TMA=cfg.use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

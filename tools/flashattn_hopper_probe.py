@@ -39,28 +39,29 @@ import triton.language as tl  # noqa: E402
 from nano_flashattn.hopper import HopperConfig  # noqa: E402
 
 HC = HopperConfig
-# head_dim 128: the tile / stage grid around the default, then each Hopper knob on the default tile
+WS = dict(warp_specialize=True, two_phase=False, num_warps=4)  # Triton splits only a single loop, at 4 warps
+# head_dim 128: tiles and stages around the default, then each Hopper knob. Dropped after compiling them for
+# sm_90 with Triton 3.9: 4-warp 128 x 64 and split 128 x 128 tiles (register spills), warp specialisation of the
+# two-phase loops or at 8 warps (silently not applied), 3 stages of 128 x 128 with it (shared memory).
 VARIANTS_128: dict[str, HopperConfig] = {
     "default": HC(),
     "m128n64s3": HC(block_n=64, num_stages=3),
     "m128n128s3": HC(num_stages=3),
-    "m128n64w4s3": HC(block_n=64, num_warps=4, num_stages=3),
     "m64n64w4s3": HC(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "m64n128w4s2": HC(block_m=64, num_warps=4),
-    "split": HC(split_m=True),
-    "split-m256n64": HC(block_m=256, block_n=64, split_m=True),
-    "split-m256n128": HC(block_m=256, split_m=True),
-    "ws": HC(warp_specialize=True),
-    "ws-w4": HC(warp_specialize=True, num_warps=4),
-    "ws-split": HC(warp_specialize=True, split_m=True),
-    "no-acc-multibuf": HC(disallow_acc_multi_buffer=True),
+    "one-loop": HC(two_phase=False),
+    "split-n64": HC(split_m=True, block_n=64),
+    "ws": HC(**WS),
+    "ws-n64s3": HC(**WS, block_n=64, num_stages=3),
+    "ws-no-acc-multibuf": HC(**WS, disallow_acc_multi_buffer=True),
+    "ws-m64": HC(**WS, block_m=64),
     "pointer-loads": HC(use_tma=False),
 }
 VARIANTS_64: dict[str, HopperConfig] = {
-    "default": HopperConfig(num_stages=3),
-    "m128n64w4s3": HC(block_n=64, num_warps=4, num_stages=3),
-    "split": HC(split_m=True, num_stages=3),
-    "ws": HC(warp_specialize=True, num_stages=3),
+    "default": HC(num_stages=3),
+    "m128n64s3": HC(block_n=64, num_stages=3),
+    "one-loop": HC(two_phase=False, num_stages=3),
+    "ws": HC(**WS, num_stages=3),
 }
 SHAPES = [  # (head_dim, seqlen, batch, causal); 32 heads
     (128, 4096, 16, True), (128, 4096, 16, False), (128, 16384, 4, True), (128, 16384, 4, False),
@@ -187,15 +188,60 @@ def check_variant(head_dim: int, cfg: HopperConfig, causal: bool, varlen: bool) 
     return f"ok (rel err {worst[0]:.1e}, LSE err {worst[1]:.1e})"
 
 
+def compile_report(head_dim: int, cfg: HopperConfig, causal: bool) -> str:
+    """Compile the forward for sm_90 without launching it (no GPU needed) and read what the compiler made of
+    the knobs: registers and spill stack per thread, shared memory, the warps it launches, whether warp
+    specialisation was applied and TMA used."""
+    import inspect
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nano_flashattn.hopper import _hopper_fwd_kernel
+
+    names = list(inspect.signature(_hopper_fwd_kernel.fn).parameters)
+    ints = {"seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_qt", "stride_qh",
+            "stride_kt", "stride_kh", "stride_lse_h"}
+    types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "LSE": "*fp32", "cu_seqlens_q": "*i32",
+             "cu_seqlens_k": "*i32", "qk_scale": "fp32", **dict.fromkeys(ints, "i32")}
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=False, REVERSE=causal,
+                     SPLIT_M=cfg.split_m, TWO_PHASE=cfg.two_phase, WARP_SPECIALIZE=cfg.warp_specialize,
+                     DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer, USE_TMA=cfg.use_tma)
+    aligned = {"Q", "K", "V", "Out", "LSE", "stride_qt", "stride_qh", "stride_kt", "stride_kh"}
+    src = ASTSource(fn=_hopper_fwd_kernel, signature={n: types.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(n),): v for n, v in constants.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    usage = ""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                 text=True).stdout
+        usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()
+                         if w.split(":")[0] in ("REG", "STACK"))
+    return (f"ok {usage} smem {kernel.metadata.shared} warps {kernel.metadata.num_warps} "
+            f"warp_specialized {'ttg.warp_specialize' in kernel.asm['ttgir']} "
+            f"tma {'cp.async.bulk.tensor' in kernel.asm['ptx']}")
+
+
 def worker(job: dict) -> None:
     """Entry of a worker process: run one job, print one JSON line."""
     try:
         if job["kind"] == "feature":
             result = {"ok": True, "msg": feature(job["name"])}
+        elif job["kind"] == "compile":
+            result = {"ok": True, "msg": compile_report(job["head_dim"], HopperConfig(**job["cfg"]),
+                                                        job["causal"])}
         else:
             result = {"ok": True, "msg": check_variant(job["head_dim"], HopperConfig(**job["cfg"]),
                                                        job["causal"], job["varlen"])}
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     except Exception as e:  # reported, not fatal: this is what the probe is for
         result = {"ok": False, "msg": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"}
     print("RESULT " + json.dumps(result), flush=True)
@@ -268,6 +314,12 @@ def time_shape(head_dim, seqlen, batch, causal, variants: dict[str, HopperConfig
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _line(r: dict) -> str:
+    what = r["name"] if r["kind"] == "feature" else (
+        f"hd{r['head_dim']} {r['name']} {'causal' if r['causal'] else 'full'}{' varlen' if r['varlen'] else ''}")
+    return f"{r['kind']:8} {what:40} {'PASS' if r['ok'] else 'FAIL'}  {r['msg']}  [{r['seconds']} s]"
+
+
 class Tee:
     def __init__(self, path: Path):
         self.file = path.open("w")
@@ -285,19 +337,30 @@ def main(argv=None) -> dict:
     p.add_argument("--budget-s", type=float, default=220.0, help="stop timing after this many seconds")
     p.add_argument("--compile-budget-s", type=float, default=150.0,
                    help="kill feature / correctness jobs still running after this many seconds")
+    p.add_argument("--compile-only", action="store_true",
+                   help="only compile the head_dim 128 variants for sm_90 and report registers, spills, shared "
+                        "memory, warps, warp specialisation (needs no GPU)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return {}
-    if not torch.cuda.is_available():
-        p.error("the probe needs a CUDA GPU (sm_90 for the Hopper features)")
     t0 = time.perf_counter()
+    compile_jobs = [{"kind": "compile", "name": n, "head_dim": 128, "causal": c, "varlen": False,
+                     "cfg": dataclasses.asdict(cfg)} for n, cfg in VARIANTS_128.items() for c in (True, False)]
+    if args.compile_only:  # no GPU needed: what Triton on this machine compiles for sm_90
+        log = Tee(args.out)
+        log(f"# compile for sm_90 only, torch {torch.__version__}, triton {triton.__version__}")
+        for r in run_jobs(compile_jobs, deadline=t0 + args.compile_budget_s):
+            log(_line(r))
+        return {}
+    if not torch.cuda.is_available():
+        p.error("the probe needs a CUDA GPU (sm_90 for the Hopper features); --compile-only needs none")
     log = Tee(args.out)
     props = torch.cuda.get_device_properties(0)
     log(f"# {props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}")
 
-    jobs = [{"kind": "feature", "name": f} for f in FEATURES]
+    jobs = [{"kind": "feature", "name": f} for f in FEATURES] + compile_jobs
     for head_dim, variants in ((128, VARIANTS_128), (64, VARIANTS_64)):
         for name, cfg in variants.items():
             for causal in (True, False):
@@ -309,9 +372,7 @@ def main(argv=None) -> dict:
     log(f"\n## features and correctness ({time.perf_counter() - t0:.0f} s, {len(jobs)} jobs in processes)")
     failed: set[tuple[int, str]] = set()
     for r in results:
-        what = r["name"] if r["kind"] == "feature" else (
-            f"hd{r['head_dim']} {r['name']} {'causal' if r['causal'] else 'full'}{' varlen' if r['varlen'] else ''}")
-        log(f"{r['kind']:8} {what:40} {'PASS' if r['ok'] else 'FAIL'}  {r['msg']}  [{r['seconds']} s]")
+        log(_line(r))
         if r["kind"] == "variant" and not r["ok"]:
             failed.add((r["head_dim"], r["name"]))
 
