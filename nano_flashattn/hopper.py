@@ -9,8 +9,11 @@ what changes is how tiles move and how the loop is scheduled, each a compile-tim
   through tensor descriptors made on the device, one per (sequence, head) whose shape ends at the
   sequence end: loads past it read zeros and the O store past it is clipped by the hardware, so dense and
   packed variable-length batches need no row masks on loads or stores.
-* warp specialisation (FA3 §3.1): `tl.range(..., warp_specialize=True)` on the unmasked key loop lets
-  Triton split it into producer warps (TMA) and consumer warpgroups (wgmma + softmax).
+* warp specialisation (FA3 §3.1): `tl.range(..., warp_specialize=True)` lets Triton split the key loop into
+  a producer (TMA) and consumer warpgroups (wgmma + softmax). Triton 3.9, for sm_90, splits only a kernel's single
+  loop without branches, at num_warps=4 (the consumers then take 8 more): `two_phase=False` gives it that
+  loop, masking every tile; elsewhere the flag compiles to the plain kernel. Packed batches run without it
+  (their grid needs an early exit, a branch).
 * two query halves (FA3 §3.2, "intra-warpgroup overlapping"): `split_m` runs the tile as two independent
   BLOCK_M / 2 halves that share each K/V tile, so the softmax of one half can overlap the other's GEMMs.
 * the K/V pipeline depth (`num_stages`) and multi-buffering of the accumulator.
@@ -51,7 +54,7 @@ class HopperConfig:
     block_n: int = 128  # key rows per loop step
     num_warps: int = 8
     num_stages: int = 2  # K/V tiles in flight (the software pipeline's depth)
-    warp_specialize: bool = False  # producer / consumer warps on the unmasked key loop
+    warp_specialize: bool = False  # producer / consumer warps (applied with two_phase=False, num_warps=4)
     split_m: bool = False  # two independent BLOCK_M / 2 query halves per K/V tile
     two_phase: bool = True  # masked / unmasked / masked key loops; False: one loop, every tile masked
     disallow_acc_multi_buffer: bool = False  # tl.range's knob, on the unmasked key loop

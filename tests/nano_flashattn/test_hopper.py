@@ -4,8 +4,8 @@ rule, `fa_check`), through the dispatch point it registers into.
 On CPU the kernel runs under TRITON_INTERPRET=1, whose tensor descriptors read zeros past a descriptor's
 shape and clip stores at it as TMA does, so the TMA load path and the pointer-load path (`use_tma=False`)
 are both tested here, in fp16 on 16-row tiles. The `gpu` tests compile it on an sm_90 GPU in bf16 and fp16
-with the default configs; warp specialisation is compiled and checked by tools/flashattn_hopper_probe.py,
-which reports a Triton that cannot build it instead of failing."""
+with the default configs and the other knobs; warp specialisation is compiled and checked by
+tools/flashattn_hopper_probe.py, which reports a Triton that cannot build it instead of failing."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ CPU_CONFIGS = {
     "tma": hopper.INTERPRETER_CONFIG,
     "split_m": HopperConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, split_m=True),
     "pointer": HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, use_tma=False),
+    # one loop, masks on every tile: the warp-specialised form (the interpreter ignores the warp split)
+    "one_loop": HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, two_phase=False,
+                             warp_specialize=True),
 }
 
 
@@ -60,8 +63,8 @@ def test_forward_and_backward_through_the_layer(fa_check, layer_for, case):
     _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7])
 
 
-@pytest.mark.parametrize("name", ["split_m", "pointer"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1]])
+@pytest.mark.parametrize("name", ["split_m", "pointer", "one_loop"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
 def test_split_m_and_pointer_loads(fa_check, layer_for, name, case):
     layer_for(CPU_CONFIGS[name])
     _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7], backward=False)
@@ -81,7 +84,7 @@ def _varlen_check(fa_check, lens, hq, hk, d, dtype, causal, device):
         fa_check(f"lse[{i}]", lse[:, rows][None], low_lse, ref_lse)
 
 
-@pytest.mark.parametrize("name", ["tma", "split_m"])
+@pytest.mark.parametrize("name", ["tma", "split_m", "one_loop"])
 def test_varlen(fa_check, layer_for, name):
     """Packed sequences: each descriptor ends at its sequence's end, so no row of a neighbour is read or
     written (the poisoned output would show an unwritten row, a wrong neighbour a wrong value)."""
@@ -154,8 +157,9 @@ def test_gpu_enabled_forward(fa_check, dtype, d, causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Hopper forward needs sm_90")
-@pytest.mark.parametrize("config", [HopperConfig(split_m=True), HopperConfig(use_tma=False),
-                                    HopperConfig(block_n=64, num_stages=3)], ids=["split_m", "pointer", "n64"])
+@pytest.mark.parametrize("config", [HopperConfig(split_m=True, block_n=64), HopperConfig(use_tma=False),
+                                    HopperConfig(block_n=64, num_stages=3), HopperConfig(two_phase=False)],
+                         ids=["split_m", "pointer", "n64", "one_loop"])
 def test_gpu_configs(fa_check, layer_for, config):
     layer_for(config)
     _run_and_compare(fa_check, 1, 777, 901, 4, 1, 128, torch.bfloat16, True, (-1, -1), backward=False,
