@@ -10,10 +10,10 @@ what changes is how tiles move and how the loop is scheduled, each a compile-tim
   sequence end: loads past it read zeros and the O store past it is clipped by the hardware, so dense and
   packed variable-length batches need no row masks on loads or stores.
 * warp specialisation (FA3 §3.1): `tl.range(..., warp_specialize=True)` lets Triton split the key loop into
-  a producer (TMA) and consumer warpgroups (wgmma + softmax). Triton 3.9, for sm_90, splits only a kernel's single
-  loop without branches, at num_warps=4 (the consumers then take 8 more): `two_phase=False` gives it that
-  loop, masking every tile; elsewhere the flag compiles to the plain kernel. Packed batches run without it
-  (their grid needs an early exit, a branch).
+  a producer (TMA) and consumer warpgroups (wgmma + softmax). Triton 3.9, for sm_90, splits only a
+  kernel's single loop without branches, at num_warps=4 (the consumers then take 8 more):
+  `two_phase=False` gives it that loop, masking every tile; elsewhere the flag compiles to the plain
+  kernel. Packed batches run without it (their grid needs an early exit, a branch).
 * two query halves (FA3 §3.2, "intra-warpgroup overlapping"): `split_m` runs the tile as two independent
   BLOCK_M / 2 halves that share each K/V tile, so the softmax of one half can overlap the other's GEMMs.
 * the K/V pipeline depth (`num_stages`) and multi-buffering of the accumulator.
@@ -128,7 +128,8 @@ def _kv_loop(acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base,
              lo, hi, n, shift, lo_w, hi_w, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, SPLIT_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
              DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
-    """Algorithm 1, lines 6-11, over key tiles [lo, hi); the second query half (SPLIT_M) shares each K/V tile."""
+    """Algorithm 1, lines 6-11, over key tiles [lo, hi); a second query half (SPLIT_M) shares each K/V
+    tile."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE,
                             disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -144,7 +145,8 @@ def _kv_loop(acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base,
 @triton.jit
 def _finish(acc, l_i, m_i, o_desc, o_base, LSE, offs_m, row0, q_len, stride_qt, HALF_M: tl.constexpr,
             HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Algorithm 1, lines 12-15: O = acc / l, L = m + log l (natural log); a row with no key: O = 0, L = -inf."""
+    """Algorithm 1, lines 12-15: O = acc / l, L = m + log l (natural log); a row with no key: O = 0,
+    L = -inf."""
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
@@ -153,14 +155,16 @@ def _finish(acc, l_i, m_i, o_desc, o_base, LSE, offs_m, row0, q_len, stride_qt, 
     tl.store(LSE + offs_m, lse, mask=offs_m < q_len)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_lse_h"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
+                               "stride_lse_h"])
 def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, qk_scale,
                        window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        VARLEN: tl.constexpr, REVERSE: tl.constexpr, SPLIT_M: tl.constexpr,
-                       TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr,
-                       USE_TMA: tl.constexpr):
-    """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)."""
+                       TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+    """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q,
+    batch)."""
     HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
     h, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
@@ -270,7 +274,8 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // k.shape[-2],
         scale * LOG2E, window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m, TWO_PHASE=cfg.two_phase,
+        VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m,
+        TWO_PHASE=cfg.two_phase,
         WARP_SPECIALIZE=cfg.warp_specialize, DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer,
         USE_TMA=cfg.use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -41,8 +41,8 @@ from nano_flashattn.hopper import HopperConfig  # noqa: E402
 HC = HopperConfig
 WS = dict(warp_specialize=True, two_phase=False, num_warps=4)  # Triton splits only a single loop, at 4 warps
 # head_dim 128: tiles and stages around the default, then each Hopper knob. Dropped after compiling them for
-# sm_90 with Triton 3.9: 4-warp 128 x 64 and split 128 x 128 tiles (register spills), warp specialisation of the
-# two-phase loops or at 8 warps (silently not applied), 3 stages of 128 x 128 with it (shared memory).
+# sm_90 with Triton 3.9: 4-warp 128 x 64 and split 128 x 128 tiles (register spills), warp specialisation
+# of the two-phase loops or at 8 warps (silently not applied), 3 stages of 128 x 128 with it (shared memory).
 VARIANTS_128: dict[str, HopperConfig] = {
     "default": HC(),
     "m128n64s3": HC(block_n=64, num_stages=3),
@@ -175,8 +175,8 @@ def check_variant(head_dim: int, cfg: HopperConfig, causal: bool, varlen: bool) 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out, lse = hopper_forward(*cat, batch=len(lens), seqlen_q=max(lens), seqlen_k=max(lens),
                               cu_seqlens_q=cu if varlen else None, cu_seqlens_k=cu if varlen else None,
-                              block_table=None, scale=head_dim**-0.5, window_left=NO_WINDOW, window_right=right,
-                              config=cfg)
+                              block_table=None, scale=head_dim**-0.5, window_left=NO_WINDOW,
+                              window_right=right, config=cfg)
     worst = (0.0, 0.0)
     for i, n in enumerate(lens):
         ref_out, ref_lse = _reference(qs[i], ks[i], vs[i], causal)
@@ -205,7 +205,8 @@ def compile_report(head_dim: int, cfg: HopperConfig, causal: bool) -> str:
             "stride_kt", "stride_kh", "stride_lse_h"}
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "LSE": "*fp32", "cu_seqlens_q": "*i32",
              "cu_seqlens_k": "*i32", "qk_scale": "fp32", **dict.fromkeys(ints, "i32")}
-    constants = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=False, REVERSE=causal,
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=False,
+                     REVERSE=causal,
                      SPLIT_M=cfg.split_m, TWO_PHASE=cfg.two_phase, WARP_SPECIALIZE=cfg.warp_specialize,
                      DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer, USE_TMA=cfg.use_tma)
     aligned = {"Q", "K", "V", "Out", "LSE", "stride_qt", "stride_qh", "stride_kt", "stride_kh"}
@@ -283,7 +284,8 @@ def time_shape(head_dim, seqlen, batch, causal, variants: dict[str, HopperConfig
     from nano_flashattn.hopper import hopper_forward
 
     dev = torch.device("cuda")
-    q, k, v = (torch.randn(batch, seqlen, HEADS, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    shape = (batch, seqlen, HEADS, head_dim)
+    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * batch * HEADS * seqlen * seqlen * head_dim / (2 if causal else 1)
     rows = [t.view(-1, HEADS, head_dim) for t in (q, k, v)]
     right = 0 if causal else NO_WINDOW
@@ -315,8 +317,8 @@ def time_shape(head_dim, seqlen, batch, causal, variants: dict[str, HopperConfig
 
 
 def _line(r: dict) -> str:
-    what = r["name"] if r["kind"] == "feature" else (
-        f"hd{r['head_dim']} {r['name']} {'causal' if r['causal'] else 'full'}{' varlen' if r['varlen'] else ''}")
+    mask = ("causal" if r.get("causal") else "full") + (" varlen" if r.get("varlen") else "")
+    what = r["name"] if r["kind"] == "feature" else f"hd{r['head_dim']} {r['name']} {mask}"
     return f"{r['kind']:8} {what:40} {'PASS' if r['ok'] else 'FAIL'}  {r['msg']}  [{r['seconds']} s]"
 
 
@@ -338,8 +340,8 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-budget-s", type=float, default=150.0,
                    help="kill feature / correctness jobs still running after this many seconds")
     p.add_argument("--compile-only", action="store_true",
-                   help="only compile the head_dim 128 variants for sm_90 and report registers, spills, shared "
-                        "memory, warps, warp specialisation (needs no GPU)")
+                   help="only compile the head_dim 128 variants for sm_90 and report registers, spills, "
+                        "shared memory, warps, warp specialisation (needs no GPU)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -347,7 +349,8 @@ def main(argv=None) -> dict:
         return {}
     t0 = time.perf_counter()
     compile_jobs = [{"kind": "compile", "name": n, "head_dim": 128, "causal": c, "varlen": False,
-                     "cfg": dataclasses.asdict(cfg)} for n, cfg in VARIANTS_128.items() for c in (True, False)]
+                     "cfg": dataclasses.asdict(cfg)}
+                    for n, cfg in VARIANTS_128.items() for c in (True, False)]
     if args.compile_only:  # no GPU needed: what Triton on this machine compiles for sm_90
         log = Tee(args.out)
         log(f"# compile for sm_90 only, torch {torch.__version__}, triton {triton.__version__}")
@@ -358,7 +361,8 @@ def main(argv=None) -> dict:
         p.error("the probe needs a CUDA GPU (sm_90 for the Hopper features); --compile-only needs none")
     log = Tee(args.out)
     props = torch.cuda.get_device_properties(0)
-    log(f"# {props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, triton {triton.__version__}")
+    log(f"# {props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, "
+        f"triton {triton.__version__}")
 
     jobs = [{"kind": "feature", "name": f} for f in FEATURES] + compile_jobs
     for head_dim, variants in ((128, VARIANTS_128), (64, VARIANTS_64)):

@@ -119,7 +119,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"^block_table: the Hopper forward reads contiguous K/V only"):
         hopper_forward(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), **args)
     q96 = torch.zeros(8, 2, 96, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 128\) for the Hopper forward, got 96"):
+    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 128\) for the Hopper forward, "
+                                         r"got 96"):
         hopper_forward(q96, q96, q96, block_table=None, **args)
     with pytest.raises(TypeError, match=r"^config must be a HopperConfig, got tuple"):
         hopper_forward(q, q, q, block_table=None, config=(128, 64, 8, 3), **args)
@@ -146,7 +147,8 @@ def test_gpu_enabled_forward(fa_check, dtype, d, causal):
     """enable(): flash_attn_func runs the layer on sm_90 (default configs), backward through its LSE."""
     remove = hopper.enable()
     try:
-        assert hopper.applies(**dict(zip("qkv", _inputs(1, 8, 8, 2, 2, d, dtype, "cuda")[:3])), block_table=None)
+        q, k, v, _ = _inputs(1, 8, 8, 2, 2, d, dtype, "cuda")
+        assert hopper.applies(q=q, k=k, v=v, block_table=None)
         _run_and_compare(fa_check, 2, 300, 333, 4, 2, d, dtype, causal, (-1, -1), device="cuda")
         _run_and_compare(fa_check, 1, 1000, 1000, 4, 4, d, dtype, causal, (-1, -1), backward=False,
                          device="cuda")
