@@ -364,7 +364,7 @@ def main(argv=None) -> dict:
     log(f"# {props.name} sm_{props.major}{props.minor}, torch {torch.__version__}, "
         f"triton {triton.__version__}")
 
-    jobs = [{"kind": "feature", "name": f} for f in FEATURES] + compile_jobs
+    jobs = []  # the variants first: the timing needs them; the compile reports last
     for head_dim, variants in ((128, VARIANTS_128), (64, VARIANTS_64)):
         for name, cfg in variants.items():
             for causal in (True, False):
@@ -372,6 +372,7 @@ def main(argv=None) -> dict:
                              "varlen": False, "cfg": dataclasses.asdict(cfg)})
     jobs.append({"kind": "variant", "name": "default", "head_dim": 128, "causal": True, "varlen": True,
                  "cfg": dataclasses.asdict(VARIANTS_128["default"])})
+    jobs += [{"kind": "feature", "name": f} for f in FEATURES] + compile_jobs
     results = run_jobs(jobs, deadline=t0 + args.compile_budget_s)
     log(f"\n## features and correctness ({time.perf_counter() - t0:.0f} s, {len(jobs)} jobs in processes)")
     failed: set[tuple[int, str]] = set()
