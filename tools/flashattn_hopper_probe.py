@@ -6,7 +6,9 @@
    device-made tensor descriptors, host `TensorDescriptor`s, `tl.range(warp_specialize=True)` on a matmul,
    `disallow_acc_multi_buffer`, a persistent grid with `flatten`, warp specialisation of the persistent
    loop, and the older launch options `num_consumer_groups` / `num_buffers_warp_spec`. Each prints ok or
-   the exception's type and first line.
+   the exception's type and first line. Then what the compiler made of each head_dim 128 variant for
+   sm_90: registers and spill stack, shared memory, warps, whether warp specialisation was applied
+   (`--compile-only` prints just these, on any machine: no GPU needed).
 2. Correctness: every forward variant (compiled in parallel worker processes, which also fills Triton's
    cache for step 3) against torch SDPA in fp32 on the same bf16 inputs: ||out - ref|| / ||ref|| < 1e-2 and
    max |LSE - ref| < 1e-2, causal and not; the default config also on a packed variable-length batch.
