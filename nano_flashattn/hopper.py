@@ -1,0 +1,323 @@
+"""Hopper (sm_90) forward: FlashAttention-2's Algorithm 1 with the memory path of FlashAttention-3
+(Shah et al. 2024, arXiv 2407.08608), as a performance layer over `forward.py`.
+
+Same mathematics as the paper path (online softmax in base 2, log2(e) folded into the scale, masks only on
+the tiles that need them: `forward.tile_range` splits the key axis into masked / unmasked / masked runs);
+what changes is how tiles move and how the loop is scheduled, each a compile-time knob of `HopperConfig`:
+
+* TMA (FA3 §3.1, "producer-consumer asynchrony"): Q, K and V tiles arrive by the Tensor Memory Accelerator
+  through tensor descriptors made on the device, one per (sequence, head) whose shape ends at the
+  sequence end: loads past it read zeros and the O store past it is clipped by the hardware, so dense and
+  packed variable-length batches need no row masks on loads or stores.
+* warp specialisation (FA3 §3.1): `tl.range(..., warp_specialize=True)` lets Triton split the key loop into
+  a producer (TMA) and consumer warpgroups (wgmma + softmax). Triton 3.9, for sm_90, splits only a
+  kernel's single loop without branches, at num_warps=4 (the consumers then take 8 more):
+  `two_phase=False` gives it that loop, masking every tile; elsewhere the flag compiles to the plain
+  kernel. Packed batches run without it (their grid needs an early exit, a branch).
+* two query halves (FA3 §3.2, "intra-warpgroup overlapping"): `split_m` runs the tile as two independent
+  BLOCK_M / 2 halves that share each K/V tile, so the softmax of one half can overlap the other's GEMMs.
+* the K/V pipeline depth (`num_stages`) and multi-buffering of the accumulator.
+
+`hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
+LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
+`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous rows, no paged KV). Nothing
+registers on import. `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU
+at hand and times them against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the
+same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import cdiv
+from .forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
+from .interface import register_kernel
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor")
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Launch knobs of `_hopper_fwd_kernel` (all compile-time)."""
+
+    block_m: int = 128  # query rows per program (split in two halves when split_m)
+    block_n: int = 128  # key rows per loop step
+    num_warps: int = 8
+    num_stages: int = 2  # K/V tiles in flight (the software pipeline's depth)
+    warp_specialize: bool = False  # producer / consumer warps (applied with two_phase=False, num_warps=4)
+    split_m: bool = False  # two independent BLOCK_M / 2 query halves per K/V tile
+    two_phase: bool = True  # masked / unmasked / masked key loops; False: one loop, every tile masked
+    disallow_acc_multi_buffer: bool = False  # tl.range's knob, on the unmasked key loop
+    use_tma: bool = True  # tensor-descriptor (TMA) loads and O store; False: pointer loads
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
+                raise ValueError(f"HopperConfig.{name} must be a positive power of two, got {value!r}")
+        if not (isinstance(self.num_stages, int) and self.num_stages > 0):
+            raise ValueError(f"HopperConfig.num_stages must be a positive int, got {self.num_stages!r}")
+        if self.block_m < (32 if self.split_m else 16) or self.block_n < 16:
+            raise ValueError(f"HopperConfig: block_m >= {32 if self.split_m else 16} and block_n >= 16 "
+                             f"(tl.dot's smallest tile per half), got {self.block_m} and {self.block_n}")
+
+
+# Not measured yet on an H200: `python tools/flashattn_hopper_probe.py` times these against the other
+# variants and cuDNN.
+DEFAULT_CONFIGS: dict[int, HopperConfig] = {
+    64: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    128: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+}
+INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _rows(desc, base, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of one sequence's (n, HEAD_DIM) slice; rows past n read 0 (what TMA does)."""
+    if USE_TMA:
+        x = desc.load([row0, 0])
+    else:
+        r = row0 + tl.arange(0, BLOCK)
+        x = tl.load(base + r[:, None].to(tl.int64) * stride_t + tl.arange(0, HEAD_DIM)[None, :],
+                    mask=r[:, None] < n, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(desc, base, x, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    if USE_TMA:
+        desc.store([row0, 0], x)  # clipped at the descriptor's shape: rows past n are not written
+    else:
+        r = row0 + tl.arange(0, BLOCK)
+        tl.store(base + r[:, None].to(tl.int64) * stride_t + tl.arange(0, HEAD_DIM)[None, :], x,
+                 mask=r[:, None] < n)
+
+
+@triton.jit
+def _step(acc, l_i, m_i, q, k, v, offs_m, offs_n, qk_scale, shift, lo_w, hi_w, n, MASKED: tl.constexpr):
+    """Algorithm 1, lines 8-10, for one query tile and one K/V tile (k row-major: S = q k^T)."""
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, n), s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet: p stays 0
+        p = tl.math.exp2(s - m_use[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA + one exp2 per score
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _kv_loop(acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+             lo, hi, n, shift, lo_w, hi_w, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, SPLIT_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+             DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+    """Algorithm 1, lines 6-11, over key tiles [lo, hi); a second query half (SPLIT_M) shares each K/V
+    tile."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE,
+                            disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _rows(k_desc, k_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
+        v = _rows(v_desc, v_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
+        acc0, l0, m0 = _step(acc0, l0, m0, q0, k, v, offs_m0, offs_n, qk_scale, shift, lo_w, hi_w, n, MASKED)
+        if SPLIT_M:
+            acc1, l1, m1 = _step(acc1, l1, m1, q1, k, v, offs_m1, offs_n, qk_scale, shift, lo_w, hi_w, n,
+                                 MASKED)
+    return acc0, l0, m0, acc1, l1, m1
+
+
+@triton.jit
+def _finish(acc, l_i, m_i, o_desc, o_base, LSE, offs_m, row0, q_len, stride_qt, HALF_M: tl.constexpr,
+            HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Algorithm 1, lines 12-15: O = acc / l, L = m + log l (natural log); a row with no key: O = 0,
+    L = -inf."""
+    empty = l_i == 0.0
+    l_i = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
+    o = (acc / l_i[:, None]).to(o_base.dtype.element_ty)
+    _store_rows(o_desc, o_base, o, row0, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
+    tl.store(LSE + offs_m, lse, mask=offs_m < q_len)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
+                               "stride_lse_h"])
+def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, qk_scale,
+                       window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       VARLEN: tl.constexpr, REVERSE: tl.constexpr, SPLIT_M: tl.constexpr,
+                       TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+    """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q,
+    batch)."""
+    HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
+    h, b = tl.program_id(1), tl.program_id(2)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    # causal (REVERSE): the heaviest query tiles first, so the tail of the grid is short
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)) * BLOCK_M
+    # a dense grid has no tile past its sequence; warp specialisation fails on the early exit's branch
+    if VARLEN:  # noqa: SIM102 (a compile-time branch: no early exit is compiled for dense batches)
+        if start_m >= q_len:
+            return
+    q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+    o_base = Out + q_start.to(tl.int64) * stride_qt + h * stride_qh
+    kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
+    k_base, v_base = K + kv_off, V + kv_off
+    if USE_TMA:  # one descriptor per (sequence, head): its shape ends where the sequence ends
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
+                                           block_shape=[HALF_M, HEAD_DIM])
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
+                                           block_shape=[HALF_M, HEAD_DIM])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[k_len, HEAD_DIM], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[k_len, HEAD_DIM], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        q_desc, o_desc, k_desc, v_desc = q_base, o_base, k_base, v_base
+    offs_m0 = start_m + tl.arange(0, HALF_M)
+    offs_m1 = offs_m0 + HALF_M
+    q0 = _rows(q_desc, q_base, start_m, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
+    acc0 = tl.zeros([HALF_M, HEAD_DIM], tl.float32)
+    l0 = tl.zeros([HALF_M], tl.float32)
+    m0 = tl.full([HALF_M], float("-inf"), tl.float32)
+    if SPLIT_M:
+        q1 = _rows(q_desc, q_base, start_m + HALF_M, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
+    else:
+        q1 = q0  # unused
+    acc1, l1, m1 = acc0, l0, m0
+
+    diag = k_len - q_len  # bottom-right alignment, as the paper path
+    r1 = tl.minimum(start_m + BLOCK_M, q_len)
+    lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
+                                          n=k_len, BLOCK=BLOCK_N)
+    if TWO_PHASE:  # as forward.py: left window edge (masked), fully visible middle, diagonal / end (masked)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            lo, full_lo, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            False, False, USE_TMA)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, False,
+            SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            full_hi, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            False, False, USE_TMA)
+    else:  # one loop, every tile masked: Triton warp-specialises only a kernel's single, branch-free loop
+        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
+            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
+            lo, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
+            WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+
+    lse_base = LSE + h * stride_lse_h + q_start
+    _finish(acc0, l0, m0, o_desc, o_base, lse_base, offs_m0, start_m, q_len, stride_qt, HALF_M, HEAD_DIM,
+            USE_TMA)
+    if SPLIT_M:
+        _finish(acc1, l1, m1, o_desc, o_base, lse_base, offs_m1, start_m + HALF_M, q_len, stride_qt, HALF_M,
+                HEAD_DIM, USE_TMA)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors `tl.make_tensor_descriptor` writes on the device."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_allocator() -> None:
+    """Device-made descriptors need triton's allocator; set ours unless the caller set one (per thread)."""
+    try:
+        from triton.runtime import _allocation
+
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # a Triton without the context variable: set it every time
+        unset = True
+    if unset:
+        triton.set_allocator(_scratch)
+
+
+def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,
+                   window_left, window_right, config: HopperConfig | None = None):
+    """FA2 Algorithm 1 with FA3's TMA loads and scheduling knobs; the arguments and results of
+    `forward.attention_forward` (paged KV excepted: `block_table` must be None)."""
+    if block_table is not None:
+        raise ValueError("block_table: the Hopper forward reads contiguous K/V only; use the paper path")
+    total_q, heads_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Hopper forward, got {head_dim}")
+    interpret = q.device.type != "cuda"
+    cfg = config or (INTERPRETER_CONFIG if interpret else DEFAULT_CONFIGS[head_dim])
+    if not isinstance(cfg, HopperConfig):
+        raise TypeError(f"config must be a HopperConfig, got {type(cfg).__name__}")
+    out = torch.empty_like(q)
+    lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0:
+        return out, lse
+    if cfg.warp_specialize and cu_seqlens_q is not None:  # packed batches keep the early exit (see kernel)
+        cfg = dataclasses.replace(cfg, warp_specialize=False)
+    if cfg.use_tma and not interpret:
+        _ensure_allocator()
+    _hopper_fwd_kernel[(cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // k.shape[-2],
+        scale * LOG2E, window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m,
+        TWO_PHASE=cfg.two_phase,
+        WARP_SPECIALIZE=cfg.warp_specialize, DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer,
+        USE_TMA=cfg.use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """TMA's rules: contiguous head_dim, 16-byte aligned base and row strides."""
+    size = t.element_size()
+    return (t.is_contiguous() and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def applies(q, k, v, block_table=None, **arguments) -> bool:
+    """The calls `hopper_forward` takes: CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous q/k/v of
+    one dtype, no paged KV cache, and a Triton with tensor descriptors."""
+    return (HAS_TENSOR_DESCRIPTORS and block_table is None and q.is_cuda and q.dtype in DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in HEAD_DIMS
+            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
+
+
+_REMOVE: list[Callable[[], None]] = []
+
+
+def enable(config: HopperConfig | None = None) -> Callable[[], None]:
+    """Register `hopper_forward` as the "forward" kernel for the calls `applies` accepts (flash_attn_func and
+    flash_attn_varlen_func without a block table, then run it on sm_90). Returns the function that removes
+    it; enabling again replaces the earlier registration."""
+    if config is not None and not isinstance(config, HopperConfig):
+        raise TypeError(f"config must be a HopperConfig or None, got {type(config).__name__}")
+    disable()
+    launch = functools.partial(hopper_forward, config=config) if config else hopper_forward
+    _REMOVE.append(register_kernel("forward", launch, applies))
+    return disable
+
+
+def disable() -> None:
+    """Remove the registration `enable` made (a no-op when there is none)."""
+    while _REMOVE:
+        _REMOVE.pop()()

@@ -1,0 +1,170 @@
+"""nano_flashattn.hopper, the Hopper forward layer, against the fp64 torch reference (FlashAttention's error
+rule, `fa_check`), through the dispatch point it registers into.
+
+On CPU the kernel runs under TRITON_INTERPRET=1, whose tensor descriptors read zeros past a descriptor's
+shape and clip stores at it as TMA does, so the TMA load path and the pointer-load path (`use_tma=False`)
+are both tested here, in fp16 on 16-row tiles. The `gpu` tests compile it on an sm_90 GPU in bf16 and fp16
+with the default configs and the other knobs; warp specialisation is compiled and checked by
+tools/flashattn_hopper_probe.py, which reports a Triton that cannot build it instead of failing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_flashattn_dense import _inputs, _run_and_compare
+
+import nano_flashattn as fa
+from nano_flashattn import hopper
+from nano_flashattn.hopper import HopperConfig, hopper_forward
+from nano_flashattn.interface import _LAYERS, PAPER_KERNELS, run_kernel
+
+CPU_CONFIGS = {
+    "tma": hopper.INTERPRETER_CONFIG,
+    "split_m": HopperConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, split_m=True),
+    "pointer": HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, use_tma=False),
+    # one loop, masks on every tile: the warp-specialised form (the interpreter ignores the warp split)
+    "one_loop": HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, two_phase=False,
+                             warp_specialize=True),
+}
+
+
+@pytest.fixture
+def layer_for():
+    """Register hopper_forward (with a config) for every forward call, as `enable` does on sm_90; after the
+    test, assert that it ran."""
+    removes, calls = [], []
+
+    def launch(config, **arguments):
+        calls.append(config)
+        return hopper_forward(**arguments, config=config)
+
+    def register(config: HopperConfig | None = None) -> None:
+        removes.append(fa.register_kernel("forward", lambda **a: launch(config, **a)))
+
+    yield register
+    for remove in removes:
+        remove()
+    assert calls, "the layer never ran"
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, causal, window)
+CASES = [
+    (2, 37, 53, 4, 1, 64, False, (-1, -1)),  # odd lengths, seqlen_q < seqlen_k, GQA 4
+    (1, 53, 37, 4, 2, 64, True, (-1, -1)),  # seqlen_q > seqlen_k: the first rows see no key
+    (1, 40, 40, 2, 2, 64, False, (7, 3)),  # local window: masked runs on both sides
+    (1, 19, 19, 2, 2, 128, True, (-1, -1)),  # head_dim 128, one tile past the sequence end
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_backward_through_the_layer(fa_check, layer_for, case):
+    """The layer's out and LSE feed the paper path's backward: both must match fp64."""
+    layer_for(CPU_CONFIGS["tma"])
+    _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7])
+
+
+@pytest.mark.parametrize("name", ["split_m", "pointer", "one_loop"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
+def test_split_m_and_pointer_loads(fa_check, layer_for, name, case):
+    layer_for(CPU_CONFIGS[name])
+    _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7], backward=False)
+
+
+def _varlen_check(fa_check, lens, hq, hk, d, dtype, causal, device):
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k, v, _ = _inputs(1, sum(lens), sum(lens), hq, hk, d, dtype, device)
+    out, lse = fa.flash_attn_varlen_func_triton(q[0], k[0], v[0], cu, cu, max(lens), max(lens), causal=causal,
+                                               return_lse=True)
+    for i, n in enumerate(lens):
+        rows = slice(int(cu[i]), int(cu[i]) + n)
+        one = [t[:, rows] for t in (q, k, v)]
+        ref, ref_lse = fa.flash_attn_func_torch(*[t.double() for t in one], causal=causal, return_lse=True)
+        low, low_lse = fa.flash_attn_func_torch(*one, causal=causal, return_lse=True)
+        fa_check(f"out[{i}]", out[rows][None], low, ref)
+        fa_check(f"lse[{i}]", lse[:, rows][None], low_lse, ref_lse)
+
+
+@pytest.mark.parametrize("name", ["tma", "split_m", "one_loop"])
+def test_varlen(fa_check, layer_for, name):
+    """Packed sequences: each descriptor ends at its sequence's end, so no row of a neighbour is read or
+    written (the poisoned output would show an unwritten row, a wrong neighbour a wrong value)."""
+    layer_for(CPU_CONFIGS[name])
+    _varlen_check(fa_check, [13, 1, 30], 2, 1, 64, torch.float16, True, "cpu")
+
+
+def test_enable_registers_for_the_calls_it_applies_to():
+    """On CPU tensors `applies` is False: after enable() the paper path still runs them; disable() removes."""
+    q, k, v, _ = _inputs(1, 20, 20, 2, 2, 64, torch.float16, "cpu")
+    arguments = dict(q=q[0], k=k[0], v=v[0], batch=1, seqlen_q=20, seqlen_k=20, cu_seqlens_q=None,
+                     cu_seqlens_k=None, block_table=None, scale=0.125, window_left=1 << 30, window_right=0)
+    before = len(_LAYERS["forward"])
+    remove = hopper.enable()
+    hopper.enable(HopperConfig(num_stages=3))  # enabling again replaces, never stacks
+    try:
+        assert len(_LAYERS["forward"]) == before + 1
+        assert not hopper.applies(**arguments)
+        out, lse = run_kernel("forward", **arguments)
+        ref_out, ref_lse = PAPER_KERNELS["forward"](**arguments)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    finally:
+        remove()
+    assert len(_LAYERS["forward"]) == before
+    hopper.disable()  # twice: harmless
+
+
+def test_bad_arguments():
+    q = torch.zeros(8, 2, 64, dtype=torch.float16)
+    args = dict(batch=1, seqlen_q=8, seqlen_k=8, cu_seqlens_q=None, cu_seqlens_k=None, scale=0.125,
+                window_left=1 << 30, window_right=0)
+    with pytest.raises(ValueError, match=r"^block_table: the Hopper forward reads contiguous K/V only"):
+        hopper_forward(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), **args)
+    q96 = torch.zeros(8, 2, 96, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 128\) for the Hopper forward, "
+                                         r"got 96"):
+        hopper_forward(q96, q96, q96, block_table=None, **args)
+    with pytest.raises(TypeError, match=r"^config must be a HopperConfig, got tuple"):
+        hopper_forward(q, q, q, block_table=None, config=(128, 64, 8, 3), **args)
+    with pytest.raises(TypeError, match=r"^config must be a HopperConfig or None, got dict"):
+        hopper.enable({"block_m": 128})
+    with pytest.raises(ValueError, match=r"^HopperConfig.block_n must be a positive power of two, got 96"):
+        HopperConfig(block_n=96)
+    with pytest.raises(ValueError, match=r"^HopperConfig.num_stages must be a positive int, got 0"):
+        HopperConfig(num_stages=0)
+    with pytest.raises(ValueError, match=r"^HopperConfig: block_m >= 32 and block_n >= 16"):
+        HopperConfig(block_m=16, split_m=True)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Hopper forward needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_enabled_forward(fa_check, dtype, d, causal):
+    """enable(): flash_attn_func runs the layer on sm_90 (default configs), backward through its LSE."""
+    remove = hopper.enable()
+    try:
+        q, k, v, _ = _inputs(1, 8, 8, 2, 2, d, dtype, "cuda")
+        assert hopper.applies(q=q, k=k, v=v, block_table=None)
+        _run_and_compare(fa_check, 2, 300, 333, 4, 2, d, dtype, causal, (-1, -1), device="cuda")
+        _run_and_compare(fa_check, 1, 1000, 1000, 4, 4, d, dtype, causal, (-1, -1), backward=False,
+                         device="cuda")
+        _varlen_check(fa_check, [700, 1, 130, 257], 4, 2, d, dtype, causal, "cuda")
+    finally:
+        remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Hopper forward needs sm_90")
+@pytest.mark.parametrize("config", [HopperConfig(split_m=True, block_n=64), HopperConfig(use_tma=False),
+                                    HopperConfig(block_n=64, num_stages=3), HopperConfig(two_phase=False)],
+                         ids=["split_m", "pointer", "n64", "one_loop"])
+def test_gpu_configs(fa_check, layer_for, config):
+    layer_for(config)
+    _run_and_compare(fa_check, 1, 777, 901, 4, 1, 128, torch.bfloat16, True, (-1, -1), backward=False,
+                     device="cuda")
+    _run_and_compare(fa_check, 1, 500, 500, 4, 4, 128, torch.bfloat16, False, (100, 30), backward=False,
+                     device="cuda")
