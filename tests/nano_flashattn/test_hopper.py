@@ -14,9 +14,9 @@ import torch
 from test_flashattn_dense import _inputs, _run_and_compare
 
 import nano_flashattn as fa
-from nano_flashattn import hopper
+from nano_flashattn import hopper, interface
 from nano_flashattn.hopper import HopperConfig, hopper_forward
-from nano_flashattn.interface import _LAYERS, PAPER_KERNELS, run_kernel
+from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
 CPU_CONFIGS = {
     "tma": hopper.INTERPRETER_CONFIG,
@@ -97,18 +97,18 @@ def test_enable_registers_for_the_calls_it_applies_to():
     q, k, v, _ = _inputs(1, 20, 20, 2, 2, 64, torch.float16, "cpu")
     arguments = dict(q=q[0], k=k[0], v=v[0], batch=1, seqlen_q=20, seqlen_k=20, cu_seqlens_q=None,
                      cu_seqlens_k=None, block_table=None, scale=0.125, window_left=1 << 30, window_right=0)
-    before = len(_LAYERS["forward"])
+    before = len(interface._LAYERS["forward"])  # the registry the conftest installed for this test
     remove = hopper.enable()
     hopper.enable(HopperConfig(num_stages=3))  # enabling again replaces, never stacks
     try:
-        assert len(_LAYERS["forward"]) == before + 1
+        assert len(interface._LAYERS["forward"]) == before + 1
         assert not hopper.applies(**arguments)
         out, lse = run_kernel("forward", **arguments)
         ref_out, ref_lse = PAPER_KERNELS["forward"](**arguments)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     finally:
         remove()
-    assert len(_LAYERS["forward"]) == before
+    assert len(interface._LAYERS["forward"]) == before
     hopper.disable()  # twice: harmless
 
 

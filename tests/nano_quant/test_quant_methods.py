@@ -122,7 +122,7 @@ def test_awq_duo_scaling_divides_by_the_weight_magnitude():
     expected = (s_x.pow(found.alpha) / (s_w.pow(1 - found.alpha) + 1e-4)).clamp(min=1e-4)
     expected = expected / (expected.max() * expected.min()).sqrt()
     assert torch.allclose(found.scales, expected, rtol=1e-5)
-    assert found.losses[int(round(found.alpha * 10))] == min(found.losses)
+    assert found.losses[round(found.alpha * 10)] == min(found.losses)
 
 
 def test_clip_search_brute_force():
