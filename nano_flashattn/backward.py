@@ -210,7 +210,6 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
     config: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of the dQ kernel),
     default `configs.bwd_config`."""
     total_q, heads_q, head_dim = q.shape
-    heads_k = k.shape[1]
     # varlen: rows past cu_seqlens[-1] belong to no sequence and are left unwritten, as in the forward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
@@ -224,13 +223,23 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
         stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=pre_m,
     )
-    group = heads_q // heads_k
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
                   stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim,
                   BLOCK_D=block_d(head_dim), VARLEN=cu_seqlens_q is not None,
                   DOT_PRECISION=dot_precision(q.dtype))
+    return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch,
+                               (m1, n1, warps1, stages1), (m2, n2, warps2, stages2))
+
+
+def launch_dkdv_then_dq(dkdv_kernel, dq_kernel, q, k, v, dq, dk, dv, common: dict, batch: int, cfg1, cfg2):
+    """Algorithm 2's two passes without atomics: dK, dV over K/V tiles, then dQ over Q tiles (`common`: the
+    kernels' shared keyword arguments, seqlen_q / seqlen_k among them). With GQA and too few K/V tiles to
+    fill the GPU, K/V are expanded per query head and the fp32 partial dK/dV summed over the group after."""
+    (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = cfg1, cfg2
+    heads_q, heads_k, head_dim = q.shape[1], k.shape[1], k.shape[2]
+    group, seqlen_q, seqlen_k = heads_q // heads_k, common["seqlen_q"], common["seqlen_k"]
     kv_programs = triton.cdiv(seqlen_k, n1) * heads_k * batch
     expand = group > 1 and kv_programs < configs.GQA_EXPAND_WAVES * configs.num_sms(q.device)
     if expand:  # one copy of K/V per query head, fp32 partial dK/dV summed over the group (module docstring)
@@ -239,14 +248,14 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
         dv_x = torch.empty_like(dk_x)
     else:
         k_x, v_x, dk_x, dv_x = k, v, dk, dv
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, n1), k_x.shape[1], batch)](
+    dkdv_kernel[(triton.cdiv(seqlen_k, n1), k_x.shape[1], batch)](
         K=k_x, V=v_x, DK=dk_x, DV=dv_x, group=1 if expand else group, stride_kt=k_x.stride(0),
         stride_kh=k_x.stride(1), BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1, **common,
     )
     if expand:
         dk.copy_(dk_x.view(-1, heads_k, group, head_dim).sum(2))
         dv.copy_(dv_x.view(-1, heads_k, group, head_dim).sum(2))
-    _bwd_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
+    dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
         K=k, V=v, DQ=dq, group=group, stride_kt=k.stride(0), stride_kh=k.stride(1), BLOCK_M=m2, BLOCK_N=n2,
         num_warps=warps2, num_stages=stages2, **common,
     )

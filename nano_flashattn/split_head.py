@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import configs, interface
-from .backward import _bwd_preprocess
+from .backward import _bwd_preprocess, launch_dkdv_then_dq
 from .checks import HEAD_DIMS, cdiv, next_pow2
 from .configs import Config, block_d
 from .forward import LN2_C, LOG2E, dot_precision, kv_offsets, load_tile, seq_bounds, tile_range, visible
@@ -322,7 +322,6 @@ def split_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_
     """backward.attention_backward (Algorithm 2: preprocess, dK/dV kernel, dQ kernel, GQA expansion) for a
     head_dim in SPLIT_HEAD_DIMS; same arguments, same results (dq, dk, dv)."""
     total_q, heads_q, head_dim = q.shape
-    heads_k = k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -336,32 +335,13 @@ def split_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_
         stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=pre_m,
     )
-    group = heads_q // heads_k
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
                   stride_qh=q.stride(1), stride_lse_h=lse.stride(0), D0=d0, D1=d1,
                   VARLEN=cu_seqlens_q is not None, DOT_PRECISION=dot_precision(q.dtype))
-    kv_programs = triton.cdiv(seqlen_k, n1) * heads_k * batch
-    expand = group > 1 and kv_programs < configs.GQA_EXPAND_WAVES * configs.num_sms(q.device)
-    if expand:  # as backward.py: one K/V copy per query head, the group's fp32 partial dK/dV summed after
-        k_x, v_x = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        dk_x = torch.empty(k_x.shape, dtype=torch.float32, device=k.device)
-        dv_x = torch.empty_like(dk_x)
-    else:
-        k_x, v_x, dk_x, dv_x = k, v, dk, dv
-    _split_dkdv_kernel[(triton.cdiv(seqlen_k, n1), k_x.shape[1], batch)](
-        K=k_x, V=v_x, DK=dk_x, DV=dv_x, group=1 if expand else group, stride_kt=k_x.stride(0),
-        stride_kh=k_x.stride(1), BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1, **common,
-    )
-    if expand:
-        dk.copy_(dk_x.view(-1, heads_k, group, head_dim).sum(2))
-        dv.copy_(dv_x.view(-1, heads_k, group, head_dim).sum(2))
-    _split_dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
-        K=k, V=v, DQ=dq, group=group, stride_kt=k.stride(0), stride_kh=k.stride(1), BLOCK_M=m2, BLOCK_N=n2,
-        num_warps=warps2, num_stages=stages2, **common,
-    )
-    return dq, dk, dv
+    return launch_dkdv_then_dq(_split_dkdv_kernel, _split_dq_kernel, q, k, v, dq, dk, dv, common, batch,
+                               (m1, n1, warps1, stages1), (m2, n2, warps2, stages2))
 
 
 def applies(q: torch.Tensor, **arguments) -> bool:

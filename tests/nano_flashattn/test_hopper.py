@@ -18,6 +18,9 @@ from nano_flashattn import hopper, interface
 from nano_flashattn.hopper import HopperConfig, hopper_forward
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
+# A performance layer's interpreter tests: run from the repository, left out of a fork of the package.
+pytestmark = pytest.mark.slow
+
 CPU_CONFIGS = {
     "tma": hopper.INTERPRETER_CONFIG,
     "split_m": HopperConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, split_m=True),

@@ -18,6 +18,9 @@ import nano_flashattn as fa
 from nano_flashattn import configs
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
+# A performance layer's interpreter tests: run from the repository, left out of a fork of the package.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def layer():
