@@ -67,6 +67,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "nano_vllm-engine"):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._num_put, self._num_applied = 0, 0  # commands queued / taken off the queue and applied
+        self._put_lock = threading.Lock()  # add and abort may come from several threads
         self._wake = threading.Event()
         self._clients: dict[str, Any] = {}  # request id -> client, for requests the engine holds
         self._ids = itertools.count()
@@ -94,18 +96,28 @@ class EngineLoop:
             **add_request_kwargs) -> None:
         """Queue a request for any client with a unique `request_id`; the keyword arguments go to the
         engine's `add_request` (e.g. nano_sglang's constraints)."""
-        self._commands.put(("add", client, prompt_token_ids, sampling_params, add_request_kwargs))
-        self._wake.set()
+        self._put(("add", client, prompt_token_ids, sampling_params, add_request_kwargs))
         if self.thread.ident is not None and not self.thread.is_alive():  # the loop has ended: answer now
             self._end_all("abort" if self.error is None else "error", self.error or "the engine loop has stopped")
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._put(("abort", request_id))
+
+    def _put(self, command: tuple) -> None:
+        with self._put_lock:
+            self._num_put += 1
+            self._commands.put(command)
         self._wake.set()
 
     @property
     def num_active(self) -> int:
         return len(self._clients)
+
+    @property
+    def num_pending_commands(self) -> int:
+        """Adds and aborts queued for the loop thread that it has not applied yet: a request whose add is
+        pending is in neither `num_active` nor the engine."""
+        return self._num_put - self._num_applied
 
     @property
     def alive(self) -> bool:
@@ -132,12 +144,17 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop thread
     def _pending(self):
-        """The commands queued so far, taken off the queue one by one."""
+        """The commands queued so far, taken off the queue one by one (counted as applied once the caller
+        has handled each)."""
         while True:
             try:
-                yield self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            try:
+                yield command
+            finally:
+                self._num_applied += 1
 
     def _apply_commands(self) -> None:
         for cmd in self._pending():

@@ -90,7 +90,7 @@ def wait_idle(loop: EngineLoop, srv=None) -> None:
     if srv is not None:
         wait_for(lambda: not srv.uvicorn.server_state.tasks and not srv.api.active, "the server's requests to end")
     bm = loop.engine.block_manager
-    wait_for(lambda: not loop.num_active and not loop.engine.has_unfinished_requests()
+    wait_for(lambda: not loop.num_pending_commands and not loop.num_active and not loop.engine.has_unfinished_requests()
              and bm.num_free_blocks == bm.num_blocks, "the engine to go idle with every KV block free")
 
 
