@@ -218,22 +218,32 @@ def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqle
     pass the max lengths. Returns out (total_q, Hq, D) and lse (Hq, total_q) fp32.
 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `configs.fwd_config`."""
-    total_q, heads_q, head_dim = q.shape
+    head_dim = q.shape[2]
+    return launch_forward(_fwd_kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                          block_table, scale, window_left, window_right,
+                          config or fwd_config(head_dim, q.dtype, q.device), HEAD_DIM=head_dim,
+                          BLOCK_D=block_d(head_dim))
+
+
+def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,
+                   window_left, window_right, config, **head_axis):
+    """Algorithm 1's grid (line 3's loop: one program per query tile, query head and sequence) for `kernel`;
+    `head_axis`: the kernel's head-dim constexprs."""
+    total_q, heads_q = q.shape[:2]
     out = torch.empty_like(q)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
         return out, lse
-    block_m, block_n, num_warps, num_stages = config or fwd_config(head_dim, q.dtype, q.device)
+    block_m, block_n, num_warps, num_stages = config
     paged = block_table is not None
-    _fwd_kernel[(cdiv(seqlen_q, block_m), heads_q, batch)](
+    kernel[(cdiv(seqlen_q, block_m), heads_q, batch)](
         Q=q, K=k, V=v, Out=out, LSE=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         block_table=block_table, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=heads_q // k.shape[-2],
         qk_scale=scale * LOG2E, window_left=window_left, window_right=window_right,
         stride_qt=q.stride(-3), stride_qh=q.stride(-2), stride_kt=k.stride(-3), stride_kh=k.stride(-2),
         stride_kp=k.stride(0) if paged else 0, stride_bt=block_table.stride(0) if paged else 0,
-        stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m,
-        BLOCK_N=block_n, VARLEN=cu_seqlens_q is not None, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1,
-        REVERSE=window_right == 0, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
+        stride_lse_h=lse.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=cu_seqlens_q is not None,
+        PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, REVERSE=window_right == 0,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **head_axis,
     )
     return out, lse

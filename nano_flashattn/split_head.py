@@ -25,9 +25,19 @@ import triton.language as tl
 
 from . import configs, interface
 from .backward import _bwd_preprocess, launch_dkdv_then_dq
-from .checks import HEAD_DIMS, cdiv, next_pow2
+from .checks import HEAD_DIMS, next_pow2
 from .configs import Config, block_d
-from .forward import LN2_C, LOG2E, dot_precision, kv_offsets, load_tile, seq_bounds, tile_range, visible
+from .forward import (
+    LN2_C,
+    LOG2E,
+    dot_precision,
+    kv_offsets,
+    launch_forward,
+    load_tile,
+    seq_bounds,
+    tile_range,
+    visible,
+)
 from .interface import register_kernel
 
 
@@ -295,26 +305,11 @@ def split_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k
                   window_left, window_right, config=None):
     """forward.attention_forward (Algorithm 1) for a head_dim in SPLIT_HEAD_DIMS; same arguments, same
     results (out, lse)."""
-    total_q, heads_q, head_dim = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
-    if total_q == 0 or batch == 0:
-        return out, lse
+    head_dim = q.shape[2]
     d0, d1 = _parts(head_dim)
-    block_m, block_n, num_warps, num_stages = config or fwd_config(head_dim, q.dtype, q.device)
-    paged = block_table is not None
-    _split_fwd_kernel[(cdiv(seqlen_q, block_m), heads_q, batch)](
-        Q=q, K=k, V=v, Out=out, LSE=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        block_table=block_table, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=heads_q // k.shape[-2],
-        qk_scale=scale * LOG2E, window_left=window_left, window_right=window_right,
-        stride_qt=q.stride(-3), stride_qh=q.stride(-2), stride_kt=k.stride(-3), stride_kh=k.stride(-2),
-        stride_kp=k.stride(0) if paged else 0, stride_bt=block_table.stride(0) if paged else 0,
-        stride_lse_h=lse.stride(0), D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n,
-        VARLEN=cu_seqlens_q is not None, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1,
-        REVERSE=window_right == 0, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return out, lse
+    return launch_forward(_split_fwd_kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                          block_table, scale, window_left, window_right,
+                          config or fwd_config(head_dim, q.dtype, q.device), D0=d0, D1=d1)
 
 
 def split_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale,

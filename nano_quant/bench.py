@@ -9,8 +9,8 @@ random weights quantized once:
 | system | what runs | peer |
 |---|---|---|
 | `bf16` | `x @ Wᵀ`, cuBLAS | — |
-| `w4a16` | ours: what `kernels.awq_gemm` dispatches for this M (GEMV, swap AB, GEMM, dequantize + cuBLAS) | `tinygemm` |
-| `w4a16 gemv` / `w4a16 swapab` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / 8 < M ≤ 64 / M ≤ 64) | `tinygemm` |
+| `w4a16` | ours: what `kernels.awq_gemm` dispatches for this M (GEMV, GEMM, dequantize + cuBLAS) | `tinygemm` |
+| `w4a16 gemv` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / M ≤ 64) | `tinygemm` |
 | `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
 | `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
 | `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | `int_mm+scale` |
@@ -51,7 +51,7 @@ from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
-PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 swapab": "tinygemm", "w4a16 mma": "tinygemm",
+PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm",
          "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
 
 
@@ -101,7 +101,6 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
     }
     awq = (ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None)
     for name, kernel, (lo, hi) in (("w4a16 gemv", gemv.awq_gemv_triton, (1, 8)),
-                                   ("w4a16 swapab", gemv.awq_gemm_swapab_triton, (9, 64)),
                                    ("w4a16 mma", kernels.awq_gemm_triton, (1, 64))):
         if x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
             found[name] = (functools.partial(kernel, x, *awq), w4_bytes + m * k * 2 + out, ref4)
@@ -171,11 +170,6 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         grid = itertools.product((128, 256, 512), (16, 32, 64), (2, 4), (2, 4))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
                  "num_warps": w, "num_stages": 1} for bn, bk, w, wv in grid]
-    if kind == "awq_swapab":  # 2 x 3 x 3 x 2 = 36
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        grid = itertools.product((64, 128), (32, 64, 128), (1, 2, 4), (2, 3))
-        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
-                 "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -194,8 +188,6 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
         jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
     if x.shape[0] <= 8:
         jobs["w4a16 gemv"] = (lambda c: gemv.awq_gemv_triton(*awq, c), "awq_gemv")
-    if 8 < x.shape[0] <= 64:
-        jobs["w4a16 swapab"] = (lambda c: gemv.awq_gemm_swapab_triton(*awq, c), "awq_swapab")
     return jobs
 
 

@@ -1,4 +1,4 @@
-"""W4A16 kernels for decode-sized M (a performance layer beside `kernels.py`, which dispatches to them).
+"""The W4A16 GEMV for decode-sized M (a performance layer beside `kernels.py`, which dispatches to it).
 
 AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at batch 1 the GEMM is a
 GEMV, HBM traffic is the weight, and 4-bit weights move ~4x fewer bytes than 16-bit ones — provided the
@@ -13,10 +13,6 @@ with a lop3 and a magic exponent; the same trick in fp32, which Triton can expre
   low 16 bits and the odd ones in the high 16 bits, so `w` and `w >> 16` give the two halves. The zero
   point and scale are applied once per group of G rows (AWQ §3's grid is per group):
   Σ_k x_k (q_kn − z_n) s_n = s_n (Σ_k x_k q_kn − z_n Σ_k x_k).
-* `awq_gemm_swapab_triton` — tensor cores for 8 < M ≤ 64, computing outᵀ = Ŵᵀ xᵀ: the dequantized weight
-  tile is the dot's first operand (Hopper's wgmma reads A from registers, so it needs no shared-memory
-  round trip) and the few tokens are the dot's N. The tile's rows are the packed columns slot by slot
-  (row r is column 8·(r mod P) + order[r // P]); the permutation is undone by the store's addresses.
 
 Split-K partial sums go to a (SPLIT_K, M, N) fp32 buffer that `_split_k_sum_kernel` reduces (+ bias) in a
 fixed order: the result is the same on every run, which a captured CUDA graph's replay is compared against,
@@ -177,58 +173,3 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     memory-bound decoding): weights read once as packed words, scale and zero applied once per group."""
     return _launch(_awq_gemv_kernel, awq_gemv_config, "awq_gemv", x, qweight, qzeros, scales, group_size, bias,
                    config)
-
-
-# ------------------------------------------------------------------ swap AB: tensor cores, 8 < M ≤ 64
-
-@triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _awq_gemm_swapab_kernel(X, QW, QZ, S, OUT, M, N, NP, K, stride_xm, stride_qw, SPLIT_K,
-                            GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    BLOCK_P: tl.constexpr = BLOCK_N // 8
-    # Row r of the weight tile is nibble slot r // P of packed column p = r mod P: the loads stay
-    # contiguous along p and no register shuffle builds the tile; slot s holds column 8p + order[s] with
-    # AutoAWQ's order [0, 2, 4, 6, 1, 3, 5, 7], i.e. 2·(s mod 4) + s // 4.
-    r = tl.arange(0, BLOCK_N)
-    p = pid_n * BLOCK_P + r % BLOCK_P
-    slot = r // BLOCK_P
-    shift = 4 * slot
-    col = 8 * p + 2 * (slot % 4) + slot // 4
-    p_ok = p < NP
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    groups = K // GROUP_SIZE
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ tile
-    for g in range(pid_k * groups // SPLIT_K, (pid_k + 1) * groups // SPLIT_K):
-        z = ((tl.load(QZ + g * stride_qw + p, mask=p_ok, other=0) >> shift) & 0xF).to(tl.float32)
-        s = tl.load(S + g * N + col, mask=p_ok, other=0.0).to(tl.float32)
-        zs = z * s
-        for kk in range(0, GROUP_SIZE, BLOCK_K):
-            k = g * GROUP_SIZE + kk + rk
-            w = tl.load(QW + k[None, :].to(tl.int64) * stride_qw + p[:, None], mask=p_ok[:, None], other=0)
-            w_hat = ((w >> shift[:, None]) & 0xF).to(tl.float32) * s[:, None] - zs[:, None]  # (q − z)·Δ
-            xt = tl.load(X + rm[None, :].to(tl.int64) * stride_xm + k[:, None], mask=rm[None, :] < M, other=0.0)
-            acc = tl.dot(w_hat.to(X.dtype.element_ty), xt, acc)
-    ptrs = OUT + pid_k.to(tl.int64) * M * N + rm[None, :].to(tl.int64) * N + col[:, None]
-    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=p_ok[:, None] & (rm[None, :] < M))
-
-
-@functools.lru_cache(maxsize=1024)
-def awq_swapab_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
-    """Tiles for `_awq_gemm_swapab_kernel`: the tokens padded to the dot's N (16..64), 64 weight rows
-    (one wgmma M), and SPLIT_K so the grid covers the SMs about twice."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 128, min(64, group_size)
-    tiles = cdiv(n, block_n) * cdiv(m, block_m)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "SPLIT_K": _split_k(tiles, k // group_size, num_sms, 2), "num_warps": 4, "num_stages": 3}
-
-
-def awq_gemm_swapab_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                           group_size: int, bias: torch.Tensor | None = None,
-                           config: dict | None = None) -> torch.Tensor:
-    """x (M, K) @ Ŵ (K, N) (+ bias) as outᵀ = Ŵᵀ xᵀ on the tensor cores (AutoAWQ GEMM layout): the
-    dequantized weight is the dot's register operand, a decode batch of 16..64 tokens its narrow side."""
-    return _launch(_awq_gemm_swapab_kernel, awq_swapab_config, "awq_gemm_swapab", x, qweight, qzeros, scales,
-                   group_size, bias, config)

@@ -13,8 +13,7 @@ references); the entry points import it, a forker may delete it and everything s
   16-bit tile to the tensor cores: HBM traffic is the 4-bit weight (plus 1/G of scales). K is split over
   several programs (partial sums reduced by a second small kernel) so that a few output tiles still fill
   every SM. For large M the GEMM is compute-bound and `awq_dequantize_triton` + cuBLAS is faster; for a
-  few rows the CUDA-core GEMV of `gemv.py` and for decode batches its swap-AB variant may be faster:
-  `awq_gemm` picks by M (the AWQ_* constants below).
+  few rows the CUDA-core GEMV of `gemv.py` is faster: `awq_gemm` picks by M (the AWQ_* constants below).
 
 Under `TRITON_INTERPRET=1` these run on CPU tensors (the tests); the interpreter computes bf16 wrongly, so
 CPU tests use fp16 / fp32 activations.
@@ -33,18 +32,17 @@ from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
 from . import linear
-from .gemv import awq_gemm_swapab_triton, awq_gemv_triton, num_sms, split_k_partials, split_k_reduce
+from .gemv import awq_gemv_triton, num_sms, split_k_partials, split_k_reduce
 from .quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
 
 # Adding then subtracting 1.5·2^23 rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (as
 # torch.round), with plain IEEE adds: portable to every Triton version and to its interpreter.
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # a jitted kernel may read only constexpr globals
 # W4A16 dispatch by M (rows of x): up to AWQ_GEMV_MAX_M the CUDA-core GEMV (`gemv.py`; its work grows with M,
-# a tensor-core kernel's does not), then up to AWQ_SWAPAB_MAX_M the swap-AB tensor-core kernel, then up to
-# AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once, then a cuBLAS GEMM. Set from
-# `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`, `w4a16 swapab`, `w4a16 mma`).
+# a tensor-core kernel's does not), then up to AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once,
+# then a cuBLAS GEMM. Set from `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`,
+# `w4a16 mma`).
 AWQ_GEMV_MAX_M = 1
-AWQ_SWAPAB_MAX_M = 0
 AWQ_LARGE_M = 64
 
 
@@ -275,8 +273,6 @@ def awq_gemm(x, qweight, qzeros, scales, group_size, bias):  # the OPS signature
     m = x.shape[0]
     if m <= AWQ_GEMV_MAX_M:
         return awq_gemv_triton(x, qweight, qzeros, scales, group_size, bias)
-    if m <= AWQ_SWAPAB_MAX_M:
-        return awq_gemm_swapab_triton(x, qweight, qzeros, scales, group_size, bias)
     if m <= AWQ_LARGE_M:
         return awq_gemm_triton(x, qweight, qzeros, scales, group_size, bias)
     out = x @ awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)

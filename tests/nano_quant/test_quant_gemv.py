@@ -1,4 +1,4 @@
-"""nano_quant.gemv under the Triton interpreter: the W4A16 GEMV and swap-AB kernels equal AWQ's dequantize-
+"""nano_quant.gemv under the Triton interpreter: the W4A16 GEMV equals AWQ's dequantize-
 then-matmul reference (AutoAWQ GEMM layout) on random weights: odd M, N not a multiple of BLOCK_N, several
 groups of K split unevenly over programs, bias on and off, fp16 / fp32 activations (the interpreter computes
 bf16 wrongly; bf16 is tested on the GPU). Outputs are poisoned (NaN) before each kernel runs. Tolerance as in
@@ -40,36 +40,22 @@ def test_awq_gemv(poisoned, dtype, m, k, n, group_size, block, split_k, bias):  
     assert ours.dtype == dtype and ours.shape == (m, n) and within_fa_rule(ours, exact, low)
 
 
-@pytest.mark.parametrize("dtype,m,k,n,group_size,block,split_k,bias", [
-    (torch.float16, 17, 128, 40, 32, (16, 32, 32), 3, True),
-    (torch.float32, 33, 192, 72, 64, (32, 64, 32), 1, False),
-    (torch.float16, 9, 256, 24, 128, (16, 16, 64), 2, False)])
-def test_awq_gemm_swapab(poisoned, dtype, m, k, n, group_size, block, split_k, bias):  # noqa: F811
-    args, exact, low = _case(m, k, n, group_size, dtype, bias)
-    cfg = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2], "SPLIT_K": split_k, "num_warps": 4,
-           "num_stages": 1}
-    ours = gemv.awq_gemm_swapab_triton(*args, config=cfg)
-    assert ours.dtype == dtype and ours.shape == (m, n) and within_fa_rule(ours, exact, low)
-
-
 def test_default_configs(poisoned):  # noqa: F811
     """The heuristic tiles (SPLIT_K from the SM count) on a layer whose N is below one BLOCK_N."""
     args, exact, low = _case(2, 256, 64, 128, torch.float16, True)
     assert within_fa_rule(gemv.awq_gemv_triton(*args), exact, low)
-    args, exact, low = _case(20, 256, 64, 128, torch.float16, False)
-    assert within_fa_rule(gemv.awq_gemm_swapab_triton(*args), exact, low)
     cfg = gemv.awq_gemv_config(1, 4096, 4096, 128, 132)
     assert cfg["SPLIT_K"] * 4096 // cfg["BLOCK_N"] >= 2 * 132 and 128 % cfg["BLOCK_K"] == 0
 
 
 def test_dispatch_thresholds_are_ordered():
-    assert 1 <= kernels.AWQ_GEMV_MAX_M <= kernels.AWQ_LARGE_M and kernels.AWQ_SWAPAB_MAX_M <= kernels.AWQ_LARGE_M
+    assert 1 <= kernels.AWQ_GEMV_MAX_M <= kernels.AWQ_LARGE_M
 
 
 def test_bad_arguments():
     layer = WQLinear_GEMM.from_linear(torch.nn.Linear(64, 16, bias=False), 32)
     w = (layer.qweight, layer.qzeros, layer.scales, 32)
-    for fn, name in ((gemv.awq_gemv_triton, "awq_gemv"), (gemv.awq_gemm_swapab_triton, "awq_gemm_swapab")):
+    for fn, name in ((gemv.awq_gemv_triton, "awq_gemv"),):
         with pytest.raises(ValueError, match=f"{name}: x \\(2, 32\\) does not match qweight"):
             fn(torch.randn(2, 32), *w)
         with pytest.raises(ValueError, match=f"{name}: BLOCK_K 64 must divide group_size 32"):
