@@ -19,22 +19,25 @@ from .checks import next_pow2
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
 # Forward, 16-bit inputs, by head_dim.
-# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dims 64, 128).
+# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dims 64, 128);
+# head_dim 64 re-tuned on an H200, 2026-12-01, commit d8677e9: `python tools/flashattn_sweep.py
+# --sweep-head-dims 64 96`.
 FWD_CONFIGS: dict[int, Config] = {
     16: (128, 64, 8, 3),  # not measured: the 32 entry
     32: (128, 64, 8, 3),
-    64: (128, 64, 8, 3),
+    64: (128, 64, 8, 4),
     128: (128, 64, 8, 3),
     256: (64, 64, 4, 2),
 }
 
 # Backward, 16-bit inputs, by head_dim: (dK/dV kernel, whose key tile BLOCK_N stays resident;
 # dQ kernel, whose query tile BLOCK_M stays resident).
-# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dims 64, 128).
+# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dims 64, 128);
+# head_dim 64 re-tuned on an H200, 2026-12-01, commit d8677e9 (the sweep above).
 BWD_CONFIGS: dict[int, tuple[Config, Config]] = {
     16: ((32, 128, 4, 3), (128, 32, 4, 3)),  # not measured: the 32 entry
     32: ((32, 128, 4, 3), (128, 32, 4, 3)),
-    64: ((32, 128, 4, 3), (128, 32, 4, 3)),
+    64: ((32, 128, 4, 3), (128, 32, 8, 3)),
     128: ((64, 128, 8, 3), (128, 64, 8, 3)),
     256: ((32, 64, 4, 1), (64, 32, 4, 1)),
 }
@@ -43,11 +46,14 @@ BWD_CONFIGS: dict[int, tuple[Config, Config]] = {
 # Tuned on an H200, 2026-11-30, commit 7a1a8ad: `python -m nano_megatron.bench` (1B shape, 8 q / 4 kv heads).
 GQA_EXPAND_WAVES = 4
 
-# Flash-Decoding split kernel, 16-bit caches, head_dim <= 128: (BLOCK_N, num_warps, num_stages) by paged.
-# A paged tile's page lookup feeds its K/V addresses, so the pipeline needs more stages to keep two K/V
-# tiles in flight.
-# Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (head_dim 128).
-DECODE_CONFIGS: dict[bool, tuple[int, int, int]] = {False: (64, 4, 4), True: (128, 4, 5)}
+# Flash-Decoding split kernel, 16-bit caches, head_dim <= 128: (BLOCK_N, num_warps, num_stages) by
+# (paged, padded head width: 64 for head_dim <= 64, else 128). A paged tile's page lookup feeds its K/V
+# addresses, so the pipeline needs more stages to keep two K/V tiles in flight.
+# Tuned on an H200, 2026-12-01, commit d8677e9: `python tools/flashattn_sweep.py --sweep-head-dims` (width
+# 64 at head_dim 64, width 128 at head_dim 128). Contiguous width 128: (64, 4, 4) and (128, 4, 3) tie at
+# head_dim 128, and head_dim 96 reads 3.95 TB/s with the latter against 3.54 with the former (batch 64 x 4k).
+DECODE_CONFIGS: dict[tuple[bool, int], tuple[int, int, int]] = {
+    (False, 64): (64, 4, 3), (False, 128): (128, 4, 3), (True, 64): (64, 4, 6), (True, 128): (128, 4, 5)}
 # Paged, with at least MANY_PROGRAMS programs per SM (large ragged batches: each program streams few tiles,
 # and a deep pipeline mostly fills and drains).
 # Tuned on an H200, 2026-11-30, commit 7b90774: `python -m nano_vllm.bench` (16 q / 8 kv heads, page 16).
@@ -95,4 +101,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, paged
         return 32, 4, 3
     if paged and programs >= MANY_PROGRAMS * num_sms(device):
         return PAGED_MANY_PROGRAMS_CONFIG
-    return DECODE_CONFIGS[paged]
+    return DECODE_CONFIGS[paged, decode_width(head_dim)]
+
+
+def decode_width(head_dim: int) -> int:
+    """The DECODE_CONFIGS column of a head_dim <= 128: 64 up to 64, else 128."""
+    return 64 if head_dim <= 64 else 128

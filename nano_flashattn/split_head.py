@@ -62,8 +62,9 @@ def _parts(head_dim: int) -> tuple[int, int]:
 # Launch configs of the split kernels, 16-bit inputs, by head_dim; a head_dim without an entry takes the
 # paper path's entry for its padded width (configs.py), which the split tiles fit with room to spare.
 # tools/flashattn_sweep.py measures these for the head_dims this layer runs and prints the tables.
-FWD_CONFIGS: dict[int, Config] = {}
-BWD_CONFIGS: dict[int, tuple[Config, Config]] = {}
+# Tuned on an H200, 2026-12-01, commit d8677e9: `python tools/flashattn_sweep.py --sweep-head-dims 64 96`.
+FWD_CONFIGS: dict[int, Config] = {96: (128, 64, 4, 3)}
+BWD_CONFIGS: dict[int, tuple[Config, Config]] = {96: ((64, 64, 4, 3), (128, 32, 4, 3))}
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:

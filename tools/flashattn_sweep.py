@@ -1,6 +1,6 @@
 """Config sweep for nano_flashattn's kernels (GPU only), then the bench with the swept tables.
 
-    python tools/flashattn_sweep.py [--sweep-head-dims 64 96 128] [--no-decode-sweep] [--no-bench]
+    python tools/flashattn_sweep.py [--sweep-head-dims [64 96 128]] [--no-decode-sweep] [--no-bench]
                                     [bench options...]
 
 head_dims the split_head layer runs (48, 80, 96, 144, 160, 192) are swept on its kernels into its tables
@@ -94,8 +94,14 @@ def sweep_attention(head_dims, report: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep_decode(report: dict, head_dim: int = 128) -> None:
-    """Split-kernel tiles per cache kind: fastest sum over the two shapes, each at its best split count."""
+def sweep_decode(report: dict) -> None:
+    """Split-kernel tiles per cache kind and padded head width (head_dims 64 and 128): fastest sum over the
+    two shapes, each at its best split count."""
+    for head_dim in (64, 128):
+        _sweep_decode(report, head_dim)
+
+
+def _sweep_decode(report: dict, head_dim: int) -> None:
     jobs = [("dec", head_dim, cfg, s, 16 * paged)
             for paged in (False, True) for cfg in DECODE_CANDIDATES[paged] for s in (1, 2)]
     failed = precompile(jobs)
@@ -111,8 +117,9 @@ def sweep_decode(report: dict, head_dim: int = 128) -> None:
         tried = {cfg for cfg, *_ in ms}
         speed = {cfg: 1 / sum(min(ms[(cfg, b, c, s)] for s in ss) for (b, c), ss in DECODE_SPLITS.items())
                  for cfg in tried}
-        configs.DECODE_CONFIGS[paged] = _best(speed, f"decode paged={paged}")
-        report["decode"][str(paged)] = {str(k): v for k, v in ms.items()}
+        key = (paged, configs.decode_width(head_dim))
+        configs.DECODE_CONFIGS[key] = _best(speed, f"decode paged={paged} hd{head_dim}")
+        report["decode"][str(key)] = {str(k): v for k, v in ms.items()}
         torch.cuda.empty_cache()
 
 
@@ -138,7 +145,8 @@ def tables(command: str) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sweep-head-dims", type=int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--sweep-head-dims", type=int, nargs="*", default=[64, 96, 128],
+                   help="the head_dims whose forward and backward tables to sweep (none: decode only)")
     p.add_argument("--no-decode-sweep", action="store_true", help="keep the decode tables as they are")
     p.add_argument("--no-bench", action="store_true", help="only sweep and print the tables")
     args, bench_argv = p.parse_known_args(argv)
