@@ -165,11 +165,11 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
     def split(tiles: int, waves: int) -> int:
         return max(1, min(groups, -(-waves * sms // tiles)))
 
-    if kind == "awq_gemv":  # 3 x 3 x 2 x 2 = 36
+    if kind == "awq_gemv":  # 2 x 2 x 3 x 3 = 36: tiles, grid coverage, and the pipeline over K's groups
         bm = 1 if m == 1 else 2 if m == 2 else 4
-        grid = itertools.product((128, 256, 512), (16, 32, 64), (2, 4), (2, 4))
+        grid = itertools.product((128, 256), (16, 32), (4, 8, 16), (1, 2, 3))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
-                 "num_warps": w, "num_stages": 1} for bn, bk, w, wv in grid]
+                 "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
