@@ -156,9 +156,11 @@ def fig_attention(records: list[Record], out: Path) -> list[Path]:
         impls = [k[:-4] for k in rows[0] if k.endswith("_fwd")]
         ceiling = rec.get("ceilings", {}).get("matmul_tflops")
         for hd in sorted({r["head_dim"] for r in rows}):
-            fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+            # a column per masking the run measured (a causal-only run gets no empty panels)
+            causals = sorted({bool(r["causal"]) for r in rows if r["head_dim"] == hd})
+            fig, axes = plt.subplots(2, len(causals), figsize=(5 * len(causals), 7), sharex=True, squeeze=False)
             for i, direction in enumerate(("fwd", "bwd")):
-                for j, causal in enumerate((False, True)):
+                for j, causal in enumerate(causals):
                     ax = axes[i][j]
                     sel = sorted((r for r in rows if r["head_dim"] == hd and bool(r["causal"]) == causal),
                                  key=lambda r: r["seqlen"])
@@ -190,14 +192,18 @@ def fig_decode(records: list[Record], out: Path) -> list[Path]:
         batches = sorted({r["batch"] for r in rows})
         impls = [k for k in rows[0] if k.startswith(("ours_", "sdpa"))]
         copy = rec.get("ceilings", {}).get("copy_tbps")
-        fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+        head_dims = sorted({r.get("head_dim", 128) for r in rows})
+        # one context at several head_dims: TB/s over head_dim instead (each point is one head_dim)
+        x = "head_dim" if len(head_dims) > 1 and len({r["context"] for r in rows}) == 1 else "context"
+        fig, axes = plt.subplots(1, len(batches), figsize=(max(7.5, 4.2 * len(batches)), 3.8), squeeze=False)
         for ax, b in zip(axes[0], batches):
-            sel = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["context"])
-            _curves(ax, sel, "context", {_decode_label(i): i for i in impls}, copy, "device copy, measured",
-                    "context (keys)", "TB/s of K/V read")
-            ax.set_title(f"batch {b}", fontsize=10)
+            sel = sorted((r for r in rows if r["batch"] == b), key=lambda r: r[x])
+            _curves(ax, sel, x, {_decode_label(i): i for i in impls}, copy, "device copy, measured",
+                    "head_dim" if x == "head_dim" else "context (keys)", "TB/s of K/V read")
+            ax.set_title(f"batch {b}" + (f" x {sel[0]['context']} keys" if x == "head_dim" else ""), fontsize=10)
         axes[0][0].legend(fontsize=7)
-        _title(fig, "Flash-Decoding: one new token per sequence, 32 q / 8 kv heads, head_dim 128", rec)
+        dims = "head_dim " + " / ".join(map(str, head_dims))
+        _title(fig, f"Flash-Decoding: one new token per sequence, 32 q / 8 kv heads, {dims}", rec)
         paths.append(_save(fig, _png(out, "decode", name, records)))
     return paths
 
