@@ -311,6 +311,7 @@ def test_drain_timeout_ends_requests_with_an_error(loop, gate, stream):
     wait_idle(loop)
 
 
+@pytest.mark.slow  # a server process of its own (~7 s): run once, not again in the fork test
 def test_sigterm_drains_then_exits(qwen3_ckpt, tmp_path):
     port = find_free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

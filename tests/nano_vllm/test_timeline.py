@@ -31,6 +31,7 @@ def test_timeline_sees_every_step(qwen3_ckpt, overlap):
     assert ("sample" in vars(llm.engine.model_runner)) is False  # the paper path's sampler again
 
 
+@pytest.mark.slow  # a performance layer's interpreter sweep (~13 s): run once, not again in the fork test
 def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
     from nano_vllm import bench_gemv
     from nano_vllm.gemv import GemvConfig

@@ -50,6 +50,7 @@ def _collectives(scale: float, *, offset: float) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.slow  # worker processes
 def test_collectives_on_two_gloo_ranks():
     world = 2
     out = run_distributed(_collectives, world, 10.0, offset=1.0)
@@ -73,6 +74,7 @@ def _rank1_raises() -> None:
     dist.all_reduce(torch.ones(1))  # rank 0 blocks here, waiting for a rank that never comes
 
 
+@pytest.mark.slow  # worker processes
 def test_exception_names_rank_and_traceback_without_hanging():
     start = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1") as info:
@@ -90,6 +92,7 @@ def _rank1_exits() -> None:
     dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.slow  # worker processes
 def test_silent_death_reports_exit_code():
     start = time.monotonic()
     with pytest.raises(DistributedError, match="rank 1") as info:
@@ -102,6 +105,7 @@ def _sleep_forever() -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow  # worker processes
 def test_timeout_kills_and_names_unfinished_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks not finished: \[0, 1\]"):
