@@ -24,6 +24,9 @@ token step t samples, and the placeholder resolved on the device:
      sits in step t+1; its token from there is dropped (step 1 of the next call skips finished sequences).
      A sequence preempted by step t+1's scheduling (§4.5) keeps its token and recomputes later, as usual.
   4. return step t's (sequences that got a token, finished sequences), as `LLMEngine.step` does.
+  When step t+1 will run eagerly on a runner that has CUDA graphs (a prefill without mixed-step graphs),
+  step 3 moves before its launch: that launch is host-bound, the device would finish step t while the host
+  is still launching, and a new request's first token would wait for the whole launch.
   Between calls no placeholder is visible: a sequence's `token_ids` hold real tokens only, so the server's
   streams, `abort_request` (which frees the blocks at once: the work still queued on the device writes
   into them before anything scheduled later can) and `output_of` see what they see without the layer.
@@ -44,7 +47,7 @@ from typing import Any
 
 import torch
 
-from nano_vllm.model_runner import ModelRunner
+from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
 
@@ -117,17 +120,25 @@ class OverlapScheduler:
             raise ValueError(f"async_scheduling needs nano_vllm's Scheduler.postprocess; "
                              f"{type(scheduler).__name__} overrides it")
         flight, self.inflight = self.inflight, None
+        result: tuple[list[Sequence], list[Sequence]] = [], []
         try:
             if flight is not None:
                 flight.finished = scheduler.postprocess(flight.out, flight.placeholders)
             out = scheduler.schedule()
             if out.seqs:
-                self.inflight = self._launch(out)
+                runner = engine.model_runner
+                inputs = runner.prepare(out)
+                if flight is not None and self._host_bound(inputs):
+                    # An eager step's launch keeps the host busy longer than the device takes for the step
+                    # in flight, so overlapping gains nothing and would hold step t's tokens (a new
+                    # request's first token, say) back until that launch ends: resolve step t first.
+                    result, flight = self._resolve(flight), None
+                self.inflight = self._launch(out, inputs)
             elif flight is None:
                 if scheduler.has_unfinished():
                     raise RuntimeError("scheduler made no progress: the KV cache cannot fit any waiting request")
                 return [], []
-            return self._resolve(flight) if flight is not None else ([], [])
+            return self._resolve(flight) if flight is not None else result
         except BaseException:
             # As LLMEngine.step: the blocks the failed steps fill are hashed but may never be written.
             engine.block_manager.reset_prefix_cache()
@@ -136,12 +147,18 @@ class OverlapScheduler:
             self.inflight = None
             raise
 
-    def _launch(self, out: SchedulerOutput) -> _Flight:
-        """Prepare, forward and sample `out` on the device; the tokens go to the ring and, asynchronously, to
-        pinned host memory. Nothing here waits for the device."""
+    def _host_bound(self, inputs: StepInputs) -> bool:
+        """Whether the step runs eagerly on a runner that replays CUDA graphs for the steps they fit (a
+        prefill, say, without mixed-step graphs): its launch, op by op from Python, is host-bound."""
+        runner = self.engine.model_runner
+        return bool(runner.cudagraphs) and not any(g.fits(inputs) for g in runner.cudagraphs)
+
+    def _launch(self, out: SchedulerOutput, inputs: StepInputs) -> _Flight:
+        """Forward and sample `out` (prepared as `inputs`) on the device; the tokens go to the ring and,
+        asynchronously, to pinned host memory. Nothing here waits for the device."""
         runner = self.engine.model_runner
         sampled = [s for s, f in zip(out.seqs, out.samples) if f]
-        logits = runner.run(runner.prepare(out))
+        logits = runner.run(inputs)
         if logits is None:
             return _Flight(out, [], [], [])
         tokens = runner.sample(logits, out)

@@ -241,3 +241,37 @@ def test_entry_point_defaults_and_layer_switch_errors():
         EngineConfig(gemv_max_tokens=17)
     with pytest.raises(TypeError, match="fused_projections must be a bool"):
         EngineConfig(fused_projections=1)
+
+
+def test_an_eager_step_resolves_the_step_in_flight_before_its_launch(llama_ckpt, hf_greedy, monkeypatch):
+    """With CUDA graphs, a step that runs eagerly (a prefill) has a host-bound launch: the step in flight is
+    resolved first, so a new request's first token does not wait for it. Here every step that is not pure
+    decode counts as eager; arrivals between steps make mixed prefill + decode steps. Outputs, stop tokens
+    and freed blocks are those of the paper path."""
+    monkeypatch.setattr(OverlapScheduler, "_host_bound", lambda self, inputs: not inputs.is_decode)
+    order = []
+    resolve, launch = OverlapScheduler._resolve, OverlapScheduler._launch
+    monkeypatch.setattr(OverlapScheduler, "_resolve", lambda self, f: order.append("resolve") or resolve(self, f))
+    monkeypatch.setattr(OverlapScheduler, "_launch",
+                        lambda self, out, inputs: order.append("decode" if inputs.is_decode else "eager")
+                        or launch(self, out, inputs))
+    prompts = random_prompts(67, [9, 30, 17, 4])
+    refs = [hf_greedy(llama_ckpt, p, 10) for p in prompts]
+    stop = refs[1][6]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop] if i == 1 else None)
+              for i in range(len(prompts))]
+    engine = LLM(llama_ckpt, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, **ON).engine
+    seqs = [engine.add_request(prompts[0], params[0])]
+    while engine.has_unfinished_requests():
+        engine.step()
+        if len(seqs) < len(prompts) and engine.num_steps % 3 == 1:  # arrivals while decodes run
+            seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
+    assert seqs[1].output_token_ids == refs[1][: refs[1].index(stop) + 1]
+    assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [r for i, r in enumerate(refs) if i != 1]
+    # every eager launch after the first follows a resolve; decode launches run ahead of their resolve
+    eager = [i for i, e in enumerate(order) if e == "eager"]
+    assert len(eager) > 2 and all(order[i - 1] == "resolve" for i in eager[1:])
+    assert any(order[i : i + 2] == ["decode", "decode"] or order[i : i + 2] == ["eager", "decode"]
+               for i in range(len(order) - 1))
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
