@@ -163,8 +163,10 @@ def _bwd_atomic_kernel(Q, K, V, DO, LSE2, Delta, DQ, DK, DV, cu_seqlens_q, cu_se
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_qt + h * stride_qh
         dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * stride_dqh
-        if DESCRIPTOR:  # per (sequence, head): its shape ends at the sequence end and at head_dim
-            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[q_len, HEAD_DIM], strides=[stride_dqt, 1],
+        if DESCRIPTOR:  # per (sequence, head): its shape ends at the sequence end (an empty one is never
+            # written: at least one row keeps the descriptor well-formed) and at head_dim
+            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[tl.maximum(q_len, 1), HEAD_DIM],
+                                                strides=[stride_dqt, 1],
                                                 block_shape=[BLOCK_M, BLOCK_D])
         else:
             dq_desc = dq_base  # unused
