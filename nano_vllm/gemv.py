@@ -83,19 +83,24 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+def split_k_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """The smallest power-of-two SPLIT_K (at most 8, each slice at least 2 tiles of K long) that gives the
+    grid ≥ 3 programs per SM: K is split only where N has too few column blocks to fill the GPU."""
+    split, tiles = 1, cdiv(n, block_n)
+    while split < 8 and tiles * split < 3 * sms and k >= 4 * split * block_k:
+        split *= 2
+    return split
+
+
 @functools.lru_cache(maxsize=4096)
 def default_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
     """The measured config of `MEASURED_M1` for (N, K) at M = 1 on its GPU, else a rule: tiles of 8 × 1024
     weights with 8 warps (M = 1: each warp streams 2 KB of one row per iteration, 32 accumulator registers
-    per thread) or 32 × 256 with 4 (M > 1), 3 stages, and the smallest power-of-two SPLIT_K (at most 8, each
-    slice at least 2 iterations long) that gives ≥ 3 programs per SM — K is split only where N is small."""
+    per thread) or 32 × 256 with 4 (M > 1), 3 stages, and SPLIT_K by `split_k_for`."""
     if m == 1 and sms == MEASURED_M1_SMS and (n, k) in MEASURED_M1:
         return MEASURED_M1[(n, k)]
     block_n, block_k, warps = (8, 1024, 8) if m == 1 else (32, 256, 4)
-    split, tiles = 1, cdiv(n, block_n)
-    while split < 8 and tiles * split < 3 * sms and k >= 4 * split * block_k:
-        split *= 2
-    return GemvConfig(block_n, block_k, split, warps)
+    return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, sms), warps)
 
 
 class GemvWorkspace:
