@@ -7,7 +7,14 @@ GEMM tiles that leave most SMs idle at M = 1 on some shapes (on an H200, 2026-12
 llama3-8b's o_proj against a 4.24 TB/s copy). Here:
 
 * every program owns BLOCK_N output columns for all M rows (so W is read once) and a 1/SPLIT_K slice of
-  K; M = 1 multiplies and sums in registers, M = 2..16 uses `tl.dot` with the rows padded to 16;
+  K; M = 1 multiplies into a (BLOCK_N, BLOCK_K) fp32 accumulator and reduces it once after the loop (no
+  cross-thread reduction per iteration), M = 2..16 uses `tl.dot` with the rows padded to 16;
+* the K loop is indexed by whole BLOCK_K tiles, so every tile starts at a multiple of BLOCK_K and the
+  compiler can prove 16-byte alignment (vector loads, and cp.async for the pipeline); rows past N are
+  clamped onto row N - 1 rather than masked, so a tile of an even K is read with no mask at all;
+* `tl.range(..., num_stages=NUM_STAGES)` puts the loop's loads in a software pipeline: Triton pipelines
+  loads that feed no `tl.dot` only when the loop itself carries `num_stages`, so the launch option alone
+  would leave the M = 1 loop unpipelined (one tile in flight per program);
 * SPLIT_K is chosen so that the grid has a few programs per SM even when N is small; the partial sums go
   to an fp32 workspace and the last program of each column block (a per-block arrival counter) adds them
   in split order — deterministic, no second kernel, and the counter is reset for the next call, so the
@@ -38,12 +45,36 @@ MAX_ROWS = 16  # the dot path pads the rows of x to 16
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch parameters: BLOCK_N output columns per program, BLOCK_K of K per loop iteration, K cut into
-    SPLIT_K slices, num_warps per program."""
+    SPLIT_K slices, num_warps per program, and NUM_STAGES tiles of W in flight per program (the loop's
+    software pipeline; 1: none)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig: {name} must be a power of two, got {v!r}")
+        for name in ("split_k", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GemvConfig: {name} must be an int >= 1, got {v!r}")
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{self.block_k}/split{self.split_k}/w{self.num_warps}/s{self.num_stages}"
+
+
+# The best M = 1 config per weight shape (N, K), from `python -m nano_vllm.bench gemv=true gemv_sweep=true
+# 'gemv_rows=[1]'` on one H200 (132 SMs), which prints this table ready to paste. It applies on a GPU with
+# MEASURED_M1_SMS SMs; other shapes and GPUs take the rule of `default_config`.
+MEASURED_M1_SMS = 132
+MEASURED_M1: dict[tuple[int, int], GemvConfig] = {
+    # (N, K): GemvConfig(block_n, block_k, split_k, num_warps, num_stages) -- not measured yet
+}
 
 
 @functools.cache
@@ -52,15 +83,24 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-@functools.lru_cache(maxsize=4096)
-def default_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
-    """Tiles of 16 × 512 (M = 1) or 32 × 256 (M > 1) weights per iteration, and the smallest power-of-two
-    SPLIT_K (at most 8, each slice at least 2 iterations long) that gives ≥ 3 programs per SM."""
-    block_n, block_k = (16, 512) if m == 1 else (32, 256)
+def split_k_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """The smallest power-of-two SPLIT_K (at most 8, each slice at least 2 tiles of K long) that gives the
+    grid ≥ 3 programs per SM: K is split only where N has too few column blocks to fill the GPU."""
     split, tiles = 1, cdiv(n, block_n)
     while split < 8 and tiles * split < 3 * sms and k >= 4 * split * block_k:
         split *= 2
-    return GemvConfig(block_n, block_k, split)
+    return split
+
+
+@functools.lru_cache(maxsize=4096)
+def default_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
+    """The measured config of `MEASURED_M1` for (N, K) at M = 1 on its GPU, else a rule: tiles of 8 × 1024
+    weights with 8 warps (M = 1: each warp streams 2 KB of one row per iteration, 32 accumulator registers
+    per thread) or 32 × 256 with 4 (M > 1), 3 stages, and SPLIT_K by `split_k_for`."""
+    if m == 1 and sms == MEASURED_M1_SMS and (n, k) in MEASURED_M1:
+        return MEASURED_M1[(n, k)]
+    block_n, block_k, warps = (8, 1024, 8) if m == 1 else (32, 256, 4)
+    return GemvConfig(block_n, block_k, split_k_for(n, k, block_n, block_k, sms), warps)
 
 
 class GemvWorkspace:
@@ -125,48 +165,59 @@ if HAS_TRITON:
                 tl.store(out_ptrs, total.to(OUT.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(COUNTERS + pid_n, 0)
 
-    @triton.jit(do_not_specialize=["M", "k_per_split"])
-    def _gemv_m1_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
-                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr):  # fmt: skip
-        """One row of x: products summed in registers, no tensor cores."""
+    @triton.jit(do_not_specialize=["M", "iters_per_split"])
+    def _gemv_m1_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om,
+                        iters_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+        """One row of x: products accumulated elementwise in fp32 registers, reduced once; no tensor cores."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_hi
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(X + offs_k, mask=k_ok, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        # Rows past N read row N - 1 (never stored): the loads need no mask along N.
+        w_rows = W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
+        it_lo = pid_k * iters_per_split
+        it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)  # a multiple of BLOCK_K: aligned vector loads
+            if EVEN_K:
+                w = tl.load(w_rows + offs_k[None, :])
+                x = tl.load(X + offs_k)
+            else:
+                k_ok = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+                x = tl.load(X + offs_k, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         offs_m = tl.arange(0, 1)
-        _finish(acc[None, :], offs_m, offs_m < M, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL,
-                COUNTERS, M, N, HAS_BIAS, SPLIT_K)
+        _finish(tl.sum(acc, axis=1)[None, :], offs_m, offs_m < M, offs_n, n_ok, pid_n, pid_k, BIAS, OUT,
+                stride_om, PARTIAL, COUNTERS, M, N, HAS_BIAS, SPLIT_K)
 
-    @triton.jit(do_not_specialize=["M", "k_per_split"])
-    def _gemv_dot_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["M", "iters_per_split"])
+    def _gemv_dot_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om,
+                         iters_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                         IEEE: tl.constexpr):  # fmt: skip
         """2..16 rows of x, padded to 16: one `tl.dot` per K block."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, 16)
         m_ok = offs_m < M
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
+        # Rows past M and N read the last real row (never stored): the loads need no mask along them.
+        x_rows = X + tl.minimum(offs_m, M - 1)[:, None].to(tl.int64) * stride_xm
+        w_cols = W + tl.minimum(offs_n, N - 1)[None, :].to(tl.int64) * stride_wn
+        it_lo = pid_k * iters_per_split
+        it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
         acc = tl.zeros([16, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k_hi
-            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # Wᵀ's (BLOCK_K, BLOCK_N) tile
+        for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
+            offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_rows + offs_k[None, :])
+                w = tl.load(w_cols + offs_k[:, None])  # Wᵀ's (BLOCK_K, BLOCK_N) tile
+            else:
+                k_ok = offs_k < K
+                x = tl.load(x_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None], other=0.0)
             if IEEE:  # noqa: SIM108 -- fp32 inputs: full-precision products, not TF32
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
@@ -190,6 +241,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} must agree on K, with a "
                          f"unit-stride K")
     config = config or default_config(1 if m == 1 else MAX_ROWS, n, k, num_sms(x.device))
+    if m > 1 and min(config.block_n, config.block_k) < 16:
+        raise ValueError(f"gemv: {m} rows take tl.dot, whose tiles need block_n and block_k >= 16, got {config}")
     if config.split_k > 1 and (workspace is None or not workspace.fits(m, n, config)):
         workspace = GemvWorkspace(config.split_k * m * n, cdiv(n, config.block_n), x.device)
     if out is None:
@@ -198,12 +251,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"gemv: out must be ({m}, {n}) {x.dtype} with a unit-stride last dim, got "
                          f"{tuple(out.shape)} {out.dtype}")
     partial, counters = (workspace.partial, workspace.counters) if config.split_k > 1 else (out, out)
-    k_per_split = cdiv(cdiv(k, config.split_k), config.block_k) * config.block_k
+    iters_per_split = cdiv(cdiv(k, config.block_k), config.split_k)
     grid = (cdiv(n, config.block_n), config.split_k)
     args = (x, weight, bias if bias is not None else weight, out, partial, counters, m, n, k, x.stride(0),
-            weight.stride(0), out.stride(0), k_per_split)
+            weight.stride(0), out.stride(0), iters_per_split)
     common = {"HAS_BIAS": bias is not None, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-              "SPLIT_K": config.split_k, "num_warps": config.num_warps}
+              "SPLIT_K": config.split_k, "NUM_STAGES": config.num_stages, "EVEN_K": k % config.block_k == 0,
+              "num_warps": config.num_warps, "num_stages": config.num_stages}
     if m == 1:
         _gemv_m1_kernel[grid](*args, **common)
     else:

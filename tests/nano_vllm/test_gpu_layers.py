@@ -42,12 +42,30 @@ def test_gemv_bf16_llama3_shapes(n, k, m, split_k):
     assert ws.counters.eq(0).all()
 
 
-def test_gemv_replays_in_a_cuda_graph():
-    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("n,k", [*LLAMA3_8B, (4100, 4104)])  # and a ragged N and K
+@pytest.mark.parametrize("config", [GemvConfig(4, 2048, 1, 8, 4), GemvConfig(8, 1024, 1, 8, 3),
+                                    GemvConfig(16, 512, 2, 4, 1), GemvConfig(32, 256, 4, 4, 2)])
+def test_gemv_bf16_m1_tiles_and_stages(n, k, config):
+    """M = 1 with compiled pipelines (num_stages > 1 puts the loads in cp.async stages) against fp64."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    exact = x.double() @ w.double().t()
+    out = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ws = GemvWorkspace(config.split_k * n, -(-n // config.block_n), x.device)
+    gemv_triton(x, w, config=config, workspace=ws, out=out)
+    ours = (out.double() - exact).abs().max().item()
+    cublas = (torch.nn.functional.linear(x, w).double() - exact).abs().max().item()
+    assert ours <= 2 * cublas + 1e-3, (ours, cublas)
+    assert ws.counters.eq(0).all()
+
+
+@pytest.mark.parametrize("m,config", [(4, GemvConfig(32, 256, 4)), (1, GemvConfig(8, 1024, 4, 8, 3))])
+def test_gemv_replays_in_a_cuda_graph(m, config):
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    config = GemvConfig(32, 256, 4)
-    ws = GemvWorkspace(4 * 4 * 4096, 4096 // 32, x.device)
-    out = torch.empty(4, 4096, device="cuda", dtype=torch.bfloat16)
+    ws = GemvWorkspace(config.split_k * m * 4096, 4096 // config.block_n, x.device)
+    out = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
     gemv_triton(x, w, config=config, workspace=ws, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

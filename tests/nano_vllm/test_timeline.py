@@ -39,6 +39,7 @@ def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
 
     monkeypatch.setattr(bench_gemv, "SWEEP_M1", [GemvConfig(16, 64, 1), GemvConfig(8, 32, 2)])
     monkeypatch.setattr(bench_gemv, "SWEEP_DOT", [GemvConfig(16, 32, 2)])
+    monkeypatch.setattr(bench_gemv, "REFINE", [(1, 1), (2, 3)])
     cfg = OmegaConf.create({"gemv_model": "tiny", "gemv_rows": [1, 3], "gemv_sweep": True, "gemv_compile": None,
                             "gemv_compile_rows": [1]})
     ceilings = Ceilings("cpu", 1e10, 1e11)
@@ -47,3 +48,6 @@ def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
     shapes = [r["shape"] for r in record["rows"] if r["M"] == 1]
     assert shapes == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "layer"]
     assert all(r["ours TB/s"] > 0 and r["best TB/s"] > 0 for r in record["rows"] if r["shape"] != "layer")
+    m1 = {f"{r['N']}x{r['K']}" for r in record["rows"] if r["M"] == 1 and r["shape"] != "layer"}
+    assert set(record["measured_m1"]) == m1  # the pasteable table: one winner per M = 1 shape
+    assert all(GemvConfig(**c) for c in record["measured_m1"].values())
