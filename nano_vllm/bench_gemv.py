@@ -34,7 +34,7 @@ from shared.config import ModelConfig, resolve_model_config
 # M = 1 tiles (block_n, block_k, num_warps) with 8..64 weights per thread per iteration: at least one 16-byte
 # load each, at most 64 fp32 accumulator registers. Round one tries each without and with a 3-stage pipeline.
 SWEEP_M1 = [GemvConfig(n, k, 1, w, s)
-            for n, k, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (1, 3))
+            for n, k, w, s in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096), (4, 8), (1, 3))
             if 8 * 32 * w <= n * k <= 64 * 32 * w]
 SWEEP_DOT = [GemvConfig(n, k, s) for n, k, s in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))]
 REFINE = list(itertools.product((1, 2, 4), (1, 2, 3, 4)))  # round two: (split_k, num_stages) of the winner

@@ -42,15 +42,15 @@ Engine = TypeVar("Engine", bound=LLMEngine)
 
 # The engine arguments the bench and the server turn on (their configs list them; the crossover of the
 # GEMV is a measured number: `python -m nano_vllm.bench gemv=true` prints it).
-# The split-K GEMV stays off: on an H200 (2026-12-01, `python -m nano_vllm.bench model=llama3-8b
-# workload=batch1`, the other layers on) batch-1 decode ran 158.4 tok/s with it up to 16 rows and 193.7
-# with cuBLAS (`gemv_max_tokens=0`); `engine.gemv_max_tokens=16` turns it on.
+# The GEMV takes one-row steps (M = 1, where its measured tiles beat cuBLAS on every llama3-8b shape; the
+# bench's crossover): on an H200 (2026-12-01, `python -m nano_vllm.bench model=llama3-8b workload=batch1`,
+# the other layers on) batch-1 decode ran 213.8 tok/s with it and 195.5 with cuBLAS (`gemv_max_tokens=0`).
 # Steps that carry prompt tokens are captured too, at these token counts (those within the step budget,
 # `max_num_batched_tokens`): an eager step is host-bound, and with overlapped scheduling a new request's
 # first token waited for it. On an H200 (2026-12-01, the published workload replayed open-loop at 20 req/s,
 # first engine of a process) TTFT P50 went 42-64 → 12.7 ms and TPOT P50 6.6 → 3.1 ms.
 PERFORMANCE_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": True, "fused_projections": True,
-                                           "fused_sampling": True, "gemv_max_tokens": 0,
+                                           "fused_sampling": True, "gemv_max_tokens": 1,
                                            "mixed_cudagraph_sizes": (128, 256, 512, 1024, 1536, 2048)}
 
 

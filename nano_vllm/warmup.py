@@ -16,7 +16,18 @@ from nano_vllm.sampling_params import SamplingParams
 def warm_up(engine: LLMEngine) -> None:
     """A prefill; a prefill that continues over cached blocks (the paged varlen path) in a step with a
     decode; then the same with token counts that are multiples of 16. Leaves no request, no used block,
-    no cached prefix and `num_steps` at 0."""
+    no cached prefix and `num_steps` at 0. Every step runs eagerly: the CUDA graphs compiled their kernels
+    when they were captured, and a step no graph fits (a prefill longer than the largest mixed-step graph)
+    must not compile its variants in front of a user."""
+    runner = engine.model_runner
+    graphs, runner.cudagraphs = runner.cudagraphs, []
+    try:
+        _warm_up_steps(engine)
+    finally:
+        runner.cudagraphs = graphs
+
+
+def _warm_up_steps(engine: LLMEngine) -> None:
     bs, room = engine.config.block_size, engine.max_model_len - 4
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = [1 + i % 100 for i in range(min(2 * bs + 3, room))]  # odd length: 2 blocks and 3 tokens

@@ -116,15 +116,30 @@ def test_failed_step_forgets_hashes_of_uncomputed_blocks(qwen3_ckpt, hf_greedy, 
     assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(qwen3_ckpt, prompt, 5)
 
 
+class _NoGraphFits:
+    """A stand-in for a runner's CUDA graph set that counts the steps offered to it."""
+
+    asked = 0
+
+    def fits(self, inputs) -> bool:
+        self.asked += 1
+        return False
+
+
 @pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64}])
 def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra, layer_args):
     """The compile warm-up layer (what `with_performance_layers` runs on CUDA; called by hand here): it
-    exercises a prefix hit in a mixed step, then leaves no request, no used block, no cached hash and no
+    runs every step eagerly (the variants a step too large for any CUDA graph needs), exercises a prefix
+    hit in a mixed step, then leaves no request, no used block, no cached hash and no
     step count behind."""
     llm = LLM(ckpt, max_model_len=64, **extra, **layer_args)
     engine = llm.engine
     steps = _record_steps(llm)
+    runner, graphs = engine.model_runner, _NoGraphFits()
+    runner.cudagraphs = [graphs]
     warm_up(engine)
+    assert not graphs.asked and runner.cudagraphs == [graphs]  # every step ran eagerly; the graphs are back
+    runner.cudagraphs = []
     assert any(len(n) == 2 and 1 in n and max(n) > 1 for n, _ in steps)  # decode + prefill chunk
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks

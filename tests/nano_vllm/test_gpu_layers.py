@@ -15,11 +15,10 @@ from vllm_checkpoints import random_prompts
 from nano_vllm import LLM, SamplingParams
 from nano_vllm.fused_sampling import sample_reference, sample_triton
 from nano_vllm.gemv import GemvConfig, GemvWorkspace, gemv_triton
-from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, with_performance_layers
+from nano_vllm.performance import performance_engine_args, with_performance_layers
 from nano_vllm.step_timing import StepTimer
 
 pytestmark = pytest.mark.gpu
-LAYERS = dict(PERFORMANCE_ENGINE_ARGS)
 KV = {"num_kv_blocks": 512}  # a fixed pool: an engine sized from free memory leaves the next none
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # fused qkv, o, fused gate_up, down
 
@@ -93,7 +92,8 @@ def test_fused_sampling_kernel_on_cuda():
                                                                "mixed_cudagraph_sizes": [16, 64]}])
 def test_layers_match_transformers_fp32(ckpt, hf_greedy, extra):
     prompts, max_tokens = random_prompts(90, [1, 17, 33, 70, 5]), [20, 30, 12, 16, 40]
-    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, **LAYERS, **{**KV, **extra})
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128,
+              **performance_engine_args({**KV, **extra}))
     with_performance_layers(llm.engine)
     timer = StepTimer(llm.engine, timeline=True)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
@@ -110,7 +110,7 @@ def test_layers_match_the_eager_paper_path_bf16(ckpt):
     """bf16 with every layer (CUDA graphs, overlap, fused projections, GEMV, fused sampling) against the
     eager paper path: the prefill logits agree to bf16 accuracy and the greedy tokens agree."""
     prompts = random_prompts(91, [3, 12, 40, 7])
-    fast = LLM(ckpt, device="cuda", max_model_len=128, **LAYERS, **KV)
+    fast = LLM(ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
     plain = LLM(ckpt, device="cuda", max_model_len=128, enforce_eager=True, **KV)
     with_performance_layers(fast.engine)
     logits = []
@@ -132,7 +132,7 @@ def test_layers_match_the_eager_paper_path_bf16(ckpt):
 
 
 def test_seeded_sampling_with_layers_bf16(qwen3_ckpt):
-    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128, **LAYERS, **KV)
+    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=24, seed=11)
     plain = SamplingParams(temperature=0.6, max_tokens=24, seed=3)
     alone = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0].token_ids
@@ -143,7 +143,7 @@ def test_seeded_sampling_with_layers_bf16(qwen3_ckpt):
 def test_no_kernel_compiles_mid_serving_with_layers(ckpt):
     from shared.bench import KernelCompiles
 
-    llm = LLM(ckpt, device="cuda", max_model_len=128, **LAYERS, **KV)
+    llm = LLM(ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
     with_performance_layers(llm.engine)
     one = SamplingParams(temperature=0.0, max_tokens=4)
     llm.generate(random_prompts(92, [17]), one, use_tqdm=False)
