@@ -51,7 +51,7 @@ from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
-PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm",
+PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm", "w4a16 gemv repacked": "tinygemm",
          "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
 
 
@@ -70,6 +70,7 @@ def weights(k: int, n: int, device: torch.device) -> dict:
            "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
     ops["w4_dense"] = awq_dequantize_torch(ops["qweight"], ops["qzeros"], ops["scales"], GROUP).t()
     ops["int8"], ops["fp8"] = quantize_rowwise(w, "int8"), quantize_rowwise(w, "fp8")
+    ops["repacked"] = gemv.repack_for_gemv(ops["qweight"], ops["qzeros"], ops["scales"], GROUP)
     if device.type == "cuda":  # tinygemm: (q - 8)·Δ + zero with zero = (8 - z)·Δ is the same grid
         packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
         ops["int4pack"] = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
@@ -104,6 +105,9 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
                                    ("w4a16 mma", kernels.awq_gemm_triton, (1, 64))):
         if x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
             found[name] = (functools.partial(kernel, x, *awq), w4_bytes + m * k * 2 + out, ref4)
+    if x.is_cuda and m == 1:  # K-contiguous words; fp16 scales and fp32 zeros: 6 bytes per group and column
+        fn = functools.partial(gemv.awq_gemv_repacked_triton, x, *ops["repacked"], GROUP, None)
+        found["w4a16 gemv repacked"] = (fn, n * k // 2 + 6 * (n * k // GROUP) + k * 2 + out, ref4)
     if x.is_cuda:
         found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
                                                                           ops["scales_and_zeros"]),
@@ -128,12 +132,13 @@ def _w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.T
 
 
 def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int,
-              repeats: int) -> list[dict]:
+              repeats: int, only: list[str] | None = None) -> list[dict]:
+    """One table's rows: every system of `systems` (those in `only` and bf16, when `only` is given)."""
     ops = weights(k, n, device)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        found = systems(ops, x)
+        found = {s: job for s, job in systems(ops, x).items() if only is None or s in only or s == "bf16"}
         times = {}
         for system, (fn, nbytes, ref) in list(found.items()):
             try:
@@ -170,6 +175,12 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         grid = itertools.product((128, 256), (16, 32), (4, 8, 16), (1, 2, 3))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
                  "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
+    if kind == "awq_gemv_repacked":  # 9 tiles (4-16 words a thread) x 2 unpack forms x 2 pipelines = 36
+        tiles = [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 4),
+                 (4, 2048, 8), (8, 1024, 8), (8, 2048, 8)]
+        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "UNPACK_AXIS": ax,
+                 "num_warps": w, "num_stages": st}
+                for (bn, bk, w), ax, st in itertools.product(tiles, (False, True), (1, 3)) if k % bk == 0]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -188,6 +199,9 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
         jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
     if x.shape[0] <= 8:
         jobs["w4a16 gemv"] = (lambda c: gemv.awq_gemv_triton(*awq, c), "awq_gemv")
+    if x.shape[0] == 1:
+        jobs["w4a16 gemv repacked"] = (lambda c: gemv.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP, None,
+                                                                               c), "awq_gemv_repacked")
     return jobs
 
 
@@ -214,8 +228,28 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
                     best, best_t = c, t
             rows.append({"shape": name, "M": m, "system": system, "default us": default * 1e6,
                          "best us": best_t * 1e6, "speedup": default / best_t, "best config": str(best)})
+            if system == "w4a16 gemv repacked":  # a line for gemv.MEASURED_REPACKED
+                best = best or gemv.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
+                print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, NVIDIA H200", flush=True)
     release_memory()
     return rows
+
+
+def _repacked_summary(rows: list[dict], tuned: list[dict]) -> list[dict]:
+    """Per shape at M = 1: µs of the AutoAWQ-layout GEMV, the repacked GEMV (default and best swept config),
+    tinygemm and bf16 cuBLAS, from the table rows and the sweep."""
+    us = {(r["shape"], r["system"]): r["us"] for r in rows if r["M"] == 1}
+    best = {r["shape"]: r for r in tuned if r["M"] == 1 and r["system"] == "w4a16 gemv repacked"}
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["M"] == 1):
+        if (shape, "w4a16 gemv repacked") not in us:
+            continue
+        b = best.get(shape)
+        out.append({"shape": shape, "gemv": us.get((shape, "w4a16 gemv")),
+                    "repacked": us[(shape, "w4a16 gemv repacked")], "repacked best": b and b["best us"],
+                    "tinygemm": us.get((shape, "tinygemm")), "bf16": us.get((shape, "bf16")),
+                    "best config": b and b["best config"]})
+    return out
 
 
 def run(cfg: DictConfig) -> dict:
@@ -235,7 +269,9 @@ def run(cfg: DictConfig) -> dict:
     rows, tuned = [], []
     for name in cfg.shapes or shapes:
         k, n = shapes[name]
-        shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats))
+        only = cfg.get("systems")
+        shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats),
+                               None if only is None else list(only))
         print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
                                       f"{GROUP}")
         rows += shape_rows
@@ -244,6 +280,10 @@ def run(cfg: DictConfig) -> dict:
             shape_tuned = tune_shape(name, k, n, ms, device, None if systems is None else list(systems))
             print_table(shape_tuned, title=f"tile sweep, {name}")
             tuned += shape_tuned
+    summary = _repacked_summary(rows, tuned)
+    if summary:
+        print_table(summary, title="M = 1 W4A16: GEMV (AutoAWQ layout), repacked GEMV (default, best swept), "
+                                   "tinygemm, bf16 cuBLAS (us)")
     print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
           "(read + write)", flush=True)
     record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,

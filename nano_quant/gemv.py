@@ -28,7 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels import use_triton
 from shared.kernels.launch import cdiv
+
+from .linear import WQLinear_GEMM
+from .quant import unpack_awq
 
 # fp32 with exponent 2^23 and an empty mantissa: OR-ing an integer q < 2^23 into it gives the float 2^23 + q.
 _MAGIC_BITS = tl.constexpr(0x4B000000)
@@ -173,3 +177,203 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     memory-bound decoding): weights read once as packed words, scale and zero applied once per group."""
     return _launch(_awq_gemv_kernel, awq_gemv_config, "awq_gemv", x, qweight, qzeros, scales, group_size, bias,
                    config)
+
+
+# ------------------------------------------------------------------ GEMV over a K-contiguous repacked layout
+# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
+# output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
+# that owns a few output columns then reads long contiguous runs of each (BLOCK_K / 2 bytes per row per
+# step) with 16-byte loads, and x's matching 8 elements are one 16-byte vector. Per group the zero point is
+# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernel needs no zero unpack.
+
+# The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
+# tune_systems=['w4a16 gemv repacked'] ms=[1] repacked_only=true`, which prints the lines to paste here.
+# Shapes not listed take `awq_gemv_repacked_config`'s rule.
+MEASURED_REPACKED: dict[tuple[int, int], dict] = {}
+
+
+def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMM layout -> (qweight_t int32 (N, K/8), scales_t (N, K/G) in scales' dtype, zeros_t fp32
+    (N, K/G) = −z·s): word j of row n holds q[8j + i, n] in nibble i. One more copy of the 4-bit weight."""
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"repack_for_gemv: qweight and qzeros must be 2-D int32, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)} and {qzeros.dtype}")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if group_size < 8 or group_size % 8 or k % group_size:
+        raise ValueError(f"repack_for_gemv: group_size {group_size} must be a multiple of 8 dividing K = {k}")
+    groups = k // group_size
+    if qzeros.shape != (groups, n // 8) or scales.shape != (groups, n):
+        raise ValueError(f"repack_for_gemv: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not "
+                         f"match qweight {tuple(qweight.shape)} with group_size {group_size}")
+    q = unpack_awq(qweight)  # (K, N), natural column order
+    nibbles = q.t().reshape(n, k // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=q.device))
+    packed = nibbles.sum(-1)  # disjoint nibbles: the sum is a bitwise or
+    qweight_t = (packed - (packed >= 2**31) * 2**32).to(torch.int32).contiguous()
+    z = unpack_awq(qzeros)
+    zeros_t = (-(z.float() * scales.float())).t().contiguous()
+    return qweight_t, scales.t().contiguous(), zeros_t
+
+
+def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
+                                zeros_t: torch.Tensor, group_size: int,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ Ŵ (K, N) (+ bias) from the repacked tensors, in fp32 torch, returned in x's dtype: Ŵ_kn =
+    s·q + (−z·s), which is (q − z)·s (AWQ §3's group-wise grid)."""
+    n, kp = qweight_t.shape
+    q = (qweight_t[..., None] >> (4 * torch.arange(8, device=x.device, dtype=torch.int32))) & 0xF
+    w = (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
+         + zeros_t.repeat_interleave(group_size, 1))
+    y = x.float() @ w.t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["iters_per_split"])
+def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split, GROUP_SIZE: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
+                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                              UNPACK_AXIS: tl.constexpr):
+    """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads
+    BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns; every word's 8 products are summed into the
+    elementwise (n, g, w) accumulator with its group's scale and zero term; one reduction after the loop."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1)[:, None, None].to(tl.int64)  # columns past N re-read N - 1, never stored
+    gi = tl.arange(0, NG)[None, :, None]
+    wrd = gi * WPG + tl.arange(0, WPG)[None, None, :]
+    acc = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
+    it_lo = pid_k * iters_per_split
+    it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, BLOCK_K // 8))
+    for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
+        kw = it * (BLOCK_K // 8) + wrd  # word index along K, a multiple of BLOCK_K / 8 plus the tile offset
+        grp = (it * BLOCK_K + gi * (WPG * 8)) // GROUP_SIZE
+        if EVEN_K:
+            w = tl.load(QW + rows * KP + kw)
+            s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
+            zs = tl.load(ZS + rows * GROUPS + grp)
+        else:
+            w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0)
+            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0).to(tl.float32)
+            zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
+        if UNPACK_AXIS:  # the 8 nibbles as a 4th axis, x as 8-element vectors
+            t = tl.arange(0, 8)[None, None, None, :]
+            xk = 8 * kw[:, :, :, None] + t
+            if EVEN_K:
+                xv = tl.load(X + xk).to(tl.float32)
+            else:
+                xv = tl.load(X + xk, mask=xk < 8 * KP, other=0.0).to(tl.float32)
+            q = ((((w[:, :, :, None] >> (4 * t)) & 0xF) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
+            xq = tl.sum(q * xv, axis=3)
+            xs = tl.sum(xv, axis=3)
+        else:  # 8 unrolled steps on (n, g, w) tensors: nibble t kept in place is q·16^(t%4), x pre-scaled
+            hi = w >> 16
+            xq = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
+            xs = tl.zeros((1, NG, WPG), dtype=tl.float32)
+            for t in tl.static_range(8):
+                if EVEN_K:
+                    xt = tl.load(X + 8 * kw + t).to(tl.float32)
+                else:
+                    xt = tl.load(X + 8 * kw + t, mask=kw < KP, other=0.0).to(tl.float32)
+                src = w if t < 4 else hi
+                q = (((src & (0xF << (4 * (t % 4)))) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
+                xq += q * (xt * (1.0 / (1 << (4 * (t % 4)))))
+                xs += xt
+        acc += s * xq + zs * xs
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
+
+
+@functools.lru_cache(maxsize=1024)
+def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
+    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 4
+    columns per program, 1024 values of K (512 contiguous bytes per column) per step, 4 warps, 2 stages,
+    and SPLIT_K only where N leaves fewer than 2 programs per SM."""
+    if (n, k) in MEASURED_REPACKED and num_sms == 132:
+        return dict(MEASURED_REPACKED[(n, k)])
+    pow2_group = group_size & (group_size - 1) == 0
+    block_n = 4
+    block_k = min(1024, max(group_size, next_pow2_at_most(k))) if pow2_group else group_size & -group_size
+    split = 1
+    while cdiv(n, block_n) * split < 2 * num_sms and k >= 4 * split * block_k:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "UNPACK_AXIS": False,
+            "num_warps": 4, "num_stages": 2}
+
+
+def next_pow2_at_most(v: int) -> int:
+    """The largest power of two <= v (v >= 1)."""
+    return 1 << (v.bit_length() - 1)
+
+
+def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
+                             zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+                             config: dict | None = None) -> torch.Tensor:
+    """x (1, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout (AWQ §4's memory-bound decoding): each
+    program streams BLOCK_N columns' K-contiguous packed words, applies scale and zero once per word's group."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"awq_gemv_repacked: x must be (1, K), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k = x.shape[1]
+    n, kp = qweight_t.shape
+    groups = scales_t.shape[-1]
+    if (kp * 8 != k or qweight_t.stride(1) != 1 or group_size % 8 or groups * group_size != k
+            or scales_t.shape != (n, groups) or zeros_t.shape != (n, groups) or zeros_t.dtype != torch.float32):
+        raise ValueError(f"awq_gemv_repacked: x {tuple(x.shape)} does not match qweight_t "
+                         f"{tuple(qweight_t.shape)} / scales_t {tuple(scales_t.shape)} / zeros_t "
+                         f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
+    cfg = dict(config or awq_gemv_repacked_config(n, k, group_size, num_sms(x.device)))
+    block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
+    if block_k < 8 or block_k & (block_k - 1) or (block_k % group_size and group_size % block_k):
+        raise ValueError(f"awq_gemv_repacked: BLOCK_K {block_k} must be a power of two >= 8 that divides "
+                         f"or is a multiple of group_size {group_size}")
+    if split < 1 or cfg["BLOCK_N"] < 1 or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
+        raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1 and BLOCK_N a power of two, got {split}, "
+                         f"{cfg['BLOCK_N']}")
+    ng = max(block_k // group_size, 1)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    partial = split_k_partials(out, split, bias)
+    iters = cdiv(cdiv(k, block_k), split)
+    stages = cfg.setdefault("num_stages", 1)
+    cfg.setdefault("UNPACK_AXIS", False)
+    _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
+        x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters, GROUP_SIZE=group_size, BLOCK_K=block_k,
+        NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages, EVEN_K=k % block_k == 0, **cfg)
+    return split_k_reduce(partial, out, bias)
+
+
+class RepackedGemvWQLinear(WQLinear_GEMM):
+    """WQLinear_GEMM that runs `awq_gemv_repacked_triton` for one row of x on CUDA (fp16 / bf16) and its own
+    path otherwise. The repacked tensors are non-persistent buffers (the checkpoint keeps AutoAWQ's format):
+    one more copy of the 4-bit weight, N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32
+    zeros) — for llama3-8b's decoder layers about 3.3 GB more."""
+
+    def build_repacked(self) -> None:
+        for name, t in zip(("qweight_t", "scales_t", "zeros_t"),
+                           repack_for_gemv(self.qweight, self.qzeros, self.scales, self.group_size)):
+            self.register_buffer(name, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
+            if getattr(self, "qweight_t", None) is None:  # built once, on the first one-row call
+                self.build_repacked()
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = awq_gemv_repacked_triton(x.reshape(1, -1), self.qweight_t, self.scales_t, self.zeros_t,
+                                         self.group_size, bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+def use_repacked_gemv(model: torch.nn.Module) -> torch.nn.Module:
+    """A performance layer, off unless called: every WQLinear_GEMM of `model` becomes a RepackedGemvWQLinear
+    in place with its repacked tensors built now (before any CUDA-graph capture); returns the model."""
+    for m in model.modules():
+        if type(m) is WQLinear_GEMM:
+            m.__class__ = RepackedGemvWQLinear
+            m.build_repacked()
+    return model
+
+
+def repacked_bytes(model: torch.nn.Module) -> int:
+    """Bytes the repacked tensors of `model`'s RepackedGemvWQLinear layers occupy (the layer's extra memory)."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, RepackedGemvWQLinear)
+               for t in (getattr(m, n, None) for n in ("qweight_t", "scales_t", "zeros_t")) if t is not None)

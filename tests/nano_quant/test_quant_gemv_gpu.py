@@ -72,3 +72,18 @@ def test_dispatch_under_cuda_graph(m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)  # split-K sums in a fixed order
+
+
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (384, 1000)])
+def test_repacked_vs_reference(k, n):
+    """The repacked M = 1 GEMV in bf16, default and every swept config, against float64."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=True, device=DEV), 128)
+    bias = layer.bias.to(torch.bfloat16)
+    packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 128).double()
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    low = awq_gemm_torch(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
+    exact = x.double() @ w + bias.double()
+    for cfg in [None, *tune_configs("awq_gemv_repacked", 1, n, k)]:
+        ours = gemv.awq_gemv_repacked_triton(x, *packed, 128, bias, config=cfg)
+        assert ours.dtype == torch.bfloat16 and rel(ours, exact) <= 2 * rel(low, exact) + 1e-6, cfg
