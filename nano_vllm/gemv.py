@@ -293,10 +293,17 @@ class GemvLinear(nn.Linear):
 
 def apply_gemv(runner: Any) -> None:
     """The runner layer (`ModelRunner.runner_layers`): every nn.Linear of the loaded model becomes a
-    GemvLinear when `EngineConfig.gemv_max_tokens` > 0, sharing one workspace."""
+    GemvLinear when `EngineConfig.gemv_max_tokens` > 0, sharing one workspace; on CUDA, a quantized model's
+    AWQ layers take nano_quant's repacked W4 GEMV for one-row steps."""
     max_rows = runner.config.gemv_max_tokens
     if max_rows == 0:
         return
+    if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
+        # AWQ W4 layers: their own GEMV for one-row steps, over a K-contiguous copy of the 4-bit weight
+        # (nano_quant.gemv's repacked layer; the memory it adds is the engine's `weights` line).
+        from nano_quant.gemv import use_repacked_gemv
+
+        use_repacked_gemv(runner.model)
     # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their
     # own kernels; its 16-bit LM head still takes the GEMV.
     linears = [m for m in runner.model.modules() if type(m) is nn.Linear]
