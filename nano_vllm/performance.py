@@ -70,11 +70,12 @@ RUNNER_LAYERS = (use_quantized_kernels, apply_fused_projections, apply_gemv, app
 
 def performance_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
     """`engine_args` with every layer switch it does not set taken from PERFORMANCE_ENGINE_ARGS; overlapped
-    scheduling stays off with tensor_parallel_size > 1 unless asked for (it needs one device), and the
-    mixed-step graph sizes stop at the step budget."""
+    scheduling stays off with tensor_parallel_size > 1 unless asked for (it needs one device), so do the
+    mixed-step graphs (not measured across ranks), and their sizes stop at the step budget."""
     defaults = dict(PERFORMANCE_ENGINE_ARGS)
     if engine_args.get("tensor_parallel_size", 1) > 1:
         defaults["async_scheduling"] = False
+        defaults["mixed_cudagraph_sizes"] = ()  # not measured across ranks yet; decode graphs only
     budget = engine_args.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens)
     if isinstance(budget, int):  # a bad value is EngineConfig's to report
         defaults["mixed_cudagraph_sizes"] = tuple(s for s in defaults["mixed_cudagraph_sizes"] if s <= budget)

@@ -233,7 +233,10 @@ def test_entry_point_defaults_and_layer_switch_errors():
 
     assert performance_engine_args({}) == PERFORMANCE_ENGINE_ARGS
     assert performance_engine_args({"fused_sampling": False})["fused_sampling"] is False
+    assert performance_engine_args({"max_num_batched_tokens": 300})["mixed_cudagraph_sizes"] == (128, 256)
+    assert performance_engine_args({"mixed_cudagraph_sizes": [64]})["mixed_cudagraph_sizes"] == [64]
     tp = performance_engine_args({"tensor_parallel_size": 2})
+    assert tp["mixed_cudagraph_sizes"] == ()
     assert tp["async_scheduling"] is False and tp["fused_projections"] is True  # overlap needs one device
     with pytest.raises(TypeError, match="gemv_max_tokens must be an int"):
         EngineConfig(gemv_max_tokens=2.5)
