@@ -462,7 +462,7 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
     partial = split_k_partials(out, split, bias)  # sized by shapes only: CUDA-graph safe
     if m:
         iters = cdiv(cdiv(k, block_k), split)
-        stages = cfg.pop("NUM_STAGES", cfg.get("num_stages", 1))
+        stages = cfg.setdefault("num_stages", 3)
         _awq_mma_repacked_kernel[(cdiv(n, block_n), split)](
             x, qweight_t, scales_t, zeros_t, partial, m, n, kp, groups, x.stride(0), iters,
             GROUP_SIZE=group_size, BLOCK_M=MMA_REPACKED_MAX_M, BLOCK_K=block_k, NG=max(block_k // group_size, 1),
