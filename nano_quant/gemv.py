@@ -13,6 +13,8 @@ with a lop3 and a magic exponent; the same trick in fp32, which Triton can expre
   low 16 bits and the odd ones in the high 16 bits, so `w` and `w >> 16` give the two halves. The zero
   point and scale are applied once per group of G rows (AWQ §3's grid is per group):
   Σ_k x_k (q_kn − z_n) s_n = s_n (Σ_k x_k q_kn − z_n Σ_k x_k).
+* `awq_gemv_repacked_triton` (1 row) and `awq_mma_repacked_triton` (2..16 rows, tensor cores) read a
+  K-contiguous copy of the weight made once by `repack_for_gemv`; `RepackedGemvWQLinear` dispatches to them.
 
 Split-K partial sums go to a (SPLIT_K, M, N) fp32 buffer that `_split_k_sum_kernel` reduces (+ bias) in a
 fixed order: the result is the same on every run, which a captured CUDA graph's replay is compared against,
