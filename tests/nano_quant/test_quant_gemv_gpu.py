@@ -87,3 +87,44 @@ def test_repacked_vs_reference(k, n):
     for cfg in [None, *tune_configs("awq_gemv_repacked", 1, n, k)]:
         ours = gemv.awq_gemv_repacked_triton(x, *packed, 128, bias, config=cfg)
         assert ours.dtype == torch.bfloat16 and rel(ours, exact) <= 2 * rel(low, exact) + 1e-6, cfg
+
+
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (384, 1000)])
+def test_mma_repacked_vs_reference(k, n):
+    """The repacked tensor-core kernel in bf16 at 2, 5 and 16 rows, default and every swept config (16 rows),
+    against float64 and against torch's tinygemm."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=True, device=DEV), 128)
+    bias = layer.bias.to(torch.bfloat16)
+    packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 128).double()
+    ops = weights(k, n, torch.device(DEV)) if k % 1024 == 0 else None
+    for m in (2, 5, 16):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        low = awq_gemm_torch(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
+        exact = x.double() @ w + bias.double()
+        for cfg in [None, *(tune_configs("awq_mma_repacked", m, n, k) if m == 16 else [])]:
+            try:
+                ours = gemv.awq_mma_repacked_triton(x, *packed, 128, bias, config=cfg)
+            except triton_resource_errors():
+                continue
+            assert ours.dtype == torch.bfloat16 and rel(ours, exact) <= 2 * rel(low, exact) + 1e-6, (m, cfg)
+        if ops is not None:
+            peer = torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], 128, ops["scales_and_zeros"])
+            mine = gemv.awq_mma_repacked_triton(x, *ops["repacked"], 128, None)
+            ref = x.double() @ ops["w4_dense"].double().t()
+            assert rel(mine, ref) <= 2 * rel(peer, ref) + 1e-3, m
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 17])
+def test_repacked_layer_under_cuda_graph(m):
+    """The repacked layer (GEMV, tensor-core kernel with split-K, or its own path) replays bit for bit."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(4096, 4096, bias=True, device=DEV), 128)
+    model = gemv.use_repacked_gemv(torch.nn.Sequential(layer))
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    eager = model(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
