@@ -46,14 +46,12 @@ from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
 from . import gemv, kernels
-from .gemv import mma_split_k
 from .linear import awq_dequantize_torch
 from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
 PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm", "w4a16 gemv repacked": "tinygemm",
-         "w4a16 mma repacked": "tinygemm",
          "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
 
 
@@ -110,9 +108,6 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
     if x.is_cuda and m == 1:  # K-contiguous words; fp16 scales and fp32 zeros: 6 bytes per group and column
         fn = functools.partial(gemv.awq_gemv_repacked_triton, x, *ops["repacked"], GROUP, None)
         found["w4a16 gemv repacked"] = (fn, n * k // 2 + 6 * (n * k // GROUP) + k * 2 + out, ref4)
-    if x.is_cuda and 2 <= m <= gemv.MMA_REPACKED_MAX_M:  # the same layout, tensor cores for all rows
-        fn = functools.partial(gemv.awq_mma_repacked_triton, x, *ops["repacked"], GROUP, None)
-        found["w4a16 mma repacked"] = (fn, n * k // 2 + 6 * (n * k // GROUP) + m * k * 2 + out, ref4)
     if x.is_cuda:
         found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
                                                                           ops["scales_and_zeros"]),
@@ -187,11 +182,6 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "UNPACK_AXIS": True,
                  "num_warps": w, "num_stages": st}
                 for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]
-    if kind == "awq_mma_repacked":  # 2 x 3 x 2 x 2 = 24: column tile, K step, warps, pipeline; SPLIT_K by
-        # the launcher's rule (about 2 programs per SM)
-        grid = itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3))
-        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": mma_split_k(-(-n // bn), -(-k // bk), sms),
-                 "num_warps": w, "num_stages": st} for bn, bk, w, st in grid if k % bk == 0]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -213,9 +203,6 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
     if x.shape[0] == 1:
         jobs["w4a16 gemv repacked"] = (lambda c: gemv.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP, None,
                                                                                c), "awq_gemv_repacked")
-    if 2 <= x.shape[0] <= gemv.MMA_REPACKED_MAX_M:
-        jobs["w4a16 mma repacked"] = (lambda c: gemv.awq_mma_repacked_triton(x, *ops["repacked"], GROUP, None,
-                                                                             c), "awq_mma_repacked")
     return jobs
 
 
@@ -245,27 +232,24 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
             if system == "w4a16 gemv repacked":  # a line for gemv.MEASURED_REPACKED
                 best = best or gemv.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
                 print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, NVIDIA H200", flush=True)
-            if system == "w4a16 mma repacked":  # a line for gemv.MEASURED_MMA_REPACKED
-                best = best or gemv.awq_mma_repacked_config(n, k, GROUP, gemv.num_sms(device))
-                print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us at M = {m}, NVIDIA H200",
-                      flush=True)
     release_memory()
     return rows
 
 
-def _repacked_summary(rows: list[dict], tuned: list[dict], m: int, old: str, new: str) -> list[dict]:
-    """Per shape at M = m: µs of the AutoAWQ-layout kernel `old`, the repacked kernel `new` (default and best
-    swept config), tinygemm and bf16 cuBLAS, from the table rows and the sweep."""
-    us = {(r["shape"], r["system"]): r["us"] for r in rows if r["M"] == m}
-    best = {r["shape"]: r for r in tuned if r["M"] == m and r["system"] == new}
+def _repacked_summary(rows: list[dict], tuned: list[dict]) -> list[dict]:
+    """Per shape at M = 1: µs of the AutoAWQ-layout GEMV, the repacked GEMV (default and best swept config),
+    tinygemm and bf16 cuBLAS, from the table rows and the sweep."""
+    us = {(r["shape"], r["system"]): r["us"] for r in rows if r["M"] == 1}
+    best = {r["shape"]: r for r in tuned if r["M"] == 1 and r["system"] == "w4a16 gemv repacked"}
     out = []
-    for shape in dict.fromkeys(r["shape"] for r in rows if r["M"] == m):
-        if (shape, new) not in us:
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["M"] == 1):
+        if (shape, "w4a16 gemv repacked") not in us:
             continue
         b = best.get(shape)
-        out.append({"shape": shape, old: us.get((shape, old)), new: us[(shape, new)],
-                    "best": b and b["best us"], "tinygemm": us.get((shape, "tinygemm")),
-                    "bf16": us.get((shape, "bf16")), "best config": b and b["best config"]})
+        out.append({"shape": shape, "gemv": us.get((shape, "w4a16 gemv")),
+                    "repacked": us[(shape, "w4a16 gemv repacked")], "repacked best": b and b["best us"],
+                    "tinygemm": us.get((shape, "tinygemm")), "bf16": us.get((shape, "bf16")),
+                    "best config": b and b["best config"]})
     return out
 
 
@@ -297,12 +281,10 @@ def run(cfg: DictConfig) -> dict:
             shape_tuned = tune_shape(name, k, n, ms, device, None if systems is None else list(systems))
             print_table(shape_tuned, title=f"tile sweep, {name}")
             tuned += shape_tuned
-    for m, old, new, what in ((1, "w4a16 gemv", "w4a16 gemv repacked", "GEMV"),
-                              (16, "w4a16 mma", "w4a16 mma repacked", "tensor-core kernel")):
-        summary = _repacked_summary(rows, tuned, m, old, new)
-        if summary:
-            print_table(summary, title=f"M = {m} W4A16: {what} (AutoAWQ layout), repacked {what} (default, best "
-                                       "swept), tinygemm, bf16 cuBLAS (us)")
+    summary = _repacked_summary(rows, tuned)
+    if summary:
+        print_table(summary, title="M = 1 W4A16: GEMV (AutoAWQ layout), repacked GEMV (default, best swept), "
+                                   "tinygemm, bf16 cuBLAS (us)")
     print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
           "(read + write)", flush=True)
     record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,

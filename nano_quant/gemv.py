@@ -13,8 +13,6 @@ with a lop3 and a magic exponent; the same trick in fp32, which Triton can expre
   low 16 bits and the odd ones in the high 16 bits, so `w` and `w >> 16` give the two halves. The zero
   point and scale are applied once per group of G rows (AWQ §3's grid is per group):
   Σ_k x_k (q_kn − z_n) s_n = s_n (Σ_k x_k q_kn − z_n Σ_k x_k).
-* `awq_gemv_repacked_triton` (1 row) and `awq_mma_repacked_triton` (2..16 rows, tensor cores) read a
-  K-contiguous copy of the weight made once by `repack_for_gemv`; `RepackedGemvWQLinear` dispatches to them.
 
 Split-K partial sums go to a (SPLIT_K, M, N) fp32 buffer that `_split_k_sum_kernel` reduces (+ bias) in a
 fixed order: the result is the same on every run, which a captured CUDA graph's replay is compared against,
@@ -353,132 +351,11 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     return split_k_reduce(partial, out, bias)
 
 
-# ------------------------------------------------------------------ tensor cores over the repacked layout
-# For 2..16 rows the GEMV's work grows with M; here each weight is dequantized once into a 16-bit tile and
-# the tensor cores multiply it by all rows at once. "Swap-AB": the weight tile is the MMA's M side
-# (BLOCK_N = 64/128 columns, which fills a wgmma), x's rows the N side (16, the MMA's minimum), so a
-# 16-row batch wastes nothing and a 2-row one no more than a padded 16.
-
-# The best M = 16 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 mma repacked']" 'ms=[16]'`, which prints the lines to paste here. Shapes not
-# listed (and every shape until it is measured) take `awq_mma_repacked_config`'s rule.
-MEASURED_MMA_REPACKED: dict[tuple[int, int], dict] = {}
-
-MMA_REPACKED_MAX_M = 16  # rows per program: the MMA's N side; more rows take the layer's own path
-
-
-@triton.jit(do_not_specialize=["M", "iters_per_split"])
-def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
-                             GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NG: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out (M, N) = x (M, K) @ Ŵ for M ≤ BLOCK_M: per step a (BLOCK_N, BLOCK_K) tile of Ŵᵀ is unpacked from
-    the K-contiguous words, scaled per (column, group) — NG groups a step, or one group over several steps
-    — and multiplied by xᵀ (BLOCK_K, BLOCK_M) into an fp32 (BLOCK_N, BLOCK_M) accumulator."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    WPT: tl.constexpr = BLOCK_K // 8  # packed words per column per step
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1)[:, None].to(tl.int64)  # columns past N re-read N - 1, never stored
-    rw = tl.arange(0, WPT)[None, :]
-    gi = tl.arange(0, NG)[None, :]
-    rk = tl.arange(0, BLOCK_K)[:, None]
-    rm = tl.arange(0, BLOCK_M)[None, :]
-    m_ok = rm < M
-    shift = 4 * tl.arange(0, 8)[None, None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    it_lo = pid_k * iters_per_split
-    it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, WPT))
-    for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
-        kw = it * WPT + rw  # a multiple of WPT plus the tile offset: 16-byte loads stay provable
-        grp = (it * BLOCK_K) // GROUP_SIZE + gi
-        k = it * BLOCK_K + rk
-        if EVEN_K:
-            w = tl.load(QW + rows * KP + kw)
-            s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
-            zs = tl.load(ZS + rows * GROUPS + grp)
-            xt = tl.load(X + rm.to(tl.int64) * stride_xm + k, mask=m_ok, other=0.0)
-        else:  # the last step's words, groups and x past K read as 0: those products are 0
-            w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0)
-            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0).to(tl.float32)
-            zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
-            xt = tl.load(X + rm.to(tl.int64) * stride_xm + k, mask=m_ok & (k < 8 * KP), other=0.0)
-        # Nibble i of word j is k = 8j + i: a row-major reshape of (n, j, i) is (n, k) in K order, exact in
-        # fp32 via the magic exponent, then (n, group, k in group) for the group's s and −z·s.
-        q = (((w[:, :, None] >> shift) & 0xF) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
-        q = tl.reshape(q, (BLOCK_N, NG, BLOCK_K // NG), can_reorder=False)
-        wt = q * s[:, :, None] + zs[:, :, None]
-        wt = tl.reshape(wt, (BLOCK_N, BLOCK_K), can_reorder=False).to(X.dtype.element_ty)
-        acc = tl.dot(wt, xt, acc, input_precision=DOT_PRECISION)
-    rm_out = tl.arange(0, BLOCK_M)[None, :].to(tl.int64)
-    ptrs = OUT + pid_k.to(tl.int64) * M * N + rm_out * N + rn[:, None]
-    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=(rn[:, None] < N) & m_ok)
-
-
-@functools.lru_cache(maxsize=1024)
-def awq_mma_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
-    """Tiles for `_awq_mma_repacked_kernel` (M ≤ 16): the measured entry of MEASURED_MMA_REPACKED, else 64
-    columns and one 128-value group (64 contiguous bytes per column) per step, 4 warps, 3 stages, and SPLIT_K
-    so about two programs run per SM (N = 4096 has only 64 column tiles)."""
-    if (n, k) in MEASURED_MMA_REPACKED and num_sms == 132:
-        return dict(MEASURED_MMA_REPACKED[(n, k)])
-    pow2_group = group_size & (group_size - 1) == 0
-    block_n = 64
-    block_k = max(32, min(128, group_size)) if pow2_group else max(32, group_size & -group_size)
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k,
-            "SPLIT_K": mma_split_k(cdiv(n, block_n), cdiv(k, block_k), num_sms),
-            "num_warps": 4, "num_stages": 3}
-
-
-def mma_split_k(tiles: int, iters: int, num_sms: int) -> int:
-    """Programs per column tile along K: about 2 programs per SM, each with at least 4 K steps."""
-    return max(1, min(cdiv(2 * num_sms, tiles), iters // 4))
-
-
-def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
-                            zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                            config: dict | None = None) -> torch.Tensor:
-    """x (M, K) @ Ŵ (K, N) (+ bias) for M ≤ 16 over `repack_for_gemv`'s layout (AWQ §4: W4A16 decoding,
-    now a small batch): each 4-bit weight is read and dequantized once, the tensor cores take all M rows."""
-    if x.dim() != 2 or x.shape[0] > MMA_REPACKED_MAX_M:
-        raise ValueError(f"awq_mma_repacked: x must be (M, K) with M <= {MMA_REPACKED_MAX_M}, got "
-                         f"{tuple(x.shape)}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n, kp = qweight_t.shape
-    groups = scales_t.shape[-1]
-    if (qweight_t.dtype != torch.int32 or kp * 8 != k or qweight_t.stride(1) != 1 or group_size % 8
-            or groups * group_size != k or scales_t.shape != (n, groups) or zeros_t.shape != (n, groups)
-            or zeros_t.dtype != torch.float32):
-        raise ValueError(f"awq_mma_repacked: x {tuple(x.shape)} does not match qweight_t "
-                         f"{tuple(qweight_t.shape)} {qweight_t.dtype} / scales_t {tuple(scales_t.shape)} / "
-                         f"zeros_t {tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
-    cfg = dict(config or awq_mma_repacked_config(n, k, group_size, num_sms(x.device)))
-    block_k, split, block_n = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K"), cfg["BLOCK_N"]
-    if block_k < 32 or block_k & (block_k - 1) or (block_k % group_size and group_size % block_k):
-        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be a power of two >= 32 that divides or "
-                         f"is a multiple of group_size {group_size}")
-    if split < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"awq_mma_repacked: SPLIT_K must be >= 1 and BLOCK_N a power of two >= 16, got "
-                         f"{split}, {block_n}")
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    partial = split_k_partials(out, split, bias)  # sized by shapes only: CUDA-graph safe
-    if m:
-        iters = cdiv(cdiv(k, block_k), split)
-        stages = cfg.setdefault("num_stages", 3)
-        _awq_mma_repacked_kernel[(cdiv(n, block_n), split)](
-            x, qweight_t, scales_t, zeros_t, partial, m, n, kp, groups, x.stride(0), iters,
-            GROUP_SIZE=group_size, BLOCK_M=MMA_REPACKED_MAX_M, BLOCK_K=block_k, NG=max(block_k // group_size, 1),
-            NUM_STAGES=stages, EVEN_K=k % block_k == 0,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
-    return split_k_reduce(partial, out, bias) if m else out
-
-
 class RepackedGemvWQLinear(WQLinear_GEMM):
-    """WQLinear_GEMM that runs, on CUDA (fp16 / bf16), `awq_gemv_repacked_triton` for one row of x and
-    `awq_mma_repacked_triton` for 2..16 rows, and its own path otherwise. The repacked tensors are
-    non-persistent buffers (the checkpoint keeps AutoAWQ's format): one more copy of the 4-bit weight,
-    N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32 zeros) — for llama3-8b's decoder
-    layers about 3.3 GB more."""
+    """WQLinear_GEMM that runs `awq_gemv_repacked_triton` for one row of x on CUDA (fp16 / bf16) and its own
+    path otherwise. The repacked tensors are non-persistent buffers (the checkpoint keeps AutoAWQ's format):
+    one more copy of the 4-bit weight, N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32
+    zeros) — for llama3-8b's decoder layers about 3.3 GB more."""
 
     def build_repacked(self) -> None:
         for name, t in zip(("qweight_t", "scales_t", "zeros_t"),
@@ -486,13 +363,12 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
             self.register_buffer(name, t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        if 1 <= rows <= MMA_REPACKED_MAX_M and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
-            if getattr(self, "qweight_t", None) is None:  # built once, on the first call it serves
+        if x.numel() == self.in_features and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
+            if getattr(self, "qweight_t", None) is None:  # built once, on the first one-row call
                 self.build_repacked()
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
-            y = kernel(x.reshape(rows, -1), self.qweight_t, self.scales_t, self.zeros_t, self.group_size, bias)
+            y = awq_gemv_repacked_triton(x.reshape(1, -1), self.qweight_t, self.scales_t, self.zeros_t,
+                                         self.group_size, bias)
             return y.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
