@@ -175,12 +175,11 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         grid = itertools.product((128, 256), (16, 32), (4, 8, 16), (1, 2, 3))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
                  "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
-    if kind == "awq_gemv_repacked":  # 12 tiles (2-16 words a thread) x 2 pipelines, the vector unpack (on an
-        # H200 the loop unpack never won: 2026-12-01, docs/results/nano_quant_w4_repacked.json)
+    if kind == "awq_gemv_repacked":  # 12 tiles (2-16 words a thread) x 2 pipelines
         tiles = [(1, 2048, 2), (1, 4096, 4), (2, 1024, 2), (2, 2048, 4), (2, 4096, 4), (4, 1024, 2),
                  (4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 1024, 4), (8, 2048, 8)]
-        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "UNPACK_AXIS": True,
-                 "num_warps": w, "num_stages": st}
+        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "num_warps": w,
+                 "num_stages": st}
                 for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
@@ -231,7 +230,8 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
                          "best us": best_t * 1e6, "speedup": default / best_t, "best config": str(best)})
             if system == "w4a16 gemv repacked":  # a line for gemv.MEASURED_REPACKED
                 best = best or gemv.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
-                print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, NVIDIA H200", flush=True)
+                print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, "
+                      f"{torch.cuda.get_device_name(device)}", flush=True)
     release_memory()
     return rows
 

@@ -191,13 +191,13 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
 # Shapes not listed take `awq_gemv_repacked_config`'s rule.
 MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run;
     # qkv and gate_up from a second sweep over narrower tiles)
-    (6144, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "UNPACK_AXIS": True, "num_warps": 2,
+    (6144, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 2,
                    "num_stages": 1},  # qkv: 14.5 (13.2)
-    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "UNPACK_AXIS": True, "num_warps": 4,
+    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4,
                    "num_stages": 1},  # o: 11.3 (10.0)
-    (28672, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "UNPACK_AXIS": True, "num_warps": 2,
+    (28672, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 2,
                     "num_stages": 1},  # gate_up: 43.0 (38.6)
-    (4096, 14336): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "UNPACK_AXIS": True, "num_warps": 4,
+    (4096, 14336): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4,
                     "num_stages": 1},  # down: 25.2 (22.0)
 }
 
@@ -241,54 +241,36 @@ def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales
 @triton.jit(do_not_specialize=["iters_per_split"])
 def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split, GROUP_SIZE: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
-                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                              UNPACK_AXIS: tl.constexpr):
-    """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads
-    BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns; every word's 8 products are summed into the
-    elementwise (n, g, w) accumulator with its group's scale and zero term; one reduction after the loop."""
+                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of x. Tile axes (output column n, group g of the step, word w of the group, nibble t): a step
+    reads BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns, x as 8-element vectors; every word's 8 products
+    are summed into the elementwise (n, g, w) accumulator with its group's scale and zero term; one reduction
+    after the loop."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1)[:, None, None].to(tl.int64)  # columns past N re-read N - 1, never stored
     gi = tl.arange(0, NG)[None, :, None]
     wrd = gi * WPG + tl.arange(0, WPG)[None, None, :]
+    t = tl.arange(0, 8)[None, None, None, :]
     acc = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
     it_lo = pid_k * iters_per_split
     it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, BLOCK_K // 8))
     for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
         kw = it * (BLOCK_K // 8) + wrd  # word index along K, a multiple of BLOCK_K / 8 plus the tile offset
         grp = (it * BLOCK_K + gi * (WPG * 8)) // GROUP_SIZE
+        xk = 8 * kw[:, :, :, None] + t
         if EVEN_K:
             w = tl.load(QW + rows * KP + kw)
             s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp)
+            xv = tl.load(X + xk).to(tl.float32)
         else:
             w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0)
             s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
-        if UNPACK_AXIS:  # the 8 nibbles as a 4th axis, x as 8-element vectors
-            t = tl.arange(0, 8)[None, None, None, :]
-            xk = 8 * kw[:, :, :, None] + t
-            if EVEN_K:
-                xv = tl.load(X + xk).to(tl.float32)
-            else:
-                xv = tl.load(X + xk, mask=xk < 8 * KP, other=0.0).to(tl.float32)
-            q = ((((w[:, :, :, None] >> (4 * t)) & 0xF) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
-            xq = tl.sum(q * xv, axis=3)
-            xs = tl.sum(xv, axis=3)
-        else:  # 8 unrolled steps on (n, g, w) tensors: nibble t kept in place is q·16^(t%4), x pre-scaled
-            hi = w >> 16
-            xq = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
-            xs = tl.zeros((1, NG, WPG), dtype=tl.float32)
-            for t in tl.static_range(8):
-                if EVEN_K:
-                    xt = tl.load(X + 8 * kw + t).to(tl.float32)
-                else:
-                    xt = tl.load(X + 8 * kw + t, mask=kw < KP, other=0.0).to(tl.float32)
-                src = w if t < 4 else hi
-                q = (((src & (0xF << (4 * (t % 4)))) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
-                xq += q * (xt * (1.0 / (1 << (4 * (t % 4)))))
-                xs += xt
-        acc += s * xq + zs * xs
+            xv = tl.load(X + xk, mask=xk < 8 * KP, other=0.0).to(tl.float32)
+        q = ((((w[:, :, :, None] >> (4 * t)) & 0xF) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
+        acc += s * tl.sum(q * xv, axis=3) + zs * tl.sum(xv, axis=3)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
 
@@ -296,8 +278,8 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split,
 @functools.lru_cache(maxsize=1024)
 def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
     """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 4
-    columns per program, 1024 values of K (512 contiguous bytes per column) per step, 4 warps, 2 stages,
-    and SPLIT_K only where N leaves fewer than 2 programs per SM."""
+    columns per program, 1024 values of K (512 contiguous bytes per column) per step, 4 warps, no software
+    pipeline (the measured tiles' choice), and SPLIT_K only where N leaves fewer than 2 programs per SM."""
     if (n, k) in MEASURED_REPACKED and num_sms == 132:
         return dict(MEASURED_REPACKED[(n, k)])
     pow2_group = group_size & (group_size - 1) == 0
@@ -306,8 +288,7 @@ def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> d
     split = 1
     while cdiv(n, block_n) * split < 2 * num_sms and k >= 4 * split * block_k:
         split *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "UNPACK_AXIS": False,
-            "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
 
 
 def next_pow2_at_most(v: int) -> int:
@@ -344,7 +325,6 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     partial = split_k_partials(out, split, bias)
     iters = cdiv(cdiv(k, block_k), split)
     stages = cfg.setdefault("num_stages", 1)
-    cfg.setdefault("UNPACK_AXIS", False)
     _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
         x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters, GROUP_SIZE=group_size, BLOCK_K=block_k,
         NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages, EVEN_K=k % block_k == 0, **cfg)
@@ -355,7 +335,7 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
     """WQLinear_GEMM that runs `awq_gemv_repacked_triton` for one row of x on CUDA (fp16 / bf16) and its own
     path otherwise. The repacked tensors are non-persistent buffers (the checkpoint keeps AutoAWQ's format):
     one more copy of the 4-bit weight, N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32
-    zeros) — for llama3-8b's decoder layers about 3.3 GB more."""
+    zeros) — for llama3-8b's decoder layers 3.6 GiB more."""
 
     def build_repacked(self) -> None:
         for name, t in zip(("qweight_t", "scales_t", "zeros_t"),
@@ -382,8 +362,3 @@ def use_repacked_gemv(model: torch.nn.Module) -> torch.nn.Module:
             m.build_repacked()
     return model
 
-
-def repacked_bytes(model: torch.nn.Module) -> int:
-    """Bytes the repacked tensors of `model`'s RepackedGemvWQLinear layers occupy (the layer's extra memory)."""
-    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, RepackedGemvWQLinear)
-               for t in (getattr(m, n, None) for n in ("qweight_t", "scales_t", "zeros_t")) if t is not None)

@@ -48,7 +48,8 @@ Engine = TypeVar("Engine", bound=LLMEngine)
 # Steps that carry prompt tokens are captured too, at these token counts (those within the step budget,
 # `max_num_batched_tokens`): an eager step is host-bound, and with overlapped scheduling a new request's
 # first token waited for it. On an H200 (2026-12-01, the published workload replayed open-loop at 20 req/s,
-# first engine of a process) TTFT P50 went 42-64 → 12.7 ms and TPOT P50 6.6 → 3.1 ms.
+# first engine of a process) TTFT P50 went from 42-76 ms without them to 12.7 ms, TPOT P50 from 6.5-9.3 to
+# 3.1 ms.
 PERFORMANCE_ENGINE_ARGS: dict[str, Any] = {"async_scheduling": True, "fused_projections": True,
                                            "fused_sampling": True, "gemv_max_tokens": 1,
                                            "mixed_cudagraph_sizes": (128, 256, 512, 1024, 1536, 2048)}

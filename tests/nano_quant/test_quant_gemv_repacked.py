@@ -1,7 +1,7 @@
 """nano_quant.gemv's repacked M = 1 GEMV under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of BLOCK_K, group sizes
-32 / 64 / 128, BLOCK_K below and above the group size, both unpack forms, split-K, bias on and off, fp16 /
+32 / 64 / 128, BLOCK_K below and above the group size, split-K, bias on and off, fp16 /
 fp32 activations (the interpreter computes bf16 wrongly; bf16 runs in the GPU test). Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
@@ -29,17 +29,17 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
 
 
 @pytest.mark.parametrize("dtype,k,n,group_size,cfg,bias", [
-    (torch.float16, 256, 40, 32, (4, 64, 1, False), False),   # 2 groups a step; 37 of 40 columns: ragged N
-    (torch.float32, 384, 24, 128, (8, 256, 2, True), True),    # K % BLOCK_K != 0 (masked), split-K, axis unpack
-    (torch.float16, 192, 72, 64, (2, 32, 3, False), True),    # BLOCK_K below the group, 6 steps over 3 slices
-    (torch.float16, 512, 16, 128, (1, 512, 1, True), False)])  # one column per program, 4 groups a step
+    (torch.float16, 256, 40, 32, (4, 64, 1), False),   # 2 groups a step; 37 of 40 columns: ragged N
+    (torch.float32, 384, 24, 128, (8, 256, 2), True),    # K % BLOCK_K != 0 (masked), split-K
+    (torch.float16, 192, 72, 64, (2, 32, 3), True),    # BLOCK_K below the group, 6 steps over 3 slices
+    (torch.float16, 512, 16, 128, (1, 512, 1), False)])  # one column per program, 4 groups a step
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
     packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
     if n == 40:  # the repacked layout has no multiple-of-8 rule on N: keep 37 columns
         packed, exact, low = [t[:37] for t in packed], exact[:, :37], low[:, :37]
         n, b = 37, None
-    config = {"BLOCK_N": cfg[0], "BLOCK_K": cfg[1], "SPLIT_K": cfg[2], "UNPACK_AXIS": cfg[3], "num_warps": 4,
+    config = {"BLOCK_N": cfg[0], "BLOCK_K": cfg[1], "SPLIT_K": cfg[2], "num_warps": 4,
               "num_stages": 2}
     ours = gemv.awq_gemv_repacked_triton(x, *packed, group_size, b, config=config)
     assert ours.dtype == dtype and ours.shape == (1, n) and within_fa_rule(ours, exact, low)
@@ -68,7 +68,8 @@ def test_module_layer(monkeypatch):
     keys = set(model.state_dict())
     gemv.use_repacked_gemv(model)
     assert type(model[0]) is gemv.RepackedGemvWQLinear and set(model.state_dict()) == keys
-    assert gemv.repacked_bytes(model) == 24 * 128 // 2 + 24 * 4 * (2 + 4)
+    extra = sum(t.numel() * t.element_size() for t in (model[0].qweight_t, model[0].scales_t, model[0].zeros_t))
+    assert extra == 24 * 128 // 2 + 24 * 4 * (2 + 4)  # one more 4-bit weight, fp16 scales and fp32 zeros
     calls = []
     real = gemv.awq_gemv_repacked_triton
     monkeypatch.setattr(gemv, "use_triton", lambda t: True)
