@@ -175,9 +175,9 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         grid = itertools.product((128, 256), (16, 32), (4, 8, 16), (1, 2, 3))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
                  "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
-    if kind == "awq_gemv_repacked":  # 12 tiles (2-16 words a thread) x 2 pipelines
-        tiles = [(1, 2048, 2), (1, 4096, 4), (2, 1024, 2), (2, 2048, 4), (2, 4096, 4), (4, 1024, 2),
-                 (4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 1024, 4), (8, 2048, 8)]
+    if kind == "awq_gemv_repacked":  # 12 tiles (8-64 words a thread) x 2 pipelines
+        tiles = [(2, 2048, 1), (2, 4096, 2), (4, 1024, 1), (4, 1024, 2), (4, 2048, 1), (4, 2048, 2),
+                 (8, 1024, 1), (8, 1024, 2), (8, 2048, 2), (8, 2048, 4), (16, 1024, 2), (16, 1024, 4)]
         return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "num_warps": w,
                  "num_stages": st}
                 for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]

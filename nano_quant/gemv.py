@@ -183,22 +183,22 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
 # `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
 # output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
 # that owns a few output columns then reads long contiguous runs of each (BLOCK_K / 2 bytes per row per
-# step) with 16-byte loads, and x's matching 8 elements are one 16-byte vector. Per group the zero point is
+# step) with 16-byte loads, and x's matching 8 elements are four int32 pairs. Per group the zero point is
 # pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernel needs no zero unpack.
+# The kernel is bound by its instruction count, not by HBM: per weight one AND, one subtract and one FMA.
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01).
 # Shapes not listed take `awq_gemv_repacked_config`'s rule.
-MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run;
-    # qkv and gate_up from a second sweep over narrower tiles)
-    (6144, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 2,
-                   "num_stages": 1},  # qkv: 14.5 (13.2)
-    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4,
-                   "num_stages": 1},  # o: 11.3 (10.0)
-    (28672, 4096): {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 2,
-                    "num_stages": 1},  # gate_up: 43.0 (38.6)
-    (4096, 14336): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 4,
-                    "num_stages": 1},  # down: 25.2 (22.0)
+MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run)
+    (6144, 4096): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
+                   "num_stages": 1},  # qkv: 13.6 (13.2)
+    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 1,
+                   "num_stages": 1},  # o: 11.1 (10.2)
+    (28672, 4096): {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 1,
+                    "num_stages": 1},  # gate_up: 39.1 (38.6)
+    (4096, 14336): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
+                    "num_stages": 1},  # down: 24.6 (22.3)
 }
 
 
@@ -241,54 +241,79 @@ def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales
 @triton.jit(do_not_specialize=["iters_per_split"])
 def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split, GROUP_SIZE: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
-                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr):
-    """One row of x. Tile axes (output column n, group g of the step, word w of the group, nibble t): a step
-    reads BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns, x as 8-element vectors; every word's 8 products
-    are summed into the elementwise (n, g, w) accumulator with its group's scale and zero term; one reduction
-    after the loop."""
+                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                              X_PAIRS: tl.constexpr):
+    """One row of x. Tile axes (output column n, group g of the step, word w of the group, pair j): a step
+    reads BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns. Nibbles 2j and 2j + 1 of a word meet x's
+    pair j. No nibble is shifted down: nibbles 0-3 stay in place in the low half-word, 4-7 in the high one
+    (one shift a word), each half ORed with the magic exponent once, so one AND with a constant makes the
+    fp32 2^23 + q·16^(t%4); x is pre-multiplied by 16^-(t%4) (exact: a power of two). X_PAIRS: x is bf16
+    read as int32 pairs, whose halves are already the fp32 bit patterns' top halves (no conversion)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1)[:, None, None].to(tl.int64)  # columns past N re-read N - 1, never stored
     gi = tl.arange(0, NG)[None, :, None]
     wrd = gi * WPG + tl.arange(0, WPG)[None, None, :]
-    t = tl.arange(0, 8)[None, None, None, :]
+    j = tl.arange(0, 4)[None, None, None, :]
+    mask_a = (0xF << (8 * (j % 2))) | _MAGIC_BITS  # nibble 2j % 4 of a half-word, and the magic exponent
+    mask_b = (0xF0 << (8 * (j % 2))) | _MAGIC_BITS  # nibble (2j + 1) % 4
+    unit_a = tl.where(j % 2 == 0, 1.0, 1.0 / 256)
+    unit_b = tl.where(j % 2 == 0, 1.0 / 16, 1.0 / 4096)
     acc = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
     it_lo = pid_k * iters_per_split
     it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, BLOCK_K // 8))
     for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
         kw = it * (BLOCK_K // 8) + wrd  # word index along K, a multiple of BLOCK_K / 8 plus the tile offset
         grp = (it * BLOCK_K + gi * (WPG * 8)) // GROUP_SIZE
-        xk = 8 * kw[:, :, :, None] + t
+        kw4 = kw[:, :, :, None]
         if EVEN_K:
             w = tl.load(QW + rows * KP + kw)
-            s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
+            s = tl.load(S + rows * GROUPS + grp)
             zs = tl.load(ZS + rows * GROUPS + grp)
-            xv = tl.load(X + xk).to(tl.float32)
+            if X_PAIRS:
+                x2 = tl.load(X + 4 * kw4 + j)
+            else:
+                xa = tl.load(X + 8 * kw4 + 2 * j)
+                xb = tl.load(X + 8 * kw4 + 2 * j + 1)
         else:
             w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0)
-            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0).to(tl.float32)
+            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
-            xv = tl.load(X + xk, mask=xk < 8 * KP, other=0.0).to(tl.float32)
-        q = ((((w[:, :, :, None] >> (4 * t)) & 0xF) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC)
-        acc += s * tl.sum(q * xv, axis=3) + zs * tl.sum(xv, axis=3)
+            if X_PAIRS:
+                x2 = tl.load(X + 4 * kw4 + j, mask=kw4 < KP, other=0)
+            else:
+                xa = tl.load(X + 8 * kw4 + 2 * j, mask=kw4 < KP, other=0.0)
+                xb = tl.load(X + 8 * kw4 + 2 * j + 1, mask=kw4 < KP, other=0.0)
+        if X_PAIRS:  # bf16 is the top half of fp32: shift the low element up, mask the high one
+            xa = (x2 << 16).to(tl.float32, bitcast=True)
+            xb = (x2 & -65536).to(tl.float32, bitcast=True)
+        else:
+            xa, xb = xa.to(tl.float32), xb.to(tl.float32)
+        lo = (w & 0xFFFF) | _MAGIC_BITS
+        hi = ((w >> 16) & 0xFFFF) | _MAGIC_BITS
+        half = tl.where(j < 2, lo[:, :, :, None], hi[:, :, :, None])
+        qa = (half & mask_a).to(tl.float32, bitcast=True) - _MAGIC
+        qb = (half & mask_b).to(tl.float32, bitcast=True) - _MAGIC
+        p = tl.sum((xa * unit_a) * qa + (xb * unit_b) * qb, axis=3)
+        acc += s.to(tl.float32) * p + zs * tl.sum(xa + xb, axis=3)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
 
 
 @functools.lru_cache(maxsize=1024)
 def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
-    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 4
-    columns per program, 1024 values of K (512 contiguous bytes per column) per step, 4 warps, no software
+    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 8
+    columns per program, up to 2048 values of K (1 KiB contiguous per column) per step, 2 warps, no software
     pipeline (the measured tiles' choice), and SPLIT_K only where N leaves fewer than 2 programs per SM."""
     if (n, k) in MEASURED_REPACKED and num_sms == 132:
         return dict(MEASURED_REPACKED[(n, k)])
     pow2_group = group_size & (group_size - 1) == 0
-    block_n = 4
-    block_k = min(1024, max(group_size, next_pow2_at_most(k))) if pow2_group else group_size & -group_size
+    block_n = 8
+    block_k = min(2048, max(group_size, next_pow2_at_most(k))) if pow2_group else group_size & -group_size
     split = 1
     while cdiv(n, block_n) * split < 2 * num_sms and k >= 4 * split * block_k:
         split *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 2, "num_stages": 1}
 
 
 def next_pow2_at_most(v: int) -> int:
@@ -325,9 +350,12 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     partial = split_k_partials(out, split, bias)
     iters = cdiv(cdiv(k, block_k), split)
     stages = cfg.setdefault("num_stages", 1)
+    pairs = x.dtype == torch.bfloat16
+    x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
     _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
-        x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters, GROUP_SIZE=group_size, BLOCK_K=block_k,
-        NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages, EVEN_K=k % block_k == 0, **cfg)
+        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters,
+        GROUP_SIZE=group_size, BLOCK_K=block_k, NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages,
+        EVEN_K=k % block_k == 0, X_PAIRS=pairs, **cfg)
     return split_k_reduce(partial, out, bias)
 
 

@@ -1,8 +1,8 @@
 """nano_quant.gemv's repacked M = 1 GEMV under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of BLOCK_K, group sizes
-32 / 64 / 128, BLOCK_K below and above the group size, split-K, bias on and off, fp16 /
-fp32 activations (the interpreter computes bf16 wrongly; bf16 runs in the GPU test). Tolerance as in
+32 / 64 / 128, BLOCK_K below and above the group size, split-K, bias on and off, fp16 / fp32
+activations, and bf16 ones, which the kernel reads as int32 pairs and widens with bit operations only. Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.float16, 256, 40, 32, (4, 64, 1), False),   # 2 groups a step; 37 of 40 columns: ragged N
     (torch.float32, 384, 24, 128, (8, 256, 2), True),    # K % BLOCK_K != 0 (masked), split-K
     (torch.float16, 192, 72, 64, (2, 32, 3), True),    # BLOCK_K below the group, 6 steps over 3 slices
-    (torch.float16, 512, 16, 128, (1, 512, 1), False)])  # one column per program, 4 groups a step
+    (torch.float16, 512, 16, 128, (1, 512, 1), False),  # one column per program, 4 groups a step
+    (torch.bfloat16, 384, 24, 64, (4, 256, 2), True)])  # bf16 x read as int32 pairs; K % BLOCK_K != 0
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
     packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
