@@ -45,13 +45,14 @@ from shared.bench import (
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
-from . import gemv, kernels
+from . import gemv, kernels, repacked
 from .linear import awq_dequantize_torch
 from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
 PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm", "w4a16 gemv repacked": "tinygemm",
+         "w4a16 mma repacked": "tinygemm",
          "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
 
 
@@ -70,7 +71,7 @@ def weights(k: int, n: int, device: torch.device) -> dict:
            "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
     ops["w4_dense"] = awq_dequantize_torch(ops["qweight"], ops["qzeros"], ops["scales"], GROUP).t()
     ops["int8"], ops["fp8"] = quantize_rowwise(w, "int8"), quantize_rowwise(w, "fp8")
-    ops["repacked"] = gemv.repack_for_gemv(ops["qweight"], ops["qzeros"], ops["scales"], GROUP)
+    ops["repacked"] = repacked.repack_for_gemv(ops["qweight"], ops["qzeros"], ops["scales"], GROUP)
     if device.type == "cuda":  # tinygemm: (q - 8)·Δ + zero with zero = (8 - z)·Δ is the same grid
         packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
         ops["int4pack"] = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
@@ -105,9 +106,11 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
                                    ("w4a16 mma", kernels.awq_gemm_triton, (1, 64))):
         if x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
             found[name] = (functools.partial(kernel, x, *awq), w4_bytes + m * k * 2 + out, ref4)
-    if x.is_cuda and m == 1:  # K-contiguous words; fp16 scales and fp32 zeros: 6 bytes per group and column
-        fn = functools.partial(gemv.awq_gemv_repacked_triton, x, *ops["repacked"], GROUP, None)
-        found["w4a16 gemv repacked"] = (fn, n * k // 2 + 6 * (n * k // GROUP) + k * 2 + out, ref4)
+    if x.is_cuda and m <= kernels.AWQ_LARGE_M:  # K-contiguous words; fp16 scales, fp32 zeros: 6 B per group
+        name, kernel = (("w4a16 gemv repacked", repacked.awq_gemv_repacked_triton) if m == 1 else
+                        ("w4a16 mma repacked", repacked.awq_mma_repacked_triton))
+        found[name] = (functools.partial(kernel, x, *ops["repacked"], GROUP, None),
+                       n * k // 2 + 6 * (n * k // GROUP) + m * k * 2 + out, ref4)
     if x.is_cuda:
         found["tinygemm"] = (lambda: torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], GROUP,
                                                                           ops["scales_and_zeros"]),
@@ -181,6 +184,10 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "num_warps": w,
                  "num_stages": st}
                 for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]
+    if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 = 48: columns, warps, stages, split-K
+        bm = min(64, max(16, 1 << (m - 1).bit_length()))
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
+                for bn, w, st, sp in itertools.product((64, 128, 256), (4, 8), (1, 3), (1, 2, 4, 8))]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -199,8 +206,11 @@ def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
         jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
     if x.shape[0] <= 8:
         jobs["w4a16 gemv"] = (lambda c: gemv.awq_gemv_triton(*awq, c), "awq_gemv")
+    if 1 < x.shape[0] <= kernels.AWQ_LARGE_M:
+        jobs["w4a16 mma repacked"] = (lambda c: repacked.awq_mma_repacked_triton(x, *ops["repacked"], GROUP, None,
+                                                                                 c), "awq_mma_repacked")
     if x.shape[0] == 1:
-        jobs["w4a16 gemv repacked"] = (lambda c: gemv.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP, None,
+        jobs["w4a16 gemv repacked"] = (lambda c: repacked.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP, None,
                                                                                c), "awq_gemv_repacked")
     return jobs
 
@@ -228,10 +238,14 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
                     best, best_t = c, t
             rows.append({"shape": name, "M": m, "system": system, "default us": default * 1e6,
                          "best us": best_t * 1e6, "speedup": default / best_t, "best config": str(best)})
-            if system == "w4a16 gemv repacked":  # a line for gemv.MEASURED_REPACKED
-                best = best or gemv.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
+            if system == "w4a16 gemv repacked":  # a line for repacked.MEASURED_REPACKED
+                best = best or repacked.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
                 print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, "
                       f"{torch.cuda.get_device_name(device)}", flush=True)
+            if system == "w4a16 mma repacked":  # an entry for repacked.MEASURED_MMA_REPACKED
+                c = best or repacked.awq_mma_repacked_config(m, n, k, GROUP, gemv.num_sms(device))
+                print(f"    ({n}, {k}, {c['BLOCK_M']}): ({c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']}, "
+                      f"{c['SPLIT_K']}),  # {name} M={m}: {best_t * 1e6:.1f} us", flush=True)
     release_memory()
     return rows
 

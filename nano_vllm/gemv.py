@@ -300,8 +300,8 @@ def apply_gemv(runner: Any) -> None:
         return
     if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
         # AWQ W4 layers: their own GEMV for one-row steps, over a K-contiguous copy of the 4-bit weight
-        # (nano_quant.gemv's repacked layer; the memory it adds is the engine's `weights` line).
-        from nano_quant.gemv import use_repacked_gemv
+        # (nano_quant.repacked's layer; the memory it adds is the engine's `weights` line).
+        from nano_quant.repacked import use_repacked_gemv
 
         use_repacked_gemv(runner.model)
     # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their

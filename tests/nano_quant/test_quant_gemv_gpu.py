@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nano_quant import gemv, kernels
+from nano_quant import gemv, kernels, repacked
 from nano_quant.bench import tune_configs, weights
 from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
 
@@ -79,11 +79,34 @@ def test_repacked_vs_reference(k, n):
     """The repacked M = 1 GEMV in bf16, default and every swept config, against float64."""
     layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=True, device=DEV), 128)
     bias = layer.bias.to(torch.bfloat16)
-    packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
     w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 128).double()
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
     low = awq_gemm_torch(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
     exact = x.double() @ w + bias.double()
     for cfg in [None, *tune_configs("awq_gemv_repacked", 1, n, k)]:
-        ours = gemv.awq_gemv_repacked_triton(x, *packed, 128, bias, config=cfg)
+        ours = repacked.awq_gemv_repacked_triton(x, *packed, 128, bias, config=cfg)
         assert ours.dtype == torch.bfloat16 and rel(ours, exact) <= 2 * rel(low, exact) + 1e-6, cfg
+
+
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (384, 1000)])
+@pytest.mark.parametrize("m", [2, 16, 33, 64])
+def test_repacked_mma_vs_reference(k, n, m):
+    """The repacked tensor-core kernel in bf16 at decode-sized M, default config, against float64; and the
+    layer dispatches to it, also inside a captured CUDA graph."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=True, device=DEV), 128)
+    bias = layer.bias.to(torch.bfloat16)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 128).double()
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    low = awq_gemm_torch(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
+    exact = x.double() @ w + bias.double()
+    ours = repacked.awq_mma_repacked_triton(x, *packed, 128, bias)
+    assert ours.dtype == torch.bfloat16 and rel(ours, exact) <= 2 * rel(low, exact) + 1e-6
+    repacked.use_repacked_gemv(torch.nn.Sequential(layer))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer(x)) and rel(out, exact) <= 2 * rel(low, exact) + 1e-6

@@ -1,4 +1,4 @@
-"""nano_quant.gemv's repacked M = 1 GEMV under the Triton interpreter: `repack_for_gemv` of random
+"""nano_quant.repacked's M = 1 GEMV and M = 2..64 tensor-core kernel under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of BLOCK_K, group sizes
 32 / 64 / 128, BLOCK_K below and above the group size, split-K, bias on and off, fp16 / fp32
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_quant_kernels import poisoned, within_fa_rule  # noqa: F401 (a fixture)
 
-from nano_quant import gemv
+from nano_quant import repacked
 from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,27 +36,27 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.bfloat16, 384, 24, 64, (4, 256, 2), True)])  # bf16 x read as int32 pairs; K % BLOCK_K != 0
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
-    packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
     if n == 40:  # the repacked layout has no multiple-of-8 rule on N: keep 37 columns
         packed, exact, low = [t[:37] for t in packed], exact[:, :37], low[:, :37]
         n, b = 37, None
     config = {"BLOCK_N": cfg[0], "BLOCK_K": cfg[1], "SPLIT_K": cfg[2], "num_warps": 4,
               "num_stages": 2}
-    ours = gemv.awq_gemv_repacked_triton(x, *packed, group_size, b, config=config)
+    ours = repacked.awq_gemv_repacked_triton(x, *packed, group_size, b, config=config)
     assert ours.dtype == dtype and ours.shape == (1, n) and within_fa_rule(ours, exact, low)
-    ref = gemv.awq_gemv_repacked_reference(x, *packed, group_size, b)
+    ref = repacked.awq_gemv_repacked_reference(x, *packed, group_size, b)
     assert ref.dtype == dtype and within_fa_rule(ref, exact, low)
 
 
 def test_repack_layout():
     """Word j of row n holds q[8j + i, n] in nibble i; scales transposed; zeros are −z·s in fp32."""
     layer, *_ = _case(64, 16, 32, torch.float32, False)
-    qt, st, zt = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
+    qt, st, zt = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
     assert qt.shape == (16, 8) and qt.dtype == torch.int32 and st.shape == zt.shape == (16, 2)
-    q = gemv.unpack_awq(layer.qweight)  # (K, N)
+    q = repacked.unpack_awq(layer.qweight)  # (K, N)
     n, j, i = 5, 3, 6
     assert int((qt[n, j] >> (4 * i)) & 0xF) == int(q[8 * j + i, n])
-    z = gemv.unpack_awq(layer.qzeros)
+    z = repacked.unpack_awq(layer.qzeros)
     assert torch.equal(zt, -(z.float() * layer.scales.float()).t()) and torch.equal(st, layer.scales.t())
 
 
@@ -67,42 +67,77 @@ def test_module_layer(monkeypatch):
     model = torch.nn.Sequential(layer)
     want = layer(x.float()).to(torch.float16)
     keys = set(model.state_dict())
-    gemv.use_repacked_gemv(model)
-    assert type(model[0]) is gemv.RepackedGemvWQLinear and set(model.state_dict()) == keys
+    repacked.use_repacked_gemv(model)
+    assert type(model[0]) is repacked.RepackedGemvWQLinear and set(model.state_dict()) == keys
     extra = sum(t.numel() * t.element_size() for t in (model[0].qweight_t, model[0].scales_t, model[0].zeros_t))
     assert extra == 24 * 128 // 2 + 24 * 4 * (2 + 4)  # one more 4-bit weight, fp16 scales and fp32 zeros
     calls = []
-    real = gemv.awq_gemv_repacked_triton
-    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
-    monkeypatch.setattr(gemv, "awq_gemv_repacked_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = repacked.awq_gemv_repacked_triton
+    monkeypatch.setattr(repacked, "use_triton", lambda t: True)
+    monkeypatch.setattr(repacked, "awq_gemv_repacked_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     y = model(x.half()[None])  # (1, 1, K)
     assert calls and y.shape == (1, 1, 24) and torch.allclose(y[0].float(), want.float(), atol=2e-2, rtol=1e-2)
     model(x.float().expand(2, -1))
     assert len(calls) == 1
+    mma = []
+    real_mma = repacked.awq_mma_repacked_triton
+    monkeypatch.setattr(repacked, "awq_mma_repacked_triton", lambda *a, **k: mma.append(1) or real_mma(*a, **k))
+    y3 = model(x.half().expand(3, -1))  # 2..64 rows of fp16 / bf16: the tensor-core kernel
+    assert mma == [1] and torch.allclose(y3.float(), want.float().expand(3, -1), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,m,k,n,group_size,cfg,bias", [
+    (torch.float16, 3, 256, 37, 64, (16, 16, 64, 1), True),    # ragged M and N, 4 steps of one group
+    (torch.float16, 17, 384, 24, 128, (32, 16, 128, 2), False),  # two row tiles, split-K over 3 steps
+    (torch.float32, 5, 256, 64, 32, (16, 32, 32, 3), True)])   # fp32 activations, BLOCK_K = group = 32
+def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa: F811
+    """The tensor-core kernel (nibbles unpacked to exact integers, scale and zero per tile) equals AWQ's
+    dequantize-then-matmul within the precision rule, for every row of a ragged M."""
+    torch.manual_seed(m + k + n)
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n + (-n) % 8, bias=True), group_size)
+    packed = [t[:n] for t in repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)]
+    x = (torch.randn(m, k) * 0.05).to(dtype)
+    b = layer.bias[:n].to(dtype) if bias else None
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, group_size)[:, :n]
+    exact = x.double() @ w.double() + (0 if b is None else b.double())
+    low = (x.float() @ w.float() + (0 if b is None else b.float())).to(dtype)
+    config = {"BLOCK_M": cfg[0], "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "SPLIT_K": cfg[3], "num_warps": 4,
+              "num_stages": 1}
+    ours = repacked.awq_mma_repacked_triton(x, *packed, group_size, b, config=config)
+    assert ours.dtype == dtype and ours.shape == (m, n) and within_fa_rule(ours, exact, low)
 
 
 def test_default_config():
-    cfg = gemv.awq_gemv_repacked_config(4096, 4096, 128, 132)
+    mma = repacked.awq_mma_repacked_config(16, 4096, 4096, 128, 132)
+    assert mma["BLOCK_M"] == 16 and mma["BLOCK_K"] == 128 and mma["SPLIT_K"] >= 1
+    assert repacked.awq_mma_repacked_config(40, 1000, 96 * 8, 96, 132)["BLOCK_K"] == 32
+    assert repacked.awq_mma_repacked_config(40, 1000, 96 * 8, 96, 132)["BLOCK_M"] == 64
+    cfg = repacked.awq_gemv_repacked_config(4096, 4096, 128, 132)
     assert cfg["BLOCK_K"] % 128 == 0 and cfg["BLOCK_K"] // 2 >= 256 and cfg["SPLIT_K"] >= 1
-    assert gemv.awq_gemv_repacked_config(4096, 96 * 8, 96, 132)["BLOCK_K"] == 32
+    assert repacked.awq_gemv_repacked_config(4096, 96 * 8, 96, 132)["BLOCK_K"] == 32
 
 
 def test_bad_arguments():
     layer, *_ = _case(64, 16, 32, torch.float32, False)
-    packed = gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
     with pytest.raises(ValueError, match="awq_gemv_repacked: x must be \\(1, K\\), got \\(2, 64\\)"):
-        gemv.awq_gemv_repacked_triton(torch.randn(2, 64), *packed, 32)
+        repacked.awq_gemv_repacked_triton(torch.randn(2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_gemv_repacked: x \\(1, 32\\) does not match qweight_t"):
-        gemv.awq_gemv_repacked_triton(torch.randn(1, 32), *packed, 32)
+        repacked.awq_gemv_repacked_triton(torch.randn(1, 32), *packed, 32)
     with pytest.raises(ValueError, match="awq_gemv_repacked: BLOCK_K 48 must be a power of two"):
-        gemv.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
+        repacked.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
                                       config={"BLOCK_N": 4, "BLOCK_K": 48, "SPLIT_K": 1})
     with pytest.raises(ValueError, match="awq_gemv_repacked: SPLIT_K must be >= 1"):
-        gemv.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
+        repacked.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
                                       config={"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 0})
     with pytest.raises(ValueError, match="repack_for_gemv: group_size 12 must be a multiple of 8"):
-        gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 12)
+        repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 12)
     with pytest.raises(ValueError, match="repack_for_gemv: qzeros \\(2, 2\\) / scales \\(2, 16\\) do not match"):
-        gemv.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 16)
+        repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 16)
     with pytest.raises(ValueError, match="repack_for_gemv: qweight and qzeros must be 2-D int32"):
-        gemv.repack_for_gemv(layer.qweight.float(), layer.qzeros, layer.scales, 32)
+        repacked.repack_for_gemv(layer.qweight.float(), layer.qzeros, layer.scales, 32)
+    with pytest.raises(ValueError, match="awq_mma_repacked: x \\(2, 32\\) does not match qweight_t"):
+        repacked.awq_mma_repacked_triton(torch.randn(2, 32), *packed, 32)
+    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
+        repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
+            "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 8, "SPLIT_K": 1, "num_warps": 4})

@@ -1,0 +1,360 @@
+"""AWQ W4A16 over a K-contiguous repacked copy of the weight (a performance layer beside `gemv.py` and
+`kernels.py`, which read AutoAWQ's layout; the checkpoint keeps AutoAWQ's format).
+
+AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at a few rows of x the GEMM
+reads the weight once, and 4-bit weights move ~4x fewer bytes than 16-bit ones, provided the
+dequantization is cheap enough to hide under the loads. `repack_for_gemv` lays each output column's words
+along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), and both kernels here unpack a
+nibble without shifting it down: each half-word of a packed int32 is ORed once with a float exponent
+pattern, then one AND with a constant keeps one nibble and an exponent, and one subtract leaves q, exactly
+(module comments). The zero point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k.
+
+* `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND, one subtract, one FMA per weight.
+* `awq_mma_repacked_triton` — M = 2..64 on tensor cores: the unpacked tile (exact small integers in x's
+  dtype) is the MMA's A operand against xᵀ, scale and zero applied once per tile of a group.
+* `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from shared.kernels import use_triton
+from shared.kernels.launch import cdiv, next_pow2
+
+from .gemv import _MAGIC, _MAGIC_BITS, num_sms, split_k_partials, split_k_reduce
+from .kernels import AWQ_LARGE_M
+from .linear import WQLinear_GEMM
+from .quant import unpack_awq
+
+# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
+# output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
+# that owns a few output columns then reads long contiguous runs of each (BLOCK_K / 2 bytes per row per
+# step) with 16-byte loads, and x's matching 8 elements are four int32 pairs. Per group the zero point is
+# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernel needs no zero unpack.
+# The kernel is bound by its instruction count, not by HBM: per weight one AND, one subtract and one FMA.
+
+# The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
+# "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01).
+# Shapes not listed take `awq_gemv_repacked_config`'s rule.
+MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run)
+    (6144, 4096): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
+                   "num_stages": 1},  # qkv: 13.6 (13.2)
+    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 1,
+                   "num_stages": 1},  # o: 11.1 (10.2)
+    (28672, 4096): {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 1,
+                    "num_stages": 1},  # gate_up: 39.1 (38.6)
+    (4096, 14336): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
+                    "num_stages": 1},  # down: 24.6 (22.3)
+}
+
+
+def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMM layout -> (qweight_t int32 (N, K/8), scales_t (N, K/G) in scales' dtype, zeros_t fp32
+    (N, K/G) = −z·s): word j of row n holds q[8j + i, n] in nibble i. One more copy of the 4-bit weight."""
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"repack_for_gemv: qweight and qzeros must be 2-D int32, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)} and {qzeros.dtype}")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if group_size < 8 or group_size % 8 or k % group_size:
+        raise ValueError(f"repack_for_gemv: group_size {group_size} must be a multiple of 8 dividing K = {k}")
+    groups = k // group_size
+    if qzeros.shape != (groups, n // 8) or scales.shape != (groups, n):
+        raise ValueError(f"repack_for_gemv: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not "
+                         f"match qweight {tuple(qweight.shape)} with group_size {group_size}")
+    q = unpack_awq(qweight)  # (K, N), natural column order
+    nibbles = q.t().reshape(n, k // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=q.device))
+    packed = nibbles.sum(-1)  # disjoint nibbles: the sum is a bitwise or
+    qweight_t = (packed - (packed >= 2**31) * 2**32).to(torch.int32).contiguous()
+    z = unpack_awq(qzeros)
+    zeros_t = (-(z.float() * scales.float())).t().contiguous()
+    return qweight_t, scales.t().contiguous(), zeros_t
+
+
+def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
+                                zeros_t: torch.Tensor, group_size: int,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ Ŵ (K, N) (+ bias) from the repacked tensors, in fp32 torch, returned in x's dtype: Ŵ_kn =
+    s·q + (−z·s), which is (q − z)·s (AWQ §3's group-wise grid)."""
+    n, kp = qweight_t.shape
+    q = (qweight_t[..., None] >> (4 * torch.arange(8, device=x.device, dtype=torch.int32))) & 0xF
+    w = (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
+         + zeros_t.repeat_interleave(group_size, 1))
+    y = x.float() @ w.t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["iters_per_split"])
+def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split, GROUP_SIZE: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
+                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                              X_PAIRS: tl.constexpr):
+    """One row of x. Tile axes (output column n, group g of the step, word w of the group, pair j): a step
+    reads BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns. Nibbles 2j and 2j + 1 of a word meet x's
+    pair j. No nibble is shifted down: nibbles 0-3 stay in place in the low half-word, 4-7 in the high one
+    (one shift a word), each half ORed with the magic exponent once, so one AND with a constant makes the
+    fp32 2^23 + q·16^(t%4); x is pre-multiplied by 16^-(t%4) (exact: a power of two). X_PAIRS: x is bf16
+    read as int32 pairs, whose halves are already the fp32 bit patterns' top halves (no conversion)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1)[:, None, None].to(tl.int64)  # columns past N re-read N - 1, never stored
+    gi = tl.arange(0, NG)[None, :, None]
+    wrd = gi * WPG + tl.arange(0, WPG)[None, None, :]
+    j = tl.arange(0, 4)[None, None, None, :]
+    mask_a = (0xF << (8 * (j % 2))) | _MAGIC_BITS  # nibble 2j % 4 of a half-word, and the magic exponent
+    mask_b = (0xF0 << (8 * (j % 2))) | _MAGIC_BITS  # nibble (2j + 1) % 4
+    unit_a = tl.where(j % 2 == 0, 1.0, 1.0 / 256)
+    unit_b = tl.where(j % 2 == 0, 1.0 / 16, 1.0 / 4096)
+    acc = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
+    it_lo = pid_k * iters_per_split
+    it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, BLOCK_K // 8))
+    for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
+        kw = it * (BLOCK_K // 8) + wrd  # word index along K, a multiple of BLOCK_K / 8 plus the tile offset
+        grp = (it * BLOCK_K + gi * (WPG * 8)) // GROUP_SIZE
+        kw4 = kw[:, :, :, None]
+        if EVEN_K:
+            w = tl.load(QW + rows * KP + kw)
+            s = tl.load(S + rows * GROUPS + grp)
+            zs = tl.load(ZS + rows * GROUPS + grp)
+            if X_PAIRS:
+                x2 = tl.load(X + 4 * kw4 + j)
+            else:
+                xa = tl.load(X + 8 * kw4 + 2 * j)
+                xb = tl.load(X + 8 * kw4 + 2 * j + 1)
+        else:
+            w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0)
+            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
+            zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
+            if X_PAIRS:
+                x2 = tl.load(X + 4 * kw4 + j, mask=kw4 < KP, other=0)
+            else:
+                xa = tl.load(X + 8 * kw4 + 2 * j, mask=kw4 < KP, other=0.0)
+                xb = tl.load(X + 8 * kw4 + 2 * j + 1, mask=kw4 < KP, other=0.0)
+        if X_PAIRS:  # bf16 is the top half of fp32: shift the low element up, mask the high one
+            xa = (x2 << 16).to(tl.float32, bitcast=True)
+            xb = (x2 & -65536).to(tl.float32, bitcast=True)
+        else:
+            xa, xb = xa.to(tl.float32), xb.to(tl.float32)
+        lo = (w & 0xFFFF) | _MAGIC_BITS
+        hi = ((w >> 16) & 0xFFFF) | _MAGIC_BITS
+        half = tl.where(j < 2, lo[:, :, :, None], hi[:, :, :, None])
+        qa = (half & mask_a).to(tl.float32, bitcast=True) - _MAGIC
+        qb = (half & mask_b).to(tl.float32, bitcast=True) - _MAGIC
+        p = tl.sum((xa * unit_a) * qa + (xb * unit_b) * qb, axis=3)
+        acc += s.to(tl.float32) * p + zs * tl.sum(xa + xb, axis=3)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
+
+
+@functools.lru_cache(maxsize=1024)
+def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
+    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 8
+    columns per program, up to 2048 values of K (1 KiB contiguous per column) per step, 2 warps, no software
+    pipeline (the measured tiles' choice), and SPLIT_K only where N leaves fewer than 2 programs per SM."""
+    if (n, k) in MEASURED_REPACKED and num_sms == 132:
+        return dict(MEASURED_REPACKED[(n, k)])
+    pow2_group = group_size & (group_size - 1) == 0
+    block_n = 8
+    block_k = min(2048, max(group_size, next_pow2_at_most(k))) if pow2_group else group_size & -group_size
+    split = 1
+    while cdiv(n, block_n) * split < 2 * num_sms and k >= 4 * split * block_k:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 2, "num_stages": 1}
+
+
+def next_pow2_at_most(v: int) -> int:
+    """The largest power of two <= v (v >= 1)."""
+    return 1 << (v.bit_length() - 1)
+
+
+def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
+                             zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+                             config: dict | None = None) -> torch.Tensor:
+    """x (1, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout (AWQ §4's memory-bound decoding): each
+    program streams BLOCK_N columns' K-contiguous packed words, applies scale and zero once per word's group."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"awq_gemv_repacked: x must be (1, K), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    k = x.shape[1]
+    n, kp = qweight_t.shape
+    groups = scales_t.shape[-1]
+    if (kp * 8 != k or qweight_t.stride(1) != 1 or group_size % 8 or groups * group_size != k
+            or scales_t.shape != (n, groups) or zeros_t.shape != (n, groups) or zeros_t.dtype != torch.float32):
+        raise ValueError(f"awq_gemv_repacked: x {tuple(x.shape)} does not match qweight_t "
+                         f"{tuple(qweight_t.shape)} / scales_t {tuple(scales_t.shape)} / zeros_t "
+                         f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
+    cfg = dict(config or awq_gemv_repacked_config(n, k, group_size, num_sms(x.device)))
+    block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
+    if block_k < 8 or block_k & (block_k - 1) or (block_k % group_size and group_size % block_k):
+        raise ValueError(f"awq_gemv_repacked: BLOCK_K {block_k} must be a power of two >= 8 that divides "
+                         f"or is a multiple of group_size {group_size}")
+    if split < 1 or cfg["BLOCK_N"] < 1 or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
+        raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1 and BLOCK_N a power of two, got {split}, "
+                         f"{cfg['BLOCK_N']}")
+    ng = max(block_k // group_size, 1)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    partial = split_k_partials(out, split, bias)
+    iters = cdiv(cdiv(k, block_k), split)
+    stages = cfg.setdefault("num_stages", 1)
+    pairs = x.dtype == torch.bfloat16
+    x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
+    _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
+        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters,
+        GROUP_SIZE=group_size, BLOCK_K=block_k, NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages,
+        EVEN_K=k % block_k == 0, X_PAIRS=pairs, **cfg)
+    return split_k_reduce(partial, out, bias)
+
+
+# ------------------------------------------------------------------ tensor cores, M = 2..64
+
+@triton.jit
+def _nibble(half, t: tl.constexpr):
+    """Nibble t % 4 of a half-word whose exponent field is all ones: the AND keeps the nibble and the exponent
+    of 2^(23 − 4t'), so the fp32 is 2^(23 − 4t') + q (the nibble's lowest bit is worth 1); subtracting the
+    power of two leaves q exactly."""
+    tt: tl.constexpr = t % 4
+    return ((half & ((0xF << (4 * tt)) | ((150 - 4 * tt) << 23))).to(tl.float32, bitcast=True)
+            - (1 << (23 - 4 * tt)))
+
+
+@triton.jit(do_not_specialize=["M", "iters_per_split"])
+def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
+                             GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, BLOCK_N columns' words of BLOCK_K values of
+    K (one group: BLOCK_K divides GROUP_SIZE) are unpacked to exact integers q in x's dtype and multiplied
+    as the A operand with xᵀ (the weight tile fills the MMA's M = 64 rows; x's few rows are its N), then
+    acc += s·(q xᵀ) + (−z·s)·Σ_k x."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # columns past N re-read N - 1, never stored
+    rw = tl.arange(0, BLOCK_K // 8)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    it_lo = pid_k * iters_per_split
+    it_hi = tl.minimum(it_lo + iters_per_split, KP // (BLOCK_K // 8))
+    for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
+        w = tl.load(QW + rows[:, None] * KP + (it * (BLOCK_K // 8) + rw)[None, :])
+        grp = it * BLOCK_K // GROUP_SIZE
+        s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
+        zs = tl.load(ZS + rows * GROUPS + grp)
+        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (it * BLOCK_K + rk)[None, :], mask=m_ok[:, None],
+                    other=0.0)
+        lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
+        hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
+        # value 8w + t of the tile is nibble t of word w: three interleaves, each a new in-thread axis
+        e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)),
+                          tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
+        o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)),
+                          tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
+        q = tl.interleave(e, o).to(X.dtype.element_ty)  # integers 0..15: exact in fp16 / bf16
+        acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
+    out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
+
+
+# The best config per (N, K) and row tile on an H200 (2026-12-01) of `python -m nano_quant.bench tune=true
+# "tune_systems=['w4a16 mma repacked']" 'ms=[16,32,64]'` (BLOCK_N 64-256, 4 or 8 warps, 1 or 3 stages,
+# SPLIT_K 1-8), which prints the entries. Other shapes take `awq_mma_repacked_config`'s rule.
+MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
+    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32 / 64, bf16 cuBLAS after
+    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 1, 4),
+    (6144, 4096, 64): (64, 4, 1, 4),  # qkv: 21.4 / 24.3 / 29.9 (22.3 / 22.5 / 22.4)
+    (4096, 4096, 16): (64, 4, 1, 8), (4096, 4096, 32): (128, 8, 1, 8),
+    (4096, 4096, 64): (128, 4, 1, 8),  # o: 17.1 / 18.6 / 23.1 (19.1 / 18.8 / 17.8)
+    (28672, 4096, 16): (64, 4, 1, 4), (28672, 4096, 32): (128, 8, 1, 1),
+    (28672, 4096, 64): (128, 4, 1, 1),  # gate_up: 67.7 / 81.6 / 98.1 (70.9 / 69.8 / 70.3)
+    (4096, 14336, 16): (64, 4, 1, 8), (4096, 14336, 32): (64, 4, 1, 8),
+    (4096, 14336, 64): (128, 4, 1, 8),  # down: 39.2 / 43.5 / 54.9 (41.8 / 42.4 / 43.7)
+}
+
+
+@functools.lru_cache(maxsize=1024)
+def awq_mma_repacked_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
+    """Tiles for `_awq_mma_repacked_kernel`: rows of x padded to 16 / 32 / 64, BLOCK_K the group's largest
+    power-of-two divisor up to 128; a measured entry, else 64 columns (128 above 16 rows), 4 warps, one
+    stage, and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
+    block_m = min(64, max(16, next_pow2(m)))
+    block_k = min(128, group_size & -group_size)
+    known = MEASURED_MMA_REPACKED.get((n, k, block_m)) if num_sms == 132 and block_k == 128 else None
+    if known is None:
+        block_n = 64 if block_m == 16 else 128
+        known = (block_n, 4, 1, 4 if cdiv(n, block_n) >= 96 else 8)
+    block_n, warps, stages, split = known
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "SPLIT_K": max(1, min(split, k // block_k)), "num_warps": warps, "num_stages": stages}
+
+
+def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
+                            zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
+                            config: dict | None = None) -> torch.Tensor:
+    """x (M, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout on tensor cores, for decode-sized M (AWQ
+    §4: the weight read once per step dominates); scale and zero applied once per group tile."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n, kp = qweight_t.shape
+    groups = scales_t.shape[-1]
+    if (kp * 8 != k or qweight_t.stride(1) != 1 or groups * group_size != k or scales_t.shape != (n, groups)
+            or zeros_t.shape != (n, groups) or zeros_t.dtype != torch.float32):
+        raise ValueError(f"awq_mma_repacked: x {tuple(x.shape)} does not match qweight_t "
+                         f"{tuple(qweight_t.shape)} / scales_t {tuple(scales_t.shape)} / zeros_t "
+                         f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
+    cfg = dict(config or awq_mma_repacked_config(m, n, k, group_size, num_sms(x.device)))
+    block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
+    if block_k < 16 or block_k & (block_k - 1) or group_size % block_k or split < 1:
+        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be a power of two >= 16 dividing group_size "
+                         f"{group_size}, and SPLIT_K {split} >= 1")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    partial = split_k_partials(out, split, bias)
+    grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
+    stages = cfg.pop("num_stages", 1)
+    _awq_mma_repacked_kernel[grid](x, qweight_t, scales_t, zeros_t, partial, m, n, kp, groups, x.stride(0),
+                                   cdiv(k // block_k, split), GROUP_SIZE=group_size, BLOCK_K=block_k,
+                                   NUM_STAGES=stages, num_stages=stages, **cfg)
+    return split_k_reduce(partial, out, bias)
+
+
+class RepackedGemvWQLinear(WQLinear_GEMM):
+    """WQLinear_GEMM that runs the repacked kernels on CUDA (fp16 / bf16) for up to AWQ_LARGE_M rows of x —
+    `awq_gemv_repacked_triton` for one row, `awq_mma_repacked_triton` for more — and its own path otherwise.
+    The repacked tensors are non-persistent buffers (the checkpoint keeps AutoAWQ's format): one more copy
+    of the 4-bit weight, N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32 zeros) — for
+    llama3-8b's decoder layers 3.6 GiB more."""
+
+    def build_repacked(self) -> None:
+        for name, t in zip(("qweight_t", "scales_t", "zeros_t"),
+                           repack_for_gemv(self.qweight, self.qzeros, self.scales, self.group_size)):
+            self.register_buffer(name, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        # the tensor-core kernel's BLOCK_K, a power of two dividing the group, must be >= 16
+        fits = rows == 1 or (1 < rows <= AWQ_LARGE_M and self.group_size % 16 == 0)
+        if fits and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
+            if getattr(self, "qweight_t", None) is None:  # built once, on the first call that needs it
+                self.build_repacked()
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
+            y = kernel(x.reshape(rows, -1), self.qweight_t, self.scales_t, self.zeros_t, self.group_size, bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+def use_repacked_gemv(model: torch.nn.Module) -> torch.nn.Module:
+    """A performance layer, off unless called: every WQLinear_GEMM of `model` becomes a RepackedGemvWQLinear
+    in place with its repacked tensors built now (before any CUDA-graph capture); returns the model."""
+    for m in model.modules():
+        if type(m) is WQLinear_GEMM:
+            m.__class__ = RepackedGemvWQLinear
+            m.build_repacked()
+    return model
+
