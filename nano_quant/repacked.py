@@ -265,28 +265,28 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
 # SPLIT_K 1-8), which prints the entries. Other shapes take `awq_mma_repacked_config`'s rule.
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
     # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32 / 64, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 1, 4),
-    (6144, 4096, 64): (64, 4, 1, 4),  # qkv: 21.4 / 24.3 / 29.9 (22.3 / 22.5 / 22.4)
-    (4096, 4096, 16): (64, 4, 1, 8), (4096, 4096, 32): (128, 8, 1, 8),
-    (4096, 4096, 64): (128, 4, 1, 8),  # o: 17.1 / 18.6 / 23.1 (19.1 / 18.8 / 17.8)
-    (28672, 4096, 16): (64, 4, 1, 4), (28672, 4096, 32): (128, 8, 1, 1),
-    (28672, 4096, 64): (128, 4, 1, 1),  # gate_up: 67.7 / 81.6 / 98.1 (70.9 / 69.8 / 70.3)
-    (4096, 14336, 16): (64, 4, 1, 8), (4096, 14336, 32): (64, 4, 1, 8),
-    (4096, 14336, 64): (128, 4, 1, 8),  # down: 39.2 / 43.5 / 54.9 (41.8 / 42.4 / 43.7)
+    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),
+    (6144, 4096, 64): (64, 4, 1, 4),  # qkv: 21.1 / 22.1 / 30.8 (22.7 / 22.8 / 22.9)
+    (4096, 4096, 16): (64, 4, 3, 4), (4096, 4096, 32): (64, 4, 3, 4),
+    (4096, 4096, 64): (64, 4, 3, 4),  # o: 17.3 / 17.5 / 23.3 (19.1 / 19.3 / 18.4)
+    (28672, 4096, 16): (64, 4, 3, 2), (28672, 4096, 32): (64, 4, 3, 2),
+    (28672, 4096, 64): (128, 4, 1, 1),  # gate_up: 61.2 / 69.3 / 98.8 (69.0 / 71.1 / 71.8)
+    (4096, 14336, 16): (64, 4, 3, 8), (4096, 14336, 32): (64, 4, 3, 8),
+    (4096, 14336, 64): (128, 8, 3, 4),  # down: 34.7 / 41.2 / 54.9 (41.8 / 43.3 / 45.5)
 }
 
 
 @functools.lru_cache(maxsize=1024)
 def awq_mma_repacked_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
     """Tiles for `_awq_mma_repacked_kernel`: rows of x padded to 16 / 32 / 64, BLOCK_K the group's largest
-    power-of-two divisor up to 128; a measured entry, else 64 columns (128 above 16 rows), 4 warps, one
-    stage, and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
+    power-of-two divisor up to 128; a measured entry, else 64 columns (128 for 64 rows), 4 warps, 3 stages,
+    and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
     block_m = min(64, max(16, next_pow2(m)))
     block_k = min(128, group_size & -group_size)
     known = MEASURED_MMA_REPACKED.get((n, k, block_m)) if num_sms == 132 and block_k == 128 else None
     if known is None:
-        block_n = 64 if block_m == 16 else 128
-        known = (block_n, 4, 1, 4 if cdiv(n, block_n) >= 96 else 8)
+        block_n = 64 if block_m <= 32 else 128
+        known = (block_n, 4, 3, 4 if cdiv(n, block_n) >= 96 else 8)
     block_n, warps, stages, split = known
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
             "SPLIT_K": max(1, min(split, k // block_k)), "num_warps": warps, "num_stages": stages}
