@@ -294,13 +294,13 @@ class GemvLinear(nn.Linear):
 def apply_gemv(runner: Any) -> None:
     """The runner layer (`ModelRunner.runner_layers`): every nn.Linear of the loaded model becomes a
     GemvLinear when `EngineConfig.gemv_max_tokens` > 0, sharing one workspace; on CUDA, a quantized model's
-    AWQ layers take nano_quant's repacked W4 GEMV for one-row steps."""
+    AWQ layers take nano_quant's repacked W4 kernels for steps of up to 64 rows."""
     max_rows = runner.config.gemv_max_tokens
     if max_rows == 0:
         return
     if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
-        # AWQ W4 layers: their own GEMV for one-row steps, over a K-contiguous copy of the 4-bit weight
-        # (nano_quant.repacked's layer; the memory it adds is the engine's `weights` line).
+        # AWQ W4 layers: their own GEMV / tensor-core kernel for steps of 1 / 2-64 rows, over a K-contiguous
+        # copy of the 4-bit weight (nano_quant.repacked's layer; the memory it adds is the engine's `weights`).
         from nano_quant.repacked import use_repacked_gemv
 
         use_repacked_gemv(runner.model)
