@@ -76,16 +76,21 @@ def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return qweight_t, scales.t().contiguous(), zeros_t
 
 
+def dequantize_repacked_torch(qweight_t: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
+                              group_size: int) -> torch.Tensor:
+    """The (N, K) fp32 weight of the repacked tensors: Ŵ_nk = s·q + (−z·s), which is (q − z)·s (AWQ §3's
+    group-wise grid)."""
+    n, kp = qweight_t.shape
+    q = (qweight_t[..., None] >> (4 * torch.arange(8, device=qweight_t.device, dtype=torch.int32))) & 0xF
+    return (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
+            + zeros_t.repeat_interleave(group_size, 1))
+
+
 def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                                 zeros_t: torch.Tensor, group_size: int,
                                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ Ŵ (K, N) (+ bias) from the repacked tensors, in fp32 torch, returned in x's dtype: Ŵ_kn =
-    s·q + (−z·s), which is (q − z)·s (AWQ §3's group-wise grid)."""
-    n, kp = qweight_t.shape
-    q = (qweight_t[..., None] >> (4 * torch.arange(8, device=x.device, dtype=torch.int32))) & 0xF
-    w = (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
-         + zeros_t.repeat_interleave(group_size, 1))
-    y = x.float() @ w.t()
+    """x (M, K) @ Ŵ (K, N) (+ bias) from the repacked tensors, in fp32 torch, returned in x's dtype."""
+    y = x.float() @ dequantize_repacked_torch(qweight_t, scales_t, zeros_t, group_size).t()
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
@@ -323,38 +328,99 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
     return split_k_reduce(partial, out, bias)
 
 
+# ------------------------------------------------------------------ more rows: dequantize once, then cuBLAS
+
+@triton.jit
+def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+    """Ŵ (BLOCK_N, BLOCK_K) = q·s + (−z·s), unpacked as in the tensor-core kernel."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rn < N)[:, None] & (rk < 8 * KP)[None, :]
+    w = tl.load(QW + rn[:, None].to(tl.int64) * KP + rw[None, :], mask=(rn < N)[:, None] & (rw < KP)[None, :],
+                other=0)
+    lo = (w & 0xFFFF) | 0x7F800000
+    hi = ((w >> 16) & 0xFFFF) | 0x7F800000
+    e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)),
+                      tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
+    o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)),
+                      tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
+    grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
+    s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
+    zs = tl.load(ZS + grp, mask=ok, other=0.0)
+    w_hat = (tl.interleave(e, o) * s + zs).to(W.dtype.element_ty)
+    tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
+
+
+def dequantize_repacked_triton(qweight_t: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
+                               group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight of the repacked tensors in `dtype`, for the rows where cuBLAS on the dequantized
+    weight beats reading 4 bits per weight (above AWQ_LARGE_M: prefill)."""
+    n, kp = qweight_t.shape
+    w = torch.empty(n, kp * 8, device=qweight_t.device, dtype=dtype)
+    block_n, block_k = 32, 128
+    _dequantize_repacked_kernel[(cdiv(n, block_n), cdiv(kp * 8, block_k))](
+        qweight_t, scales_t, zeros_t, w, n, kp, scales_t.shape[1], GROUP_SIZE=group_size, BLOCK_N=block_n,
+        BLOCK_K=block_k)
+    return w
+
+
 class RepackedGemvWQLinear(WQLinear_GEMM):
     """WQLinear_GEMM that runs the repacked kernels on CUDA (fp16 / bf16) for up to AWQ_LARGE_M rows of x —
     `awq_gemv_repacked_triton` for one row, `awq_mma_repacked_triton` for more — and its own path otherwise.
-    The repacked tensors are non-persistent buffers (the checkpoint keeps AutoAWQ's format): one more copy
-    of the 4-bit weight, N·K/2 bytes, plus 6 bytes per group and column (fp16 scales, fp32 zeros) — for
-    llama3-8b's decoder layers 3.6 GiB more."""
+    The repacked tensors are non-persistent buffers: one more copy of the 4-bit weight, N·K/2 bytes, plus 6
+    bytes per group and column (fp16 scales, fp32 zeros) — for llama3-8b's decoder layers 3.6 GiB more —
+    unless `drop_autoawq` frees AutoAWQ's tensors (serving: the checkpoint on disk keeps them), after which
+    every other call dequantizes the repacked copy."""
 
     def build_repacked(self) -> None:
         for name, t in zip(("qweight_t", "scales_t", "zeros_t"),
                            repack_for_gemv(self.qweight, self.qzeros, self.scales, self.group_size)):
             self.register_buffer(name, t, persistent=False)
 
+    def drop_autoawq(self) -> None:
+        """Free qweight / qzeros / scales: the layer keeps only the repacked copy (its state dict is empty of
+        them, so it can no longer be saved)."""
+        for name in ("qweight", "qzeros", "scales"):
+            delattr(self, name)
+        self.repacked_only = True
+
+    def dequantize(self) -> torch.Tensor:
+        if getattr(self, "repacked_only", False):
+            return dequantize_repacked_torch(self.qweight_t, self.scales_t, self.zeros_t, self.group_size)
+        return super().dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         # the tensor-core kernel's BLOCK_K, a power of two dividing the group, must be >= 16
         fits = rows == 1 or (1 < rows <= AWQ_LARGE_M and self.group_size % 16 == 0)
-        if fits and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x):
+        on_gpu = x.dtype in (torch.float16, torch.bfloat16) and use_triton(x)
+        if (fits and on_gpu) or getattr(self, "repacked_only", False):
             if getattr(self, "qweight_t", None) is None:  # built once, on the first call that needs it
                 self.build_repacked()
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
-            y = kernel(x.reshape(rows, -1), self.qweight_t, self.scales_t, self.zeros_t, self.group_size, bias)
+            x2 = x.reshape(rows, -1)
+            if fits and on_gpu:
+                kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
+                y = kernel(x2, self.qweight_t, self.scales_t, self.zeros_t, self.group_size, bias)
+            else:
+                w = (dequantize_repacked_triton(self.qweight_t, self.scales_t, self.zeros_t, self.group_size,
+                                                x.dtype) if on_gpu else
+                     dequantize_repacked_torch(self.qweight_t, self.scales_t, self.zeros_t, self.group_size))
+                y = torch.nn.functional.linear(x2, w.to(x.dtype), bias)
             return y.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
 
-def use_repacked_gemv(model: torch.nn.Module) -> torch.nn.Module:
+def use_repacked_gemv(model: torch.nn.Module, drop_autoawq: bool = False) -> torch.nn.Module:
     """A performance layer, off unless called: every WQLinear_GEMM of `model` becomes a RepackedGemvWQLinear
-    in place with its repacked tensors built now (before any CUDA-graph capture); returns the model."""
+    in place with its repacked tensors built now (before any CUDA-graph capture); with `drop_autoawq`,
+    AutoAWQ's tensors are freed (the layers can then not be saved). Returns the model."""
     for m in model.modules():
         if type(m) is WQLinear_GEMM:
             m.__class__ = RepackedGemvWQLinear
             m.build_repacked()
+            if drop_autoawq:
+                m.drop_autoawq()
     return model
-

@@ -299,11 +299,11 @@ def apply_gemv(runner: Any) -> None:
     if max_rows == 0:
         return
     if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
-        # AWQ W4 layers: their own GEMV / tensor-core kernel for steps of 1 / 2-64 rows, over a K-contiguous
-        # copy of the 4-bit weight (nano_quant.repacked's layer; the memory it adds is the engine's `weights`).
+        # AWQ W4 layers: their own GEMV / tensor-core kernel for steps of 1 / 2-64 rows over a K-contiguous
+        # copy of the 4-bit weight, which replaces AutoAWQ's (prefill dequantizes it; nano_quant.repacked).
         from nano_quant.repacked import use_repacked_gemv
 
-        use_repacked_gemv(runner.model)
+        use_repacked_gemv(runner.model, drop_autoawq=True)
     # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their
     # own kernels; its 16-bit LM head still takes the GEMV.
     linears = [m for m in runner.model.modules() if type(m) is nn.Linear]

@@ -110,3 +110,17 @@ def test_repacked_mma_vs_reference(k, n, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, layer(x)) and rel(out, exact) <= 2 * rel(low, exact) + 1e-6
+
+
+def test_repacked_only_layer():
+    """AutoAWQ's tensors dropped: 1 / 16 / 200 rows (GEMV, tensor cores, dequantize + cuBLAS) against float64."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(4096, 1024, bias=True, device=DEV), 128)
+    w = layer.dequantize().double()
+    bias = layer.bias.double()
+    repacked.use_repacked_gemv(torch.nn.Sequential(layer), drop_autoawq=True)
+    for m in (1, 16, 200):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+        exact = x.double() @ w.t() + bias
+        low = (x.float() @ w.t().float() + bias.float()).to(torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and rel(out, exact) <= 2 * rel(low, exact) + 1e-6, m

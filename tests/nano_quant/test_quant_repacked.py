@@ -141,3 +141,24 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
             "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 8, "SPLIT_K": 1, "num_warps": 4})
+
+
+def test_drop_autoawq(monkeypatch):
+    """With AutoAWQ's tensors freed the layer keeps its function: one row (GEMV), a few (tensor cores) and
+    more than AWQ_LARGE_M (the repacked weight dequantized by its Triton kernel, then a matmul), and the
+    torch path for fp32; dequantize() reads the repacked copy; the state dict no longer holds the weight."""
+    layer, *_ = _case(256, 48, 64, torch.float32, True)
+    want_w = layer.dequantize()
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(70, 256) * 0.1
+    want = model(x)
+    repacked.use_repacked_gemv(model, drop_autoawq=True)
+    assert not {"0.qweight", "0.qzeros", "0.scales"} & set(model.state_dict())
+    assert torch.allclose(layer.dequantize(), want_w)
+    assert torch.allclose(model(x), want, atol=1e-4, rtol=1e-4)  # fp32: torch dequantize + matmul
+    monkeypatch.setattr(repacked, "use_triton", lambda t: True)
+    for rows in (1, 3, 70):
+        y = model(x[:rows].half())
+        assert y.dtype == torch.float16 and torch.allclose(y.float(), want[:rows], atol=3e-2, rtol=1e-2), rows
+    w16 = repacked.dequantize_repacked_triton(layer.qweight_t, layer.scales_t, layer.zeros_t, 64, torch.float16)
+    assert torch.allclose(w16.float(), want_w, atol=1e-3, rtol=1e-3)
