@@ -7,10 +7,13 @@
 For the checkpoint: the bf16 perplexity on the held-out stdlib modules; the activation outlier statistic of
 SmoothQuant §3 (max / median over input channels of max|X_j|, per projection, from the calibration run);
 then each method quantizes a fresh fp32 copy (calibrated on 128 × 512 training tokens), saves it, reloads
-it in bf16 and measures the same perplexity through the quantized layers. The summary gives the targets:
-AWQ's share of the RTN → bf16 gap closed, SmoothQuant W8A8 vs bf16 and vs naive W8A8. A synthetic case
-with injected outlier channels (the paper's setting) is measured too, so the mechanism is visible whether or
-not the trained model has outliers.
+it in bf16 and measures the same perplexity through the quantized layers. With `fp32_eval` the weight-only
+rows (and the float model) are measured once more in fp32 with the exact dequantized weights
+(`checkpoint.dequantize_model`): there RTN and AWQ differ by their weights alone, without the bf16 rounding
+of activations (and of the dequantized weights) on top, which matters when the W4 gap is under 1%. The summary
+gives the targets: AWQ's share of the RTN → bf16 gap closed (also in fp32), SmoothQuant W8A8 vs bf16 and vs
+naive W8A8. A synthetic case with injected outlier channels (the paper's setting) is measured too, so the
+mechanism is visible whether or not the trained model has outliers.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from shared.hydra_utils import hydra_run_dir
 
 from .awq import AWQConfig, search_scale
 from .calibration import calibration_samples, input_stats
-from .checkpoint import load_quantized_model, save_quantized
+from .checkpoint import dequantize_model, load_quantized_model, quantization_config_of, save_quantized
 from .config import METHODS
 from .methods import quantize_model
 from .perplexity import config_record, perplexity, resolve_device
@@ -103,12 +106,19 @@ def run(cfg: DictConfig) -> dict:
     cal = cfg.calibration
     samples = calibration_samples(int(cal.n_samples), int(cal.seq_len), str(cal.corpus), int(cal.seed))
 
+    fp32_eval = bool(cfg.get("fp32_eval", False))
+
+    def ppl(m: torch.nn.Module) -> float:
+        return perplexity(m, tokens, int(cfg.seq_len), int(cfg.batch_size))["ppl"]
+
     model = load_model(model_dir, device=device, dtype=torch.float32)
     outliers = outlier_table(input_stats(model, samples[: int(cfg.outlier_samples)]))
+    base_fp32 = {"ppl fp32": ppl(model)} if fp32_eval else {}
     model = model.to(torch.bfloat16)
     base = perplexity(model, tokens, int(cfg.seq_len), int(cfg.batch_size))
     weight_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
-    rows = [{"method": "bf16", "ppl": base["ppl"], "vs bf16": 0.0, "decoder weight MB": weight_bytes / 1e6}]
+    rows = [{"method": "bf16", "ppl": base["ppl"], "vs bf16": 0.0, "decoder weight MB": weight_bytes / 1e6,
+             **base_fp32}]
     del model
     release_memory()
     awq = AWQConfig(**OmegaConf.to_container(cfg.awq, resolve=True))
@@ -123,17 +133,24 @@ def run(cfg: DictConfig) -> dict:
         release_memory()
         qmodel = load_quantized_model(path, device, torch.bfloat16)
         qbytes = sum(b.numel() * b.element_size() for n, b in qmodel.named_buffers() if ".layers." in n)
-        ppl = perplexity(qmodel, tokens, int(cfg.seq_len), int(cfg.batch_size))["ppl"]
-        rows.append({"method": method, "ppl": ppl, "vs bf16": ppl / base["ppl"] - 1,
+        q_ppl = ppl(qmodel)
+        rows.append({"method": method, "ppl": q_ppl, "vs bf16": q_ppl / base["ppl"] - 1,
                      "decoder weight MB": qbytes / 1e6, "quantize s": seconds})
-        print(f"{method}: held-out perplexity {ppl:.4f} (bf16 {base['ppl']:.4f})", flush=True)
+        print(f"{method}: held-out perplexity {q_ppl:.4f} (bf16 {base['ppl']:.4f})", flush=True)
         del qmodel
         release_memory()
+        if fp32_eval and quantization_config_of(path).quant_method == "awq":  # weight-only: W4A16
+            rows[-1]["ppl fp32"] = ppl(dequantize_model(load_quantized_model(path, device, torch.float32)))
+            release_memory()
     by = {r["method"]: r["ppl"] for r in rows}
     summary = {}
     if {"awq", "rtn-w4"} <= set(by):
         gap = by["rtn-w4"] - by["bf16"]
         summary["awq_gap_closed"] = (by["rtn-w4"] - by["awq"]) / gap if gap > 0 else None
+        if fp32_eval:
+            f32 = {r["method"]: r["ppl fp32"] for r in rows if "ppl fp32" in r}
+            gap = f32["rtn-w4"] - f32["bf16"]
+            summary["awq_gap_closed_fp32"] = (f32["rtn-w4"] - f32["awq"]) / gap if gap > 0 else None
     if "smoothquant" in by:
         summary["smoothquant_vs_bf16"] = by["smoothquant"] / by["bf16"] - 1
         if "naive-w8a8" in by:
