@@ -12,7 +12,9 @@ pattern, then one AND with a constant keeps one nibble and an exponent, and one 
 * `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND, one subtract, one FMA per weight.
 * `awq_mma_repacked_triton` — M = 2..64 on tensor cores: the unpacked tile (exact small integers in x's
   dtype) is the MMA's A operand against xᵀ, scale and zero applied once per tile of a group.
-* `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches.
+* `dequantize_repacked_triton` — more rows: the (N, K) weight once per call, for cuBLAS.
+* `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches;
+  `drop_autoawq` frees AutoAWQ's tensors when only serving needs the layer.
 """
 
 from __future__ import annotations
@@ -227,6 +229,17 @@ def _nibble(half, t: tl.constexpr):
             - (1 << (23 - 4 * tt)))
 
 
+@triton.jit
+def _unpack_words(w):
+    """(rows, words) int32 -> (rows, 8·words) fp32 integers q: value 8j + t is nibble t of word j."""
+    lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
+    hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
+    # three levels of interleave, each a new in-thread axis: the natural order without a shuffle
+    e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)), tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
+    o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)), tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
+    return tl.interleave(e, o)
+
+
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
 def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
                              GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -252,14 +265,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
         zs = tl.load(ZS + rows * GROUPS + grp)
         x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (it * BLOCK_K + rk)[None, :], mask=m_ok[:, None],
                     other=0.0)
-        lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
-        hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
-        # value 8w + t of the tile is nibble t of word w: three interleaves, each a new in-thread axis
-        e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)),
-                          tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
-        o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)),
-                          tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
-        q = tl.interleave(e, o).to(X.dtype.element_ty)  # integers 0..15: exact in fp16 / bf16
+        q = _unpack_words(w).to(X.dtype.element_ty)  # integers 0..15: exact in fp16 / bf16
         acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
     out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
@@ -340,16 +346,10 @@ def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.cons
     ok = (rn < N)[:, None] & (rk < 8 * KP)[None, :]
     w = tl.load(QW + rn[:, None].to(tl.int64) * KP + rw[None, :], mask=(rn < N)[:, None] & (rw < KP)[None, :],
                 other=0)
-    lo = (w & 0xFFFF) | 0x7F800000
-    hi = ((w >> 16) & 0xFFFF) | 0x7F800000
-    e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)),
-                      tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
-    o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)),
-                      tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
     grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
     s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
     zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    w_hat = (tl.interleave(e, o) * s + zs).to(W.dtype.element_ty)
+    w_hat = (_unpack_words(w) * s + zs).to(W.dtype.element_ty)
     tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
 
 
