@@ -185,7 +185,7 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
                  "num_stages": st}
                 for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]
     if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 = 48: columns, warps, stages, split-K
-        bm = min(64, max(16, 1 << (m - 1).bit_length()))
+        bm = repacked.awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
                 for bn, w, st, sp in itertools.product((64, 128, 256), (4, 8), (1, 3), (1, 2, 4, 8))]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]

@@ -115,9 +115,9 @@ def run(cfg: DictConfig) -> dict:
     outliers = outlier_table(input_stats(model, samples[: int(cfg.outlier_samples)]))
     base_fp32 = {"ppl fp32": ppl(model)} if fp32_eval else {}
     model = model.to(torch.bfloat16)
-    base = perplexity(model, tokens, int(cfg.seq_len), int(cfg.batch_size))
+    base_ppl = ppl(model)
     weight_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
-    rows = [{"method": "bf16", "ppl": base["ppl"], "vs bf16": 0.0, "decoder weight MB": weight_bytes / 1e6,
+    rows = [{"method": "bf16", "ppl": base_ppl, "vs bf16": 0.0, "decoder weight MB": weight_bytes / 1e6,
              **base_fp32}]
     del model
     release_memory()
@@ -134,9 +134,9 @@ def run(cfg: DictConfig) -> dict:
         qmodel = load_quantized_model(path, device, torch.bfloat16)
         qbytes = sum(b.numel() * b.element_size() for n, b in qmodel.named_buffers() if ".layers." in n)
         q_ppl = ppl(qmodel)
-        rows.append({"method": method, "ppl": q_ppl, "vs bf16": q_ppl / base["ppl"] - 1,
+        rows.append({"method": method, "ppl": q_ppl, "vs bf16": q_ppl / base_ppl - 1,
                      "decoder weight MB": qbytes / 1e6, "quantize s": seconds})
-        print(f"{method}: held-out perplexity {q_ppl:.4f} (bf16 {base['ppl']:.4f})", flush=True)
+        print(f"{method}: held-out perplexity {q_ppl:.4f} (bf16 {base_ppl:.4f})", flush=True)
         del qmodel
         release_memory()
         if fp32_eval and quantization_config_of(path).quant_method == "awq":  # weight-only: W4A16

@@ -136,6 +136,8 @@ def test_bad_arguments():
         repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 16)
     with pytest.raises(ValueError, match="repack_for_gemv: qweight and qzeros must be 2-D int32"):
         repacked.repack_for_gemv(layer.qweight.float(), layer.qzeros, layer.scales, 32)
+    with pytest.raises(ValueError, match="awq_mma_repacked: x must be \\(M, K\\), got \\(1, 2, 64\\)"):
+        repacked.awq_mma_repacked_triton(torch.randn(1, 2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: x \\(2, 32\\) does not match qweight_t"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 32), *packed, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
