@@ -39,14 +39,28 @@ def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: t
     decoder Linears become nano_quant's W8A8Linear / WQLinear_GEMM; everything else is unchanged."""
     if config.quantization is None and checkpoint_quantization(config.model) is None:
         if config.model in PRESETS:
-            return build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+            return compact(build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed),
+                           device)
         return load_model(config.model, device=device, dtype=config.torch_dtype)
     nano_quant = import_nano_quant(f"serving {config.model!r} quantized")
-    if config.model in PRESETS:
-        model = build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
-        nano_quant.quantize_model(model, config.quantization, progress=False)
+    if config.model not in PRESETS:
+        model = nano_quant.load_for_inference(config.model, device, config.torch_dtype, config.quantization)
+        return model if config.quantization is None else compact(model, device)
+    model = build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+    nano_quant.quantize_model(model, config.quantization, progress=False)
+    return compact(model, device)
+
+
+def compact(model: CausalLM, device: torch.device) -> CausalLM:
+    """Re-allocate a model that was converted in place on a GPU (a preset initialised in fp32 and cast, or
+    float weights replaced by smaller quantized ones). Each freed tensor leaves a hole beside the new ones
+    in its allocator segment, which `torch.cuda.empty_cache` cannot return, and §5's sizing counts every
+    byte in use as taken. One round trip through host memory packs the tensors afresh."""
+    if device.type != "cuda":
         return model
-    return nano_quant.load_for_inference(config.model, device, config.torch_dtype, config.quantization)
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    return model.to(device)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

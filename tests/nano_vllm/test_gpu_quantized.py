@@ -58,15 +58,21 @@ def test_cuda_graphs_equal_eager_steps(ckpts, method, layers):
 def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
     """§5's sizing on the qwen3-0.6b shape: the bytes the quantized weights no longer take come back as KV
     blocks (less what the quantized layers' temporaries add to the profiled peak)."""
-    sizes = {}
-    for quantization in (None, method):
+    def build(quantization: str | None) -> tuple[int, int, int]:
         llm = LLM("qwen3-0.6b", device="cuda", gpu_memory_utilization=0.4, max_model_len=256, max_num_seqs=16,
                   max_num_batched_tokens=2048, enforce_eager=True, quantization=quantization)
         r = llm.engine.model_runner
-        sizes[quantization] = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
+        found = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
         del llm, r
         gc.collect()
         torch.cuda.empty_cache()
+        return found
+
+    # Each engine once first: the sizing counts all memory in use on the GPU, and the first engine of a
+    # process also pays one-time loads (kernel modules, library workspaces: ~120 MB here).
+    for quantization in (None, method):
+        build(quantization)
+    sizes = {quantization: build(quantization) for quantization in (None, method)}
     (w16, blocks16, block_bytes), (wq, blocksq, _) = sizes[None], sizes[method]
     assert wq < 0.75 * w16
     freed_blocks = (w16 - wq) / block_bytes
