@@ -55,12 +55,22 @@ def compact(model: CausalLM, device: torch.device) -> CausalLM:
     """Re-allocate a model that was converted in place on a GPU (a preset initialised in fp32 and cast, or
     float weights replaced by smaller quantized ones). Each freed tensor leaves a hole beside the new ones
     in its allocator segment, which `torch.cuda.empty_cache` cannot return, and §5's sizing counts every
-    byte in use as taken. One round trip through host memory packs the tensors afresh."""
-    if device.type != "cuda":
+    byte in use as taken. One round trip through host memory packs the tensors afresh (skipped when the
+    host has less free memory than twice the model: the holes are cheaper than an out-of-memory kill)."""
+    if device.type != "cuda" or 2 * weight_bytes(model) > host_free_bytes():
         return model
     model.to("cpu")
     torch.cuda.empty_cache()
     return model.to(device)
+
+
+def host_free_bytes() -> int:
+    """Host memory available now without swapping (Linux's MemAvailable; elsewhere 0, which skips `compact`)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -65,6 +65,7 @@ def test_fwd_bwd_fp16(fa_check, b, m, n, hq, hk, d, causal, window):
     _run_and_compare(fa_check, b, m, n, hq, hk, d, torch.float16, causal, window)
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 @pytest.mark.parametrize("expand_waves", [0, 1 << 20])
 def test_gqa_backward_both_paths(fa_check, monkeypatch, expand_waves):
     """dK/dV of GQA two ways: the kv-head programs looping over their query heads (0: never expand) and
@@ -96,6 +97,7 @@ def test_fwd_bwd_padded_head_dims_fp32(fa_check):
     _run_and_compare(fa_check, 2, 17, 17, 2, 2, 200, torch.float32, False, (5, 3))
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_backward_is_deterministic():
     q, k, v, do = _inputs(1, 40, 40, 4, 1, 32, torch.float16)
     runs = []

@@ -102,6 +102,7 @@ def autoawq(model, ids: torch.Tensor) -> None:
         x = h + residual
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_awq_model_equals_autoawqs_loop():
     """Scales folded into the norms and v/up_proj, clipped weights: all equal AutoAWQ's on a Llama with
     one kv head per query head (AutoAWQ's o_proj scaling needs v_proj and o_proj of one shape)."""

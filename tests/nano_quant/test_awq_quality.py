@@ -17,6 +17,7 @@ from shared.model import build_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_fp32_eval_is_the_fake_quantized_model_in_fp32(tmp_path, monkeypatch):
     """RTN's fp32 perplexity equals that of the float model with every decoder weight replaced by Q(W)
     (quant.fake_quantize_groupwise, independent of the packing and the kernels); the summary gives AWQ's

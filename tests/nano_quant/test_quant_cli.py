@@ -53,6 +53,7 @@ def test_quantize_then_perplexity(checkpoint, tmp_path):
     assert json.loads(Path("perplexity.json").read_text())["ppl"] == ppl["awq"]
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_quality_runs_every_method_it_is_given(checkpoint):
     record = quality.run(config("quality", model=checkpoint, methods="[rtn-w4,awq,naive-w8a8,smoothquant]",
                                 corpus="docs", max_tokens=1024, outlier_samples=2, **{"synthetic.tokens": 256,

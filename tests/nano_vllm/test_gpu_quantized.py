@@ -68,10 +68,6 @@ def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
         torch.cuda.empty_cache()
         return found
 
-    # Each engine once first: the sizing counts all memory in use on the GPU, and the first engine of a
-    # process also pays one-time loads (kernel modules, library workspaces: ~120 MB here).
-    for quantization in (None, method):
-        build(quantization)
     sizes = {quantization: build(quantization) for quantization in (None, method)}
     (w16, blocks16, block_bytes), (wq, blocksq, _) = sizes[None], sizes[method]
     assert wq < 0.75 * w16

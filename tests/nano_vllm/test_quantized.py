@@ -30,7 +30,7 @@ from quant_checkpoints import (
 
 from nano_quant import ON_THE_FLY, load_quantized_model, quantize_model
 from nano_quant.linear import W8A8Linear, WQLinear_GEMM
-from nano_vllm import LLM, SamplingParams
+from nano_vllm import LLM, SamplingParams, kv_cache
 from nano_vllm.config import import_nano_quant
 from nano_vllm.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
 from nano_vllm.gemv import GemvLinear, apply_gemv
@@ -127,6 +127,17 @@ def test_weight_memory_is_reported(ckpts):
     assert weight_bytes(w4.engine.model_runner.model) == float_bytes - linear_fp32 + linear_w4
     assert kv_cache_summary(plain.engine).startswith("weights: ") and "(float32)" in kv_cache_summary(plain.engine)
     assert "'quant_method': 'awq'" in kv_cache_summary(w4.engine)
+
+
+def test_compact_only_moves_a_cuda_model_the_host_can_hold(monkeypatch):
+    """kv_cache.compact re-packs a model built or quantized in place on a GPU through host memory; on a CPU
+    it is a no-op, and on a GPU it is skipped when the host has less than twice the model free."""
+    model = build_model(tiny_config())
+    moved = []
+    monkeypatch.setattr(model, "to", lambda *a, **k: moved.append(a) or model)
+    assert kv_cache.compact(model, torch.device("cpu")) is model and not moved
+    monkeypatch.setattr(kv_cache, "host_free_bytes", lambda: 2 * weight_bytes(model) - 1)
+    assert kv_cache.compact(model, torch.device("cuda")) is model and not moved
 
 
 # ------------------------------------------------------------------ the layers meet the quantized Linears

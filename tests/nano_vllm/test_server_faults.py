@@ -190,6 +190,7 @@ def test_method_and_route_errors_are_json(server):
 
 
 # ------------------------------------------------------------------------------- slow, idle and many clients
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_half_sent_headers_and_body_get_408(impatient, queued):
     socks = [socket.create_connection(impatient.server_address[:2], timeout=DEADLINE_S) for _ in range(2)]
     socks[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
@@ -200,6 +201,7 @@ def test_half_sent_headers_and_body_get_408(impatient, queued):
     assert not queued
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_300_half_requests_do_not_block_others(impatient, loop):
     socks = []
     try:
@@ -348,6 +350,7 @@ def _listening(port: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ soak
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_soak_64_clients_with_aborts_and_malformed_requests(loop):
     """64 client threads, 8 requests each (512 in all): normal, streamed, dropped mid-stream, dropped while
     waiting, and malformed requests, drawn at random. No 5xx, no request without a response, and afterwards

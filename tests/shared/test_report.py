@@ -72,6 +72,7 @@ def _write(directory: Path, records: dict[str, object]) -> Path:
     return directory
 
 
+@pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
 def test_every_figure_from_the_benches_json(tmp_path):
     results = _write(tmp_path / "results", {**ALL, "notes.json": {"something": "else"}})
     lines = report.main(["--results", str(results), "--out", str(tmp_path / "img")])
