@@ -43,19 +43,18 @@ from .quant import unpack_awq
 # (Nsight Compute: 52% of SM and 30% of DRAM throughput, 19% occupancy at 168 registers).
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01).
-# Shapes not listed take `awq_gemv_repacked_config`'s rule. The µs are from before the weight stream was
-# loaded evict-first; with it the same tiles stayed best (BLOCK_N 4 / 8, 1-2 warps, 1-2 stages tried) and ran
-# 13.8 / 11.0 / 38.0 / 23.5 µs (tinygemm 13.2 / 10.3 / 38.2 / 22.4).
+# "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01); with
+# the weight stream loaded evict-first they stayed best (BLOCK_N 4 / 8, 1-2 warps, 1-2 stages tried).
+# Shapes not listed take `awq_gemv_repacked_config`'s rule.
 MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run)
     (6144, 4096): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
-                   "num_stages": 1},  # qkv: 13.6 (13.2)
+                   "num_stages": 1},  # qkv: 13.8 (13.2)
     (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 1,
-                   "num_stages": 1},  # o: 11.1 (10.2)
+                   "num_stages": 1},  # o: 11.0 (10.3)
     (28672, 4096): {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 1,
-                    "num_stages": 1},  # gate_up: 39.1 (38.6)
+                    "num_stages": 1},  # gate_up: 38.0 (38.2)
     (4096, 14336): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
-                    "num_stages": 1},  # down: 24.6 (22.3)
+                    "num_stages": 1},  # down: 23.5 (22.4)
 }
 
 

@@ -37,18 +37,19 @@ def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: t
     `quantization_config` (AWQ W4A16 in AutoAWQ's GEMM layout, ours or AutoAWQ's; SmoothQuant W8A8), or
     a 16-bit model quantized on the fly by `config.quantization` (rtn-w4, naive-w8a8, naive-fp8). Its
     decoder Linears become nano_quant's W8A8Linear / WQLinear_GEMM; everything else is unchanged."""
-    if config.quantization is None and checkpoint_quantization(config.model) is None:
-        if config.model in PRESETS:
-            return compact(build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed),
-                           device)
-        return load_model(config.model, device=device, dtype=config.torch_dtype)
-    nano_quant = import_nano_quant(f"serving {config.model!r} quantized")
-    if config.model not in PRESETS:
+    quantized = config.quantization is not None or checkpoint_quantization(config.model) is not None
+    nano_quant = import_nano_quant(f"serving {config.model!r} quantized") if quantized else None
+    if config.model in PRESETS:
+        model = build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
+        if nano_quant is not None:
+            nano_quant.quantize_model(model, config.quantization, progress=False)
+    elif nano_quant is not None:
         model = nano_quant.load_for_inference(config.model, device, config.torch_dtype, config.quantization)
-        return model if config.quantization is None else compact(model, device)
-    model = build_model(model_config, device=device, dtype=config.torch_dtype, seed=config.seed)
-    nano_quant.quantize_model(model, config.quantization, progress=False)
-    return compact(model, device)
+        if config.quantization is None:  # a quantized checkpoint: loaded tensor by tensor, nothing to re-pack
+            return model
+    else:
+        return load_model(config.model, device=device, dtype=config.torch_dtype)
+    return compact(model, device)  # built in fp32 and cast, or quantized in place
 
 
 def compact(model: CausalLM, device: torch.device) -> CausalLM:

@@ -58,17 +58,15 @@ def test_cuda_graphs_equal_eager_steps(ckpts, method, layers):
 def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
     """§5's sizing on the qwen3-0.6b shape: the bytes the quantized weights no longer take come back as KV
     blocks (less what the quantized layers' temporaries add to the profiled peak)."""
-    def build(quantization: str | None) -> tuple[int, int, int]:
+    sizes = {}
+    for quantization in (None, method):
         llm = LLM("qwen3-0.6b", device="cuda", gpu_memory_utilization=0.4, max_model_len=256, max_num_seqs=16,
                   max_num_batched_tokens=2048, enforce_eager=True, quantization=quantization)
         r = llm.engine.model_runner
-        found = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
+        sizes[quantization] = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
         del llm, r
         gc.collect()
         torch.cuda.empty_cache()
-        return found
-
-    sizes = {quantization: build(quantization) for quantization in (None, method)}
     (w16, blocks16, block_bytes), (wq, blocksq, _) = sizes[None], sizes[method]
     assert wq < 0.75 * w16
     freed_blocks = (w16 - wq) / block_bytes
