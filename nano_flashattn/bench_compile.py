@@ -10,7 +10,6 @@ config, strides that are multiples of 16); Triton's on-disk cache then serves th
 
 from __future__ import annotations
 
-import importlib
 import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -87,9 +86,11 @@ def _compile(job: tuple) -> str | None:
         return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def _import_all(modules: list[str]) -> None:
-    for name in modules:
-        importlib.import_module(name)
+def _register_all(entries: list[tuple]) -> None:
+    """Worker initializer: the parent's layer registrations, oldest first, so that the latest wins as there
+    (unpickling a launcher imports its module; one that registers on import adds a duplicate, harmless)."""
+    for kind, launch, applies in entries:
+        interface.register_kernel(kind, launch, applies)
 
 
 def precompile(jobs: list[tuple]) -> set[str]:
@@ -98,9 +99,10 @@ def precompile(jobs: list[tuple]) -> set[str]:
     if not jobs:
         return set()
     workers = min(len(jobs), os.cpu_count() or 1, 16)
-    # spawned workers import the performance layers registered here, so they compile the kernels that run
-    layers = sorted({launch.__module__ for entries in interface._LAYERS.values() for launch, _ in entries})
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_import_all,
+    # spawned workers register the performance layers registered here, so they compile the kernels that run
+    layers = [(kind, launch, applies) for kind, entries in interface._LAYERS.items()
+              for launch, applies in reversed(entries)]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_register_all,
                              initargs=(layers,)) as pool:
         errors = [e for e in pool.map(_compile, jobs) if e]
     for e in errors:

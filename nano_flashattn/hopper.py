@@ -37,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import cdiv
+from .backward import _bwd_preprocess, launch_dkdv_then_dq
+from .checks import cdiv, next_pow2
+from .configs import block_d
 from .forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
 from .interface import register_kernel
 
@@ -79,6 +81,16 @@ DEFAULT_CONFIGS: dict[int, HopperConfig] = {
     128: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
 }
 INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# Backward tiles by head_dim: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of
+# the dQ kernel). Measured on an H200, 2026-12-01, each of tools/flashattn_sweep.py's dK/dV and dQ
+# candidates with the other kernel's tile held, at 4k and 16k, causal and not (the best worst ratio to SDPA
+# flash): 64 and 128 keep the paper path's tables (configs.BWD_CONFIGS); 96 keeps split_head's dK/dV tile
+# and takes a 64 x 64 dQ tile (1.20x SDPA flash at its worst shape, against 1.09x with split_head's).
+BWD_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    64: ((32, 128, 4, 3), (64, 64, 4, 3)),
+    96: ((64, 64, 4, 3), (64, 64, 4, 3)),
+    128: ((64, 128, 8, 3), (128, 64, 8, 3)),
+}
 
 
 @triton.jit
@@ -282,6 +294,239 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     return out, lse
 
 
+# ------------------------------------------------------------------ backward (Algorithm 2) with TMA loads
+#
+# The paper path's two kernels (backward.py: dK/dV over key tiles, then dQ over query tiles, no atomics) with
+# the streamed tiles (Q_i and dO_i in the dK/dV kernel, K_j and V_j in the dQ kernel) loaded by TMA as
+# row-major tiles; a transposed operand (S^T = K_j Q_i^T) is a transposed view of the tile in shared memory,
+# which wgmma reads for free. The head axis is one power-of-two part (D1 = 0) or two, D0 + D1 (96 = 64 + 32,
+# split_head.py's split: every product over the head axis is two products), with one descriptor per part.
+
+
+@triton.jit
+def _load_parts(d0, d1, base, row0, n, stride_t, BLOCK: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of one sequence's head axis parts [0, D0) and [D0, D0 + D1) (the second
+    returned as the first when D1 = 0, unused)."""
+    x0 = _rows(d0, base, row0, n, stride_t, BLOCK, D0, USE_TMA)
+    x1 = x0
+    if D1 > 0:
+        x1 = _rows(d1, base + D0, row0, n, stride_t, BLOCK, D1, USE_TMA)
+    return x0, x1
+
+
+@triton.jit
+def _descs(base, n, stride_t, BLOCK: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, USE_TMA: tl.constexpr):
+    """One tensor descriptor per head axis part of one sequence's (n, D0 + D1) rows (the bases without
+    TMA)."""
+    if USE_TMA:
+        d0 = tl.make_tensor_descriptor(base, shape=[n, D0], strides=[stride_t, 1], block_shape=[BLOCK, D0])
+        d1 = d0
+        if D1 > 0:
+            d1 = tl.make_tensor_descriptor(base + D0, shape=[n, D1], strides=[stride_t, 1],
+                                           block_shape=[BLOCK, D1])
+    else:
+        d0, d1 = base, base
+    return d0, d1
+
+
+@triton.jit
+def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base,
+                delta_base, offs_n, lo, hi, q_len, shift, lo_w, hi_w, qk_scale, stride_qt, D0: tl.constexpr,
+                D1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """backward._dkdv_tiles: Algorithm 2, lines 8-17, for one key tile K_j, V_j over the query tiles
+    [lo, hi)."""
+    for start_m in tl.range(lo, hi, BLOCK_M):  # line 8
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q0, q1 = _load_parts(qd0, qd1, q_base, start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)  # line 9
+        do0, do1 = _load_parts(dod0, dod1, do_base, start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+        if MASKED:
+            lse2 = tl.load(lse_base + offs_m, mask=offs_m < q_len, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < q_len, other=0.0)
+        else:  # a fully visible tile lies inside the sequence
+            lse2 = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        s_t = tl.dot(k0, tl.trans(q0))  # line 10: S^T (keys, queries) = K0 Q0^T (+ K1 Q1^T)
+        if D1 > 0:
+            s_t = tl.dot(k1, tl.trans(q1), s_t)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])  # line 11: P = exp(S - L), recomputed
+        if MASKED:
+            p_t = tl.where(visible(offs_n, offs_m, shift, lo_w, hi_w, q_len), p_t, 0.0)
+        pd = p_t.to(do0.dtype)
+        dv0 = tl.dot(pd, do0, dv0)  # line 12: dV_j += P^T dO_i, per part
+        dp_t = tl.dot(v0, tl.trans(do0))  # line 13: dP = dO_i V_j^T
+        if D1 > 0:
+            dv1 = tl.dot(pd, do1, dv1)
+            dp_t = tl.dot(v1, tl.trans(do1), dp_t)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q0.dtype)  # line 14: dS = P o (dP - D_i)
+        dk0 = tl.dot(ds_t, q0, dk0)  # line 16: dK_j += dS^T Q_i, per part
+        if D1 > 0:
+            dk1 = tl.dot(ds_t, q1, dk1)
+    return dk0, dk1, dv0, dv1
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
+                               "stride_lse_h"])
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group,
+                     qk_scale, scale, window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh,
+                     stride_lse_h, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
+    """backward._bwd_dkdv_kernel (Algorithm 2, lines 6-18): one key tile of one kv head of one sequence,
+    its query heads' Q and dO streamed by TMA."""
+    hk, b = tl.program_id(1), tl.program_id(2)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    start_n = tl.program_id(0) * BLOCK_N
+    if start_n >= k_len:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    kv_base = k_start.to(tl.int64) * stride_kt + hk * stride_kh
+    k0, k1 = _load_parts(K, K, K + kv_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, False)  # line 6
+    v0, v1 = _load_parts(V, V, V + kv_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, False)
+    dk0, dv0 = tl.zeros([BLOCK_N, D0], tl.float32), tl.zeros([BLOCK_N, D0], tl.float32)  # line 7
+    dk1, dv1 = dk0, dv0
+    if D1 > 0:
+        dk1, dv1 = tl.zeros([BLOCK_N, D1], tl.float32), tl.zeros([BLOCK_N, D1], tl.float32)
+    diag = k_len - q_len  # the transposed view of the forward's mask, as backward.py
+    lo, full_lo, full_hi, hi = tile_range(start_n, tl.minimum(start_n + BLOCK_N, k_len), shift=-diag,
+                                          lo_w=window_right, hi_w=window_left, n=q_len, BLOCK=BLOCK_M)
+    for g in range(group):  # every query head that reads this kv head adds into the same dK, dV
+        h = hk * group + g
+        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_base = DO + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        qd0, qd1 = _descs(q_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+        dod0, dod1 = _descs(do_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+        lse_base, delta_base = LSE2 + h * stride_lse_h + q_start, Delta + h * stride_lse_h + q_start
+        for run in tl.static_range(3):  # masked / unmasked / masked query runs (forward.tile_range)
+            dk0, dk1, dv0, dv1 = _dkdv_tiles(
+                dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base, delta_base,
+                offs_n, lo if run == 0 else full_lo if run == 1 else full_hi,
+                full_lo if run == 0 else full_hi if run == 1 else hi, q_len, -diag, window_right, window_left,
+                qk_scale, stride_qt, D0, D1, BLOCK_M, run != 1, USE_TMA)
+    _store_parts(DK + kv_base, dk0 * scale, dk1 * scale, offs_n, k_len, stride_kt, D0, D1)  # line 18
+    _store_parts(DV + kv_base, dv0, dv1, offs_n, k_len, stride_kt, D0, D1)
+
+
+@triton.jit
+def _store_parts(base, x0, x1, rows, n, stride_t, D0: tl.constexpr, D1: tl.constexpr):
+    """Store rows `rows` (< n) of the head axis parts [0, D0) and [D0, D0 + D1)."""
+    row_ptrs = base + rows[:, None].to(tl.int64) * stride_t
+    tl.store(row_ptrs + tl.arange(0, D0)[None, :], x0.to(base.dtype.element_ty), mask=rows[:, None] < n)
+    if D1 > 0:
+        tl.store(row_ptrs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty), mask=rows[:, None] < n)
+
+
+@triton.jit
+def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse2, delta, kd0, kd1, vd0, vd1, k_base, v_base, offs_m, lo, hi,
+              k_len, shift, lo_w, hi_w, qk_scale, stride_kt, D0: tl.constexpr, D1: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """backward._dq_tiles: Algorithm 2, line 15, dQ_i += dS_ij K_j over the key tiles [lo, hi), with P and
+    dS recomputed (lines 10-14)."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k0, k1 = _load_parts(kd0, kd1, k_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        v0, v1 = _load_parts(vd0, vd1, v_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        s = tl.dot(q0, tl.trans(k0))  # line 10
+        if D1 > 0:
+            s = tl.dot(q1, tl.trans(k1), s)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])  # line 11
+        if MASKED:
+            p = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, k_len), p, 0.0)
+        dp = tl.dot(do0, tl.trans(v0))  # line 13
+        if D1 > 0:
+            dp = tl.dot(do1, tl.trans(v1), dp)
+        ds = (p * (dp - delta[:, None])).to(k0.dtype)  # line 14
+        dq0 = tl.dot(ds, k0, dq0)  # line 15, per part
+        if D1 > 0:
+            dq1 = tl.dot(ds, k1, dq1)
+    return dq0, dq1
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
+                               "stride_lse_h"])
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group,
+                   qk_scale, scale, window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_lse_h, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
+    """backward._bwd_dq_kernel: one query tile of one head of one sequence, K and V streamed by TMA."""
+    h, b = tl.program_id(1), tl.program_id(2)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    start_m = tl.program_id(0) * BLOCK_M
+    if start_m >= q_len:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < q_len
+    q_off = q_start.to(tl.int64) * stride_qt + h * stride_qh
+    q0, q1 = _load_parts(Q, Q, Q + q_off, start_m, q_len, stride_qt, BLOCK_M, D0, D1, False)
+    do0, do1 = _load_parts(DO, DO, DO + q_off, start_m, q_len, stride_qt, BLOCK_M, D0, D1, False)
+    lse2 = tl.load(LSE2 + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
+    kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
+    kd0, kd1 = _descs(K + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+    vd0, vd1 = _descs(V + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+    dq0 = tl.zeros([BLOCK_M, D0], tl.float32)
+    dq1 = dq0
+    if D1 > 0:
+        dq1 = tl.zeros([BLOCK_M, D1], tl.float32)
+    diag = k_len - q_len
+    lo, full_lo, full_hi, hi = tile_range(start_m, tl.minimum(start_m + BLOCK_M, q_len), shift=diag,
+                                          lo_w=window_left, hi_w=window_right, n=k_len, BLOCK=BLOCK_N)
+    for run in tl.static_range(3):
+        dq0, dq1 = _dq_tiles(
+            dq0, dq1, q0, q1, do0, do1, lse2, delta, kd0, kd1, vd0, vd1, K + kv_off, V + kv_off, offs_m,
+            lo if run == 0 else full_lo if run == 1 else full_hi,
+            full_lo if run == 0 else full_hi if run == 1 else hi, k_len, diag, window_left, window_right,
+            qk_scale, stride_kt, D0, D1, BLOCK_N, run != 1, USE_TMA)
+    _store_parts(DQ + q_off, dq0 * scale, dq1 * scale, offs_m, q_len, stride_qt, D0, D1)
+
+
+def head_parts(head_dim: int) -> tuple[int, int]:
+    """(D0, D1) of the backward's head axis: (head_dim, 0) for a power of two, else D0 the largest power of
+    two below it and D1 the rest (split_head.py's split: 96 = 64 + 32)."""
+    if head_dim not in BWD_CONFIGS:
+        raise ValueError(f"head_dim must be one of {tuple(BWD_CONFIGS)} for the Hopper backward, got {head_dim}")
+    d0 = next_pow2(head_dim) if head_dim & (head_dim - 1) == 0 else next_pow2(head_dim) // 2
+    return d0, head_dim - d0
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device):
+    """The backward's launch configs: BWD_CONFIGS on a GPU, 16-row tiles under the interpreter."""
+    if device.type != "cuda":
+        return (16, 16, 4, 1), (16, 16, 4, 1)
+    return BWD_CONFIGS[head_dim]
+
+
+def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale,
+                    window_left, window_right, config=None, use_tma: bool = True):
+    """backward.attention_backward (Algorithm 2: preprocess, the dK/dV kernel, the dQ kernel, the GQA
+    expansion) with the streamed tiles loaded by TMA; same arguments, same results (dq, dk, dv).
+    config: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of the dQ kernel);
+    default: BWD_CONFIGS."""
+    total_q, heads_q, head_dim = q.shape
+    d0, d1 = head_parts(head_dim)
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q.dtype must be one of {DTYPES} for the Hopper backward, got {q.dtype}")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if total_q == 0 or batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    interpret = q.device.type != "cuda"
+    cfg1, cfg2 = config or bwd_config(head_dim, q.dtype, q.device)
+    if use_tma and not interpret:
+        _ensure_allocator()
+    do = do.contiguous()
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    pre_m = 16 if interpret else 128
+    _bwd_preprocess[(cdiv(total_q, pre_m), heads_q)](  # line 4: D = rowsum(dO o O), and L in base 2
+        Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
+        stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=pre_m)
+    common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
+                  window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
+                  stride_qh=q.stride(1), stride_lse_h=lse.stride(0), D0=d0, D1=d1,
+                  VARLEN=cu_seqlens_q is not None, USE_TMA=use_tma)
+    return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch, cfg1, cfg2)
+
+
 @functools.cache
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -321,3 +566,34 @@ def disable() -> None:
     """Remove the registration `enable` made (a no-op when there is none)."""
     while _REMOVE:
         _REMOVE.pop()()
+
+
+def backward_applies(q, k, v, do, **arguments) -> bool:
+    """The calls `hopper_backward` takes: CUDA sm_90, fp16/bf16, head_dim 64/96/128, contiguous q/k/v of one
+    dtype (and dO of it), and a Triton with tensor descriptors."""
+    return (HAS_TENSOR_DESCRIPTORS and q.is_cuda and q.dtype in DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype and do.dtype == q.dtype and q.shape[-1] in BWD_CONFIGS
+            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
+
+
+_REMOVE_BACKWARD: list[Callable[[], None]] = []
+
+
+def enable_backward() -> Callable[[], None]:
+    """Register `hopper_backward` as the "backward" kernel for the calls `backward_applies` accepts (every
+    flash_attn_* backward on sm_90 at head_dim 64/96/128; the split_head layer's, at 96, when registered
+    after it). Returns the function that removes it; enabling again replaces the earlier registration."""
+    disable_backward()
+    _REMOVE_BACKWARD.append(register_kernel("backward", hopper_backward, backward_applies))
+    return disable_backward
+
+
+def disable_backward() -> None:
+    """Remove the registration `enable_backward` made (a no-op when there is none)."""
+    while _REMOVE_BACKWARD:
+        _REMOVE_BACKWARD.pop()()
+
+
+def backward_enabled() -> bool:
+    return bool(_REMOVE_BACKWARD)

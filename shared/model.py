@@ -70,8 +70,12 @@ try:  # shared stands on nano_flashattn (DESIGN.md dependency rule); absent in a
 except ImportError:  # pragma: no cover - depends on what is installed
     _flash_attn_func, _FLASH_HEAD_DIMS = None, ()
 else:
-    if torch.cuda.is_available():  # the opt-in of every model user: head_dims 48/80/96/144/160/192 unpadded
+    if torch.cuda.is_available():  # the opt-in of every model user: head_dims 48/80/96/144/160/192 unpadded,
+        # and Algorithm 2 with TMA loads on Hopper
         import nano_flashattn.split_head  # noqa: F401  (a performance layer; registers on import)
+        from nano_flashattn import hopper as _hopper
+
+        _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

@@ -65,11 +65,18 @@ def _tables(d: int):
     return layer if layer is not None and layer.registered() and d in layer.SPLIT_HEAD_DIMS else configs
 
 
+def _bwd_tables(d: int):
+    """The module whose backward table the kernels running head_dim d read: the Hopper backward layer's when
+    it is on and takes d, else `_tables(d)`."""
+    layer = sys.modules.get("nano_flashattn.hopper")
+    return layer if layer is not None and layer.backward_enabled() and d in layer.BWD_CONFIGS else _tables(d)
+
+
 def sweep_attention(head_dims, report: dict) -> None:
     """Forward, then the backward's dK/dV tiles with dQ's held, then dQ's with the best dK/dV: speed summed
     over causal and not (1/ms), at bench_compile's shape. Each head_dim is swept on the kernels that run it
     (the split_head layer's for its head_dims, unless --no-split-head) and written into their tables."""
-    base = {d: _tables(d).bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
+    base = {d: _bwd_tables(d).bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
     jobs = [("fwd", d, c, cfg) for d in head_dims for c in (False, True) for cfg in FWD_CANDIDATES]
     for d in head_dims:
         jobs += [("bwd", d, c, (a, base[d][1])) for c in (False, True) for a in DKDV_CANDIDATES]
@@ -89,7 +96,7 @@ def sweep_attention(head_dims, report: dict) -> None:
                 if not any(str(("bwd", d, c, compiled)) in failed for c in (False, True)):
                     scores[cfg] = sum(1 / _ms(run_bwd(d, c, cfg)) for c in (False, True))
             best = max(scores, key=scores.get)
-        _tables(d).BWD_CONFIGS[d] = _best(scores, f"bwd hd{d}")
+        _bwd_tables(d).BWD_CONFIGS[d] = _best(scores, f"bwd hd{d}")
         report["bwd"][d] = {str(k): v for k, v in scores.items()}
         torch.cuda.empty_cache()
 
@@ -140,6 +147,9 @@ def tables(command: str) -> str:
         lines += ["# nano_flashattn/split_head.py:",
                   tuned, f"FWD_CONFIGS = {dict(sorted(layer.FWD_CONFIGS.items()))!r}",
                   tuned, f"BWD_CONFIGS = {dict(sorted(layer.BWD_CONFIGS.items()))!r}"]
+    hopper = sys.modules.get("nano_flashattn.hopper")
+    if hopper is not None and hopper.backward_enabled():
+        lines += ["# nano_flashattn/hopper.py:", tuned, f"BWD_CONFIGS = {dict(sorted(hopper.BWD_CONFIGS.items()))!r}"]
     return "\n".join(lines)
 
 
@@ -153,7 +163,9 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available():
         p.error("the sweep times kernels on a CUDA GPU")
     # the layers the bench will run are on while sweeping, so that each head_dim is tuned on its kernels
-    bench.use_split_head(not bench.parse_args(bench_argv).no_split_head)
+    bench_args = bench.parse_args(bench_argv)
+    bench.use_split_head(not bench_args.no_split_head)
+    bench.use_hopper_backward(not bench_args.no_hopper_backward)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     sweep_attention(args.sweep_head_dims, report)
     if not args.no_decode_sweep:

@@ -1,4 +1,4 @@
-"""nano_flashattn.hopper, the Hopper forward layer, against the fp64 torch reference (FlashAttention's error
+"""nano_flashattn.hopper, the Hopper forward and backward layers, against the fp64 torch reference (FlashAttention's error
 rule, `fa_check`), through the dispatch point it registers into.
 
 On CPU the kernel runs under TRITON_INTERPRET=1, whose tensor descriptors read zeros past a descriptor's
@@ -15,7 +15,7 @@ from test_flashattn_dense import _inputs, _run_and_compare
 
 import nano_flashattn as fa
 from nano_flashattn import hopper, interface
-from nano_flashattn.hopper import HopperConfig, hopper_forward
+from nano_flashattn.hopper import HopperConfig, hopper_backward, hopper_forward
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
 # A performance layer's interpreter tests: run from the repository, left out of a fork of the package.
@@ -137,6 +137,82 @@ def test_bad_arguments():
         HopperConfig(block_m=16, split_m=True)
 
 
+@pytest.fixture
+def backward_layer():
+    """Register hopper_backward (TMA loads, or pointer loads) for every backward call; after the test,
+    assert that it ran."""
+    removes, calls = [], []
+
+    def register(use_tma: bool = True) -> None:
+        def launch(**arguments):
+            calls.append(arguments["q"].shape[-1])
+            return hopper_backward(**arguments, use_tma=use_tma)
+
+        removes.append(fa.register_kernel("backward", launch))
+
+    yield register
+    for remove in removes:
+        remove()
+    assert calls, "the layer never ran"
+
+
+BACKWARD_CASES = [
+    (2, 37, 53, 4, 1, 64, False, (-1, -1)),  # GQA 4, seqlen_q < seqlen_k
+    (1, 53, 37, 4, 2, 96, True, (-1, -1)),  # the split head axis (64 + 32); rows that see no key
+    (1, 40, 40, 2, 2, 96, False, (7, 3)),  # local window: masked runs on both sides
+    (1, 19, 19, 2, 2, 128, True, (-1, -1)),  # head_dim 128, one tile past the sequence end
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+def test_backward_layer(fa_check, backward_layer, case, use_tma):
+    """dQ, dK, dV of the layer against fp64 (the forward is the paper path's)."""
+    backward_layer(use_tma)
+    _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7])
+
+
+def test_backward_layer_varlen_equals_the_paper_path():
+    """Packed sequences: per-sequence descriptors read no neighbour's rows; the sums run in the paper path's
+    order, so the gradients are bit-identical to it (one power-of-two part)."""
+    lens = [13, 1, 30]
+    cu = torch.tensor([0, 13, 14, 44], dtype=torch.int32)
+    q, k, v, do = (t[0] for t in _inputs(1, 44, 44, 4, 2, 64, torch.float16, "cpu"))
+    args = dict(q=q, k=k, v=v, batch=3, seqlen_q=max(lens), seqlen_k=max(lens), cu_seqlens_q=cu,
+                cu_seqlens_k=cu, scale=0.125, window_left=1 << 30, window_right=0)
+    out, lse = PAPER_KERNELS["forward"](block_table=None, **args)
+    expected = PAPER_KERNELS["backward"](do=do, out=out, lse=lse, **args)
+    for got, want in zip(hopper_backward(do=do, out=out, lse=lse, **args), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_enable_backward_registers_for_the_calls_it_applies_to():
+    q, k, v, do = (t[0] for t in _inputs(1, 20, 20, 2, 2, 64, torch.float16, "cpu"))
+    before = len(interface._LAYERS["backward"])
+    remove = hopper.enable_backward()
+    hopper.enable_backward()  # enabling again replaces, never stacks
+    try:
+        assert hopper.backward_enabled() and len(interface._LAYERS["backward"]) == before + 1
+        assert not hopper.backward_applies(q=q, k=k, v=v, do=do)  # CPU tensors: the paper path
+    finally:
+        remove()
+    assert not hopper.backward_enabled() and len(interface._LAYERS["backward"]) == before
+    hopper.disable_backward()  # twice: harmless
+
+
+def test_backward_bad_arguments():
+    args = dict(batch=1, seqlen_q=8, seqlen_k=8, cu_seqlens_q=None, cu_seqlens_k=None, scale=0.125,
+                window_left=1 << 30, window_right=0)
+    q80 = torch.zeros(8, 2, 80, dtype=torch.float16)
+    lse = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 96, 128\) for the Hopper backward, "
+                                         r"got 80"):
+        hopper_backward(q80, q80, q80, q80, q80, lse, **args)
+    q32 = torch.zeros(8, 2, 64)
+    with pytest.raises(ValueError, match=r"^q.dtype must be one of .* for the Hopper backward, got torch.float32"):
+        hopper_backward(q32, q32, q32, q32, q32, lse, **args)
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -171,3 +247,34 @@ def test_gpu_configs(fa_check, layer_for, config):
                      device="cuda")
     _run_and_compare(fa_check, 1, 500, 500, 4, 4, 128, torch.bfloat16, False, (100, 30), backward=False,
                      device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Hopper backward needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", sorted(hopper.BWD_CONFIGS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_enabled_backward(fa_check, dtype, d, causal):
+    """enable_backward(): flash_attn_func's backward runs the layer on sm_90 (default configs), dense with
+    GQA, a window, and packed sequences."""
+    remove = hopper.enable_backward()
+    try:
+        q, k, v, do = _inputs(1, 8, 8, 2, 2, d, dtype, "cuda")
+        assert hopper.backward_applies(q=q[0], k=k[0], v=v[0], do=do[0])
+        _run_and_compare(fa_check, 2, 300, 333, 4, 2, d, dtype, causal, (-1, -1), device="cuda")
+        _run_and_compare(fa_check, 1, 500, 500, 4, 4, d, dtype, causal, (100, 30), device="cuda")
+        lens = [700, 1, 130, 257]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v, do = (t[0] for t in _inputs(1, sum(lens), sum(lens), 4, 2, d, dtype, "cuda"))
+        args = dict(q=q, k=k, v=v, batch=4, seqlen_q=max(lens), seqlen_k=max(lens), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu, scale=d**-0.5, window_left=1 << 30, window_right=0 if causal else 1 << 30)
+        out, lse = PAPER_KERNELS["forward"](block_table=None, **args)
+        # the same sums in the same order as the pointer-load kernels: 96 as split_head's two parts
+        from nano_flashattn.split_head import split_backward
+
+        expected = (split_backward if d == 96 else PAPER_KERNELS["backward"])(do=do, out=out, lse=lse, **args)
+        got = run_kernel("backward", do=do, out=out, lse=lse, **args)
+        for g, e in zip(got, expected, strict=True):
+            assert torch.equal(g, e)
+    finally:
+        remove()
