@@ -1,9 +1,11 @@
-"""Hopper (sm_90) forward: FlashAttention-2's Algorithm 1 with the memory path of FlashAttention-3
-(Shah et al. 2024, arXiv 2407.08608), as a performance layer over `forward.py`.
+"""Hopper (sm_90) forward and backward: FlashAttention-2's Algorithms 1 and 2 with the memory path of
+FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608), as a performance layer over `forward.py` and
+`backward.py`.
 
 Same mathematics as the paper path (online softmax in base 2, log2(e) folded into the scale, masks only on
 the tiles that need them: `forward.tile_range` splits the key axis into masked / unmasked / masked runs);
-what changes is how tiles move and how the loop is scheduled, each a compile-time knob of `HopperConfig`:
+what changes in the forward is how tiles move and how the loop is scheduled, each a compile-time knob of
+`HopperConfig`:
 
 * TMA (FA3 §3.1, "producer-consumer asynchrony"): Q, K and V tiles arrive by the Tensor Memory Accelerator
   through tensor descriptors made on the device, one per (sequence, head) whose shape ends at the
@@ -20,10 +22,15 @@ what changes is how tiles move and how the loop is scheduled, each a compile-tim
 
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
 LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
-`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous rows, no paged KV). Nothing
-registers on import. `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU
-at hand and times them against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the
-same arithmetic.
+`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous rows, no paged KV).
+`tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU at hand and times them
+against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the same arithmetic.
+
+`hopper_backward` is the paper path's deterministic two-kernel backward (no atomics, same sums in the same
+order) with its streamed tiles loaded by TMA: Q_i and dO_i in the dK/dV kernel, K_j and V_j in the dQ
+kernel; head_dim 96 is held as 64 + 32 parts (split_head.py's split, one descriptor per part).
+`enable_backward()` registers it for the calls `backward_applies` accepts (CUDA sm_90, fp16/bf16, head_dim
+64/96/128). Nothing registers on import; `shared.model` enables the backward on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ DEFAULT_CONFIGS: dict[int, HopperConfig] = {
 }
 INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 # Backward tiles by head_dim: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of
-# the dQ kernel). Measured on an H200, 2026-12-01, each of tools/flashattn_sweep.py's dK/dV and dQ
+# the dQ kernel). Measured on an H200, 2026-12-02, each of tools/flashattn_sweep.py's dK/dV and dQ
 # candidates with the other kernel's tile held, at 4k and 16k, causal and not (the best worst ratio to SDPA
 # flash): 64 and 128 keep the paper path's tables (configs.BWD_CONFIGS); 96 keeps split_head's dK/dV tile
 # and takes a 64 x 64 dQ tile (1.20x SDPA flash at its worst shape, against 1.09x with split_head's).

@@ -72,10 +72,13 @@ except ImportError:  # pragma: no cover - depends on what is installed
 else:
     if torch.cuda.is_available():  # the opt-in of every model user: head_dims 48/80/96/144/160/192 unpadded,
         # and Algorithm 2 with TMA loads on Hopper
-        import nano_flashattn.split_head  # noqa: F401  (a performance layer; registers on import)
-        from nano_flashattn import hopper as _hopper
-
-        _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
+        try:  # performance layers: a fork that deleted one runs the paper path
+            import nano_flashattn.split_head  # noqa: F401  (registers on import)
+            from nano_flashattn import hopper as _hopper
+        except ImportError:  # pragma: no cover - depends on what is installed
+            pass
+        else:
+            _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
