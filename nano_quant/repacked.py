@@ -40,7 +40,9 @@ from .quant import unpack_awq
 # step) with 16-byte loads, and x's matching 8 elements are four int32 pairs. Per group the zero point is
 # pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernel needs no zero unpack.
 # Per weight one AND, one subtract and one FMA; on an H200 the GEMV still reads HBM at a third of its rate
-# (Nsight Compute: 52% of SM and 30% of DRAM throughput, 19% occupancy at 168 registers).
+# (Nsight Compute: 52% of SM and 30% of DRAM throughput, 19% occupancy at 168 registers). Dropping each
+# nibble into the top of an fp32 mantissa instead (1 + q/128, x pre-scaled, no subtract per weight) needs a
+# shift per nibble pair and measured 107 µs per llama3-8b layer against 86 (H200, 2026-12-02).
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01); with
