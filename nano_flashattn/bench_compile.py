@@ -11,6 +11,7 @@ config, strides that are multiples of 16); Triton's on-disk cache then serves th
 from __future__ import annotations
 
 import os
+import pickle
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -86,6 +87,15 @@ def _compile(job: tuple) -> str | None:
         return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+def _picklable(obj) -> bool:
+    """A layer registered as a lambda cannot reach a worker: its kernels compile in the main process."""
+    try:
+        pickle.dumps(obj)
+    except Exception:  # pickle raises several types (PicklingError, AttributeError, TypeError)
+        return False
+    return True
+
+
 def _register_all(entries: list[tuple]) -> None:
     """Worker initializer: the parent's layer registrations, oldest first, so that the latest wins as there
     (unpickling a launcher imports its module; one that registers on import adds a duplicate, harmless)."""
@@ -101,7 +111,7 @@ def precompile(jobs: list[tuple]) -> set[str]:
     workers = min(len(jobs), os.cpu_count() or 1, 16)
     # spawned workers register the performance layers registered here, so they compile the kernels that run
     layers = [(kind, launch, applies) for kind, entries in interface._LAYERS.items()
-              for launch, applies in reversed(entries)]
+              for launch, applies in reversed(entries) if _picklable((launch, applies))]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_register_all,
                              initargs=(layers,)) as pool:
         errors = [e for e in pool.map(_compile, jobs) if e]
