@@ -209,20 +209,13 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
 
     config: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of the dQ kernel),
     default `configs.bwd_config`."""
-    total_q, heads_q, head_dim = q.shape
+    total_q, head_dim = q.shape[0], q.shape[2]
     # varlen: rows past cu_seqlens[-1] belong to no sequence and are left unwritten, as in the forward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    do = do.contiguous()
     (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = config or bwd_config(head_dim, q.dtype, q.device)
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    pre_m = 128 if q.is_cuda else 16
-    _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](
-        Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
-        stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=pre_m,
-    )
+    do, delta, lse2 = preprocess(do, q, out, lse)
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
@@ -231,6 +224,20 @@ def attention_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seql
                   DOT_PRECISION=dot_precision(q.dtype))
     return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch,
                                (m1, n1, warps1, stages1), (m2, n2, warps2, stages2))
+
+
+def preprocess(do, q, out, lse):
+    """Line 4 for every head and row: returns dO made contiguous (the kernels index it with q's strides),
+    D and the base-2 L."""
+    do, (total_q, heads_q, head_dim) = do.contiguous(), q.shape
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    pre_m = 128 if q.is_cuda else 16  # memory-bound: a padded head axis costs little
+    _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](
+        Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
+        stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=pre_m,
+    )
+    return do, delta, lse2
 
 
 def launch_dkdv_then_dq(dkdv_kernel, dq_kernel, q, k, v, dq, dk, dv, common: dict, batch: int, cfg1, cfg2):

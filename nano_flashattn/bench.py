@@ -318,11 +318,12 @@ def use_split_head(on: bool) -> bool:
 
 
 def use_hopper_backward(on: bool) -> bool:
-    """Turn the Hopper backward layer (hopper.py: Algorithm 2 with TMA loads, head_dims 64/96/128 on sm_90) on
-    or off in this process, after the split_head layer so that it takes head_dim 96's backward; returns
-    whether it is on. The bench runs it on a GPU unless --no-hopper-backward."""
+    """Turn the Hopper backward layer (hopper.py: Algorithm 2 with TMA loads, head_dims 64/96/128) on (an
+    sm_90 GPU only) or off in this process, after the split_head layer so that it takes head_dim 96's
+    backward; returns whether it is on. The bench runs it on a GPU unless --no-hopper-backward."""
     from . import hopper
 
+    on = on and torch.cuda.is_available() and hopper._is_sm90(torch.cuda.current_device())
     (hopper.enable_backward if on else hopper.disable_backward)()
     return on
 
@@ -347,7 +348,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']} | "
           f"split_head {'on' if env['split_head'] else 'off'} | "
-          f"hopper backward {'on' if env['hopper_backward'] else 'off'} (sm_90 only)")
+          f"hopper backward {'on' if env['hopper_backward'] else 'off'}")
     ceil = result["ceilings"]
     print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     os.makedirs(args.out, exist_ok=True)

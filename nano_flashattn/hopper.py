@@ -44,9 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import _bwd_preprocess, launch_dkdv_then_dq
+from .backward import launch_dkdv_then_dq, preprocess
 from .checks import cdiv, next_pow2
-from .configs import block_d
 from .forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
 from .interface import register_kernel
 
@@ -338,6 +337,16 @@ def _descs(base, n, stride_t, BLOCK: tl.constexpr, D0: tl.constexpr, D1: tl.cons
 
 
 @triton.jit
+def _store_parts(base, x0, x1, rows, n, stride_t, D0: tl.constexpr, D1: tl.constexpr):
+    """Store rows `rows` (< n) of the head axis parts [0, D0) and [D0, D0 + D1)."""
+    row_ptrs = base + rows[:, None].to(tl.int64) * stride_t
+    tl.store(row_ptrs + tl.arange(0, D0)[None, :], x0.to(base.dtype.element_ty), mask=rows[:, None] < n)
+    if D1 > 0:
+        tl.store(row_ptrs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty),
+                 mask=rows[:, None] < n)
+
+
+@triton.jit
 def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base,
                 delta_base, offs_n, lo, hi, q_len, shift, lo_w, hi_w, qk_scale, stride_qt, D0: tl.constexpr,
                 D1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
@@ -405,21 +414,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
         lse_base, delta_base = LSE2 + h * stride_lse_h + q_start, Delta + h * stride_lse_h + q_start
         for run in tl.static_range(3):  # masked / unmasked / masked query runs (forward.tile_range)
             dk0, dk1, dv0, dv1 = _dkdv_tiles(
-                dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base, delta_base,
+                dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base,
+                delta_base,
                 offs_n, lo if run == 0 else full_lo if run == 1 else full_hi,
                 full_lo if run == 0 else full_hi if run == 1 else hi, q_len, -diag, window_right, window_left,
                 qk_scale, stride_qt, D0, D1, BLOCK_M, run != 1, USE_TMA)
     _store_parts(DK + kv_base, dk0 * scale, dk1 * scale, offs_n, k_len, stride_kt, D0, D1)  # line 18
     _store_parts(DV + kv_base, dv0, dv1, offs_n, k_len, stride_kt, D0, D1)
-
-
-@triton.jit
-def _store_parts(base, x0, x1, rows, n, stride_t, D0: tl.constexpr, D1: tl.constexpr):
-    """Store rows `rows` (< n) of the head axis parts [0, D0) and [D0, D0 + D1)."""
-    row_ptrs = base + rows[:, None].to(tl.int64) * stride_t
-    tl.store(row_ptrs + tl.arange(0, D0)[None, :], x0.to(base.dtype.element_ty), mask=rows[:, None] < n)
-    if D1 > 0:
-        tl.store(row_ptrs + D0 + tl.arange(0, D1)[None, :], x1.to(base.dtype.element_ty), mask=rows[:, None] < n)
 
 
 @triton.jit
@@ -490,7 +491,8 @@ def head_parts(head_dim: int) -> tuple[int, int]:
     """(D0, D1) of the backward's head axis: (head_dim, 0) for a power of two, else D0 the largest power of
     two below it and D1 the rest (split_head.py's split: 96 = 64 + 32)."""
     if head_dim not in BWD_CONFIGS:
-        raise ValueError(f"head_dim must be one of {tuple(BWD_CONFIGS)} for the Hopper backward, got {head_dim}")
+        raise ValueError(f"head_dim must be one of {tuple(BWD_CONFIGS)} for the Hopper backward, "
+                         f"got {head_dim}")
     d0 = next_pow2(head_dim) if head_dim & (head_dim - 1) == 0 else next_pow2(head_dim) // 2
     return d0, head_dim - d0
 
@@ -508,30 +510,24 @@ def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens
     expansion) with the streamed tiles loaded by TMA; same arguments, same results (dq, dk, dv).
     config: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of the dQ kernel);
     default: BWD_CONFIGS."""
-    total_q, heads_q, head_dim = q.shape
+    total_q, head_dim = q.shape[0], q.shape[2]
     d0, d1 = head_parts(head_dim)
     if q.dtype not in DTYPES:
         raise ValueError(f"q.dtype must be one of {DTYPES} for the Hopper backward, got {q.dtype}")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    interpret = q.device.type != "cuda"
     cfg1, cfg2 = config or bwd_config(head_dim, q.dtype, q.device)
-    if use_tma and not interpret:
+    if use_tma and q.is_cuda:
         _ensure_allocator()
-    do = do.contiguous()
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    pre_m = 16 if interpret else 128
-    _bwd_preprocess[(cdiv(total_q, pre_m), heads_q)](  # line 4: D = rowsum(dO o O), and L in base 2
-        Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
-        stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=pre_m)
+    do, delta, lse2 = preprocess(do, q, out, lse)  # line 4: D = rowsum(dO o O), and L in base 2
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
                   stride_qh=q.stride(1), stride_lse_h=lse.stride(0), D0=d0, D1=d1,
                   VARLEN=cu_seqlens_q is not None, USE_TMA=use_tma)
-    return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch, cfg1, cfg2)
+    return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch, cfg1,
+                               cfg2)
 
 
 @functools.cache

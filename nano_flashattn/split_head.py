@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from . import configs, interface
-from .backward import _bwd_preprocess, launch_dkdv_then_dq
+from .backward import launch_dkdv_then_dq, preprocess
 from .checks import HEAD_DIMS, next_pow2
-from .configs import Config, block_d
+from .configs import Config
 from .forward import (
     LN2_C,
     LOG2E,
@@ -317,20 +317,13 @@ def split_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_
                    window_left, window_right, config=None):
     """backward.attention_backward (Algorithm 2: preprocess, dK/dV kernel, dQ kernel, GQA expansion) for a
     head_dim in SPLIT_HEAD_DIMS; same arguments, same results (dq, dk, dv)."""
-    total_q, heads_q, head_dim = q.shape
+    total_q, head_dim = q.shape[0], q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    do = do.contiguous()
     d0, d1 = _parts(head_dim)
     (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = config or bwd_config(head_dim, q.dtype, q.device)
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    pre_m = 128 if q.is_cuda else 16
-    _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](  # memory-bound: the padded tile costs little
-        Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
-        stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=pre_m,
-    )
+    do, delta, lse2 = preprocess(do, q, out, lse)
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),

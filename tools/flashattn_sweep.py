@@ -149,7 +149,8 @@ def tables(command: str) -> str:
                   tuned, f"BWD_CONFIGS = {dict(sorted(layer.BWD_CONFIGS.items()))!r}"]
     hopper = sys.modules.get("nano_flashattn.hopper")
     if hopper is not None and hopper.backward_enabled():
-        lines += ["# nano_flashattn/hopper.py:", tuned, f"BWD_CONFIGS = {dict(sorted(hopper.BWD_CONFIGS.items()))!r}"]
+        lines += ["# nano_flashattn/hopper.py:", tuned,
+                  f"BWD_CONFIGS = {dict(sorted(hopper.BWD_CONFIGS.items()))!r}"]
     return "\n".join(lines)
 
 

@@ -164,7 +164,8 @@ BACKWARD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,use_tma", [(case, True) for case in BACKWARD_CASES] + [(BACKWARD_CASES[1], False)])
+@pytest.mark.parametrize("case,use_tma",
+                         [(case, True) for case in BACKWARD_CASES] + [(BACKWARD_CASES[1], False)])
 def test_backward_layer(fa_check, backward_layer, case, use_tma):
     """dQ, dK, dV of the layer against fp64 (the forward is the paper path's)."""
     backward_layer(use_tma)
@@ -208,7 +209,8 @@ def test_backward_bad_arguments():
                                          r"got 80"):
         hopper_backward(q80, q80, q80, q80, q80, lse, **args)
     q32 = torch.zeros(8, 2, 64)
-    with pytest.raises(ValueError, match=r"^q.dtype must be one of .* for the Hopper backward, got torch.float32"):
+    with pytest.raises(ValueError,
+                       match=r"^q.dtype must be one of .* for the Hopper backward, got torch.float32"):
         hopper_backward(q32, q32, q32, q32, q32, lse, **args)
 
 
@@ -266,7 +268,8 @@ def test_gpu_enabled_backward(fa_check, dtype, d, causal):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         q, k, v, do = (t[0] for t in _inputs(1, sum(lens), sum(lens), 4, 2, d, dtype, "cuda"))
         args = dict(q=q, k=k, v=v, batch=4, seqlen_q=max(lens), seqlen_k=max(lens), cu_seqlens_q=cu,
-                    cu_seqlens_k=cu, scale=d**-0.5, window_left=1 << 30, window_right=0 if causal else 1 << 30)
+                    cu_seqlens_k=cu, scale=d**-0.5, window_left=1 << 30,
+                    window_right=0 if causal else 1 << 30)
         out, lse = PAPER_KERNELS["forward"](block_table=None, **args)
         # the same sums in the same order as the pointer-load kernels: 96 as split_head's two parts
         from nano_flashattn.split_head import split_backward
