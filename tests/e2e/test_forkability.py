@@ -6,7 +6,7 @@ this repository is switched off) import every module of the package, check that 
 rule is importable, and run the package's tests there. Collection imports every test module, so a test
 that needs a sibling outside the rule fails here too. The tests marked `slow` (multi-process runs and CLI
 smoke runs, ~4-35 s each) are collected but not run in the fork: running them twice would double CI time;
-they run from the repository in the same suite.
+they run from the repository in the same suite. The forks run two at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,8 @@ CHECK = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("package", sorted(STANDS_ON))
-def test_package_forks_with_what_it_stands_on(package, tmp_path):
+def _fork(package: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Copy `package`, what it stands on and its tests into tmp_path; run CHECK there."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "outputs")
     for name in (package, *STANDS_ON[package]):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=ignore)
@@ -62,7 +63,27 @@ def test_package_forks_with_what_it_stands_on(package, tmp_path):
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n    slow: longer CPU tests\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK, package, ",".join(STANDS_ON[package]), str(tmp_path)],
+    return subprocess.run([sys.executable, "-c", CHECK, package, ",".join(STANDS_ON[package]), str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _test_bytes(package: str) -> int:
+    return sum(f.stat().st_size for f in (ROOT / "tests" / package).rglob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def forks(request, tmp_path_factory):
+    """The selected packages' forks, run two at a time (each fork is one single-threaded process and this
+    test only waits on it: two keep a 2-core CI machine busy), the largest test directories first."""
+    selected = [item.callspec.params["package"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_package_forks_with_what_it_stands_on"]
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        yield {package: pool.submit(_fork, package, tmp_path_factory.mktemp(f"fork_{package}"))
+               for package in sorted(selected, key=_test_bytes, reverse=True)}
+
+
+@pytest.mark.parametrize("package", sorted(STANDS_ON))
+def test_package_forks_with_what_it_stands_on(package, forks):
+    proc = forks[package].result()
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
