@@ -22,7 +22,8 @@ what changes in the forward is how tiles move and how the loop is scheduled, eac
 
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
 LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
-`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous rows, no paged KV).
+`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/96/128, contiguous rows, no paged KV); head_dim 96
+is held as 64 + 32 parts, each product over the head axis two products (split_head.py's split).
 `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU at hand and times them
 against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the same arithmetic.
 
@@ -30,7 +31,8 @@ against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, th
 order) with its streamed tiles loaded by TMA: Q_i and dO_i in the dK/dV kernel, K_j and V_j in the dQ
 kernel; head_dim 96 is held as 64 + 32 parts (split_head.py's split, one descriptor per part).
 `enable_backward()` registers it for the calls `backward_applies` accepts (CUDA sm_90, fp16/bf16, head_dim
-64/96/128). Nothing registers on import; `shared.model` enables the backward on a CUDA machine.
+64/96/128). Nothing registers on import; `shared.model` enables the backward and the forward (head_dims 96
+and 128, where it measured faster than the paper path and split_head) on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from .checks import cdiv, next_pow2
 from .forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
 from .interface import register_kernel
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor")
 
@@ -80,12 +82,16 @@ class HopperConfig:
                              f"(tl.dot's smallest tile per half), got {self.block_m} and {self.block_n}")
 
 
-# Not measured yet on an H200: `python tools/flashattn_hopper_probe.py` times these against the other
-# variants and cuDNN.
+# The fastest of 3-5 tile / stage variants per head_dim against the default forward (the paper path; split_head
+# at 96) at the bench's shapes (hidden 2048, 16k tokens, 4k and 16k, causal and not; H200, 2026-12-02):
+# 128 x 128 x 3 stages at 128 (1.10-1.19x the paper path), 128 x 64 x 3 at 96 (1.07-1.11x split_head's),
+# 128 x 64 x 3 at 64 (0.96-1.02x: not faster, so `enable()` leaves head_dim 64 to the paper path).
 DEFAULT_CONFIGS: dict[int, HopperConfig] = {
-    64: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    128: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    64: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    96: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    128: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
 }
+ENABLED_HEAD_DIMS = (96, 128)  # where the layer measured faster than the default forward
 INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 # Backward tiles by head_dim: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of
 # the dQ kernel). Measured on an H200, 2026-12-02, each of tools/flashattn_sweep.py's dK/dV and dQ
@@ -123,9 +129,13 @@ def _store_rows(desc, base, x, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM:
 
 
 @triton.jit
-def _step(acc, l_i, m_i, q, k, v, offs_m, offs_n, qk_scale, shift, lo_w, hi_w, n, MASKED: tl.constexpr):
-    """Algorithm 1, lines 8-10, for one query tile and one K/V tile (k row-major: S = q k^T)."""
+def _step(acc, acc_b, l_i, m_i, q, q_b, k, k_b, v, v_b, offs_m, offs_n, qk_scale, shift, lo_w, hi_w, n,
+          MASKED: tl.constexpr, D1: tl.constexpr):
+    """Algorithm 1, lines 8-10, for one query tile and one K/V tile (k row-major: S = q k^T); with D1 > 0 the
+    head axis is two parts (S = q k^T + q_b k_b^T, O and O_b updated by the same P)."""
     s = tl.dot(q, tl.trans(k))
+    if D1 > 0:
+        s = tl.dot(q_b, tl.trans(k_b), s)
     if MASKED:
         s = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, n), s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -138,38 +148,44 @@ def _step(acc, l_i, m_i, q, k, v, offs_m, offs_n, qk_scale, shift, lo_w, hi_w, n
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    if D1 > 0:
+        acc_b = tl.dot(p.to(v.dtype), v_b, acc_b * alpha[:, None])
+    return acc, acc_b, l_i, m_new
 
 
 @triton.jit
-def _kv_loop(acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-             lo, hi, n, shift, lo_w, hi_w, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, SPLIT_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-             DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+def _kv_loop(acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
+             stride_kt, offs_m0, offs_m1, lo, hi, n, shift, lo_w, hi_w, qk_scale, D0: tl.constexpr,
+             D1: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SPLIT_M: tl.constexpr,
+             WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
     """Algorithm 1, lines 6-11, over key tiles [lo, hi); a second query half (SPLIT_M) shares each K/V
     tile."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE,
                             disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _rows(k_desc, k_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
-        v = _rows(v_desc, v_base, start_n, n, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
-        acc0, l0, m0 = _step(acc0, l0, m0, q0, k, v, offs_m0, offs_n, qk_scale, shift, lo_w, hi_w, n, MASKED)
+        k, k_b = _load_parts(kd0, kd1, k_base, start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        v, v_b = _load_parts(vd0, vd1, v_base, start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        acc0, acc0b, l0, m0 = _step(acc0, acc0b, l0, m0, q0, q0b, k, k_b, v, v_b, offs_m0, offs_n, qk_scale,
+                                    shift, lo_w, hi_w, n, MASKED, D1)
         if SPLIT_M:
-            acc1, l1, m1 = _step(acc1, l1, m1, q1, k, v, offs_m1, offs_n, qk_scale, shift, lo_w, hi_w, n,
-                                 MASKED)
-    return acc0, l0, m0, acc1, l1, m1
+            acc1, acc1b, l1, m1 = _step(acc1, acc1b, l1, m1, q1, q1b, k, k_b, v, v_b, offs_m1, offs_n,
+                                        qk_scale, shift, lo_w, hi_w, n, MASKED, D1)
+    return acc0, acc0b, l0, m0, acc1, acc1b, l1, m1
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, o_desc, o_base, LSE, offs_m, row0, q_len, stride_qt, HALF_M: tl.constexpr,
-            HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+def _finish(acc, acc_b, l_i, m_i, od0, od1, o_base, LSE, offs_m, row0, q_len, stride_qt, HALF_M: tl.constexpr,
+            D0: tl.constexpr, D1: tl.constexpr, USE_TMA: tl.constexpr):
     """Algorithm 1, lines 12-15: O = acc / l, L = m + log l (natural log); a row with no key: O = 0,
     L = -inf."""
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
-    o = (acc / l_i[:, None]).to(o_base.dtype.element_ty)
-    _store_rows(o_desc, o_base, o, row0, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
+    _store_rows(od0, o_base, (acc / l_i[:, None]).to(o_base.dtype.element_ty), row0, q_len, stride_qt, HALF_M,
+                D0, USE_TMA)
+    if D1 > 0:
+        _store_rows(od1, o_base + D0, (acc_b / l_i[:, None]).to(o_base.dtype.element_ty), row0, q_len,
+                    stride_qt, HALF_M, D1, USE_TMA)
     tl.store(LSE + offs_m, lse, mask=offs_m < q_len)
 
 
@@ -177,12 +193,12 @@ def _finish(acc, l_i, m_i, o_desc, o_base, LSE, offs_m, row0, q_len, stride_qt, 
                                "stride_lse_h"])
 def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, qk_scale,
                        window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh, stride_lse_h,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        VARLEN: tl.constexpr, REVERSE: tl.constexpr, SPLIT_M: tl.constexpr,
                        TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                        DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
     """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q,
-    batch)."""
+    batch). The head axis is D0 (+ D1: 96 = 64 + 32, as the backward)."""
     HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
     h, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
@@ -196,58 +212,55 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
     o_base = Out + q_start.to(tl.int64) * stride_qt + h * stride_qh
     kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
     k_base, v_base = K + kv_off, V + kv_off
-    if USE_TMA:  # one descriptor per (sequence, head): its shape ends where the sequence ends
-        q_desc = tl.make_tensor_descriptor(q_base, shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
-                                           block_shape=[HALF_M, HEAD_DIM])
-        o_desc = tl.make_tensor_descriptor(o_base, shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
-                                           block_shape=[HALF_M, HEAD_DIM])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[k_len, HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[k_len, HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
-    else:
-        q_desc, o_desc, k_desc, v_desc = q_base, o_base, k_base, v_base
+    # one descriptor per (sequence, head, head-axis part): its shape ends where the sequence ends
+    qd0, qd1 = _descs(q_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+    od0, od1 = _descs(o_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+    kd0, kd1 = _descs(k_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+    vd0, vd1 = _descs(v_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
     offs_m0 = start_m + tl.arange(0, HALF_M)
     offs_m1 = offs_m0 + HALF_M
-    q0 = _rows(q_desc, q_base, start_m, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
-    acc0 = tl.zeros([HALF_M, HEAD_DIM], tl.float32)
+    q0, q0b = _load_parts(qd0, qd1, q_base, start_m, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+    acc0 = tl.zeros([HALF_M, D0], tl.float32)
+    acc0b = acc0
+    if D1 > 0:
+        acc0b = tl.zeros([HALF_M, D1], tl.float32)
     l0 = tl.zeros([HALF_M], tl.float32)
     m0 = tl.full([HALF_M], float("-inf"), tl.float32)
     if SPLIT_M:
-        q1 = _rows(q_desc, q_base, start_m + HALF_M, q_len, stride_qt, HALF_M, HEAD_DIM, USE_TMA)
+        q1, q1b = _load_parts(qd0, qd1, q_base, start_m + HALF_M, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
     else:
-        q1 = q0  # unused
-    acc1, l1, m1 = acc0, l0, m0
+        q1, q1b = q0, q0b  # unused
+    acc1, acc1b, l1, m1 = acc0, acc0b, l0, m0
 
     diag = k_len - q_len  # bottom-right alignment, as the paper path
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
     lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
                                           n=k_len, BLOCK=BLOCK_N)
     if TWO_PHASE:  # as forward.py: left window edge (masked), fully visible middle, diagonal / end (masked)
-        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-            lo, full_lo, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
-            False, False, USE_TMA)
-        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-            full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, False,
-            SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
-        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-            full_hi, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
-            False, False, USE_TMA)
+        acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
+            acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
+            stride_kt, offs_m0, offs_m1, lo, full_lo, k_len, diag, window_left, window_right, qk_scale, D0, D1,
+            BLOCK_N, True, SPLIT_M, False, False, USE_TMA)
+        acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
+            acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
+            stride_kt, offs_m0, offs_m1, full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, D0,
+            D1, BLOCK_N, False, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+        acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
+            acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
+            stride_kt, offs_m0, offs_m1, full_hi, hi, k_len, diag, window_left, window_right, qk_scale, D0, D1,
+            BLOCK_N, True, SPLIT_M, False, False, USE_TMA)
     else:  # one loop, every tile masked: Triton warp-specialises only a kernel's single, branch-free loop
-        acc0, l0, m0, acc1, l1, m1 = _kv_loop(
-            acc0, l0, m0, acc1, l1, m1, q0, q1, k_desc, v_desc, k_base, v_base, stride_kt, offs_m0, offs_m1,
-            lo, hi, k_len, diag, window_left, window_right, qk_scale, HEAD_DIM, BLOCK_N, True, SPLIT_M,
-            WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+        acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
+            acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
+            stride_kt, offs_m0, offs_m1, lo, hi, k_len, diag, window_left, window_right, qk_scale, D0, D1,
+            BLOCK_N, True, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
 
     lse_base = LSE + h * stride_lse_h + q_start
-    _finish(acc0, l0, m0, o_desc, o_base, lse_base, offs_m0, start_m, q_len, stride_qt, HALF_M, HEAD_DIM,
+    _finish(acc0, acc0b, l0, m0, od0, od1, o_base, lse_base, offs_m0, start_m, q_len, stride_qt, HALF_M, D0, D1,
             USE_TMA)
     if SPLIT_M:
-        _finish(acc1, l1, m1, o_desc, o_base, lse_base, offs_m1, start_m + HALF_M, q_len, stride_qt, HALF_M,
-                HEAD_DIM, USE_TMA)
+        _finish(acc1, acc1b, l1, m1, od0, od1, o_base, lse_base, offs_m1, start_m + HALF_M, q_len, stride_qt,
+                HALF_M, D0, D1, USE_TMA)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -276,6 +289,7 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     total_q, heads_q, head_dim = q.shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Hopper forward, got {head_dim}")
+    d0, d1 = head_parts(head_dim)
     interpret = q.device.type != "cuda"
     cfg = config or (INTERPRETER_CONFIG if interpret else DEFAULT_CONFIGS[head_dim])
     if not isinstance(cfg, HopperConfig):
@@ -291,7 +305,7 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     _hopper_fwd_kernel[(cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // k.shape[-2],
         scale * LOG2E, window_left, window_right, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        lse.stride(0), HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        lse.stride(0), D0=d0, D1=d1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m,
         TWO_PHASE=cfg.two_phase,
         WARP_SPECIALIZE=cfg.warp_specialize, DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer,
@@ -545,11 +559,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
     return (t.is_contiguous() and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
-def applies(q, k, v, block_table=None, **arguments) -> bool:
-    """The calls `hopper_forward` takes: CUDA sm_90, fp16/bf16, head_dim 64/128, contiguous q/k/v of
-    one dtype, no paged KV cache, and a Triton with tensor descriptors."""
+def applies(q, k, v, block_table=None, head_dims: tuple[int, ...] = HEAD_DIMS, **arguments) -> bool:
+    """The calls `hopper_forward` takes: CUDA sm_90, fp16/bf16, head_dim in head_dims (of 64/96/128),
+    contiguous q/k/v of one dtype, no paged KV cache, and a Triton with tensor descriptors."""
     return (HAS_TENSOR_DESCRIPTORS and block_table is None and q.is_cuda and q.dtype in DTYPES
-            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in HEAD_DIMS
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in head_dims
             and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
             and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
 
@@ -559,13 +573,15 @@ _REMOVE: list[Callable[[], None]] = []
 
 def enable(config: HopperConfig | None = None) -> Callable[[], None]:
     """Register `hopper_forward` as the "forward" kernel for the calls `applies` accepts (flash_attn_func and
-    flash_attn_varlen_func without a block table, then run it on sm_90). Returns the function that removes
-    it; enabling again replaces the earlier registration."""
+    flash_attn_varlen_func without a block table, then run it on sm_90): head_dims ENABLED_HEAD_DIMS with
+    DEFAULT_CONFIGS, or every head_dim of HEAD_DIMS with `config`. Returns the function that removes it;
+    enabling again replaces the earlier registration."""
     if config is not None and not isinstance(config, HopperConfig):
         raise TypeError(f"config must be a HopperConfig or None, got {type(config).__name__}")
     disable()
     launch = functools.partial(hopper_forward, config=config) if config else hopper_forward
-    _REMOVE.append(register_kernel("forward", launch, applies))
+    head_dims = HEAD_DIMS if config else ENABLED_HEAD_DIMS
+    _REMOVE.append(register_kernel("forward", launch, functools.partial(applies, head_dims=head_dims)))
     return disable
 
 

@@ -56,6 +56,7 @@ CASES = [
     (1, 53, 37, 4, 2, 64, True, (-1, -1)),  # seqlen_q > seqlen_k: the first rows see no key
     (1, 40, 40, 2, 2, 64, False, (7, 3)),  # local window: masked runs on both sides
     (1, 19, 19, 2, 2, 128, True, (-1, -1)),  # head_dim 128, one tile past the sequence end
+    (2, 37, 29, 4, 2, 96, True, (-1, -1)),  # head_dim 96: two parts (64 + 32), seqlen_q > seqlen_k
 ]
 
 
@@ -67,7 +68,7 @@ def test_forward_and_backward_through_the_layer(fa_check, layer_for, case):
 
 
 @pytest.mark.parametrize("name", ["split_m", "pointer", "one_loop"])
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]])
 def test_split_m_and_pointer_loads(fa_check, layer_for, name, case):
     layer_for(CPU_CONFIGS[name])
     _run_and_compare(fa_check, *case[:5], case[5], torch.float16, case[6], case[7], backward=False)
@@ -93,6 +94,7 @@ def test_varlen(fa_check, layer_for, name):
     written (the poisoned output would show an unwritten row, a wrong neighbour a wrong value)."""
     layer_for(CPU_CONFIGS[name])
     _varlen_check(fa_check, [13, 1, 30], 2, 1, 64, torch.float16, True, "cpu")
+    _varlen_check(fa_check, [13, 1, 30], 2, 1, 96, torch.float16, False, "cpu")
 
 
 def test_enable_registers_for_the_calls_it_applies_to():
@@ -105,6 +107,10 @@ def test_enable_registers_for_the_calls_it_applies_to():
     hopper.enable(HopperConfig(num_stages=3))  # enabling again replaces, never stacks
     try:
         assert len(interface._LAYERS["forward"]) == before + 1
+        # the config given: every head_dim the kernel takes; enable() alone: where it measured faster
+        assert interface._LAYERS["forward"][0][1].keywords["head_dims"] == hopper.HEAD_DIMS
+        hopper.enable()
+        assert interface._LAYERS["forward"][0][1].keywords["head_dims"] == hopper.ENABLED_HEAD_DIMS
         assert not hopper.applies(**arguments)
         out, lse = run_kernel("forward", **arguments)
         ref_out, ref_lse = PAPER_KERNELS["forward"](**arguments)
@@ -121,10 +127,10 @@ def test_bad_arguments():
                 window_left=1 << 30, window_right=0)
     with pytest.raises(ValueError, match=r"^block_table: the Hopper forward reads contiguous K/V only"):
         hopper_forward(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32), **args)
-    q96 = torch.zeros(8, 2, 96, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 128\) for the Hopper forward, "
-                                         r"got 96"):
-        hopper_forward(q96, q96, q96, block_table=None, **args)
+    q80 = torch.zeros(8, 2, 80, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 96, 128\) for the Hopper forward, "
+                                         r"got 80"):
+        hopper_forward(q80, q80, q80, block_table=None, **args)
     with pytest.raises(TypeError, match=r"^config must be a HopperConfig, got tuple"):
         hopper_forward(q, q, q, block_table=None, config=(128, 64, 8, 3), **args)
     with pytest.raises(TypeError, match=r"^config must be a HopperConfig or None, got dict"):
@@ -224,8 +230,9 @@ def _sm90() -> bool:
 @pytest.mark.parametrize("d", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_enabled_forward(fa_check, dtype, d, causal):
-    """enable(): flash_attn_func runs the layer on sm_90 (default configs), backward through its LSE."""
-    remove = hopper.enable()
+    """enable(): flash_attn_func runs the layer on sm_90 (default configs; head_dim 64, which enable() leaves
+    to the paper path, with its config given), backward through its LSE."""
+    remove = hopper.enable(None if d in hopper.ENABLED_HEAD_DIMS else hopper.DEFAULT_CONFIGS[d])
     try:
         q, k, v, _ = _inputs(1, 8, 8, 2, 2, d, dtype, "cuda")
         assert hopper.applies(q=q, k=k, v=v, block_table=None)
