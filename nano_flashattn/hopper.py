@@ -281,9 +281,10 @@ def _ensure_allocator() -> None:
 
 
 def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,
-                   window_left, window_right, config: HopperConfig | None = None):
+                   window_left, window_right, config: HopperConfig | tuple | None = None):
     """FA2 Algorithm 1 with FA3's TMA loads and scheduling knobs; the arguments and results of
-    `forward.attention_forward` (paged KV excepted: `block_table` must be None)."""
+    `forward.attention_forward` (paged KV excepted: `block_table` must be None). config: a HopperConfig, or
+    the paper path's (BLOCK_M, BLOCK_N, num_warps, num_stages) with the other knobs at their defaults."""
     if block_table is not None:
         raise ValueError("block_table: the Hopper forward reads contiguous K/V only; use the paper path")
     total_q, heads_q, head_dim = q.shape
@@ -292,8 +293,11 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     d0, d1 = head_parts(head_dim)
     interpret = q.device.type != "cuda"
     cfg = config or (INTERPRETER_CONFIG if interpret else DEFAULT_CONFIGS[head_dim])
+    if isinstance(cfg, tuple) and len(cfg) == 4:
+        cfg = HopperConfig(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
     if not isinstance(cfg, HopperConfig):
-        raise TypeError(f"config must be a HopperConfig, got {type(cfg).__name__}")
+        raise TypeError(f"config must be a HopperConfig or a (BLOCK_M, BLOCK_N, num_warps, num_stages) tuple, "
+                        f"got {type(cfg).__name__}")
     out = torch.empty_like(q)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0:
@@ -589,6 +593,10 @@ def disable() -> None:
     """Remove the registration `enable` made (a no-op when there is none)."""
     while _REMOVE:
         _REMOVE.pop()()
+
+
+def enabled() -> bool:
+    return bool(_REMOVE)
 
 
 def backward_applies(q, k, v, do, **arguments) -> bool:

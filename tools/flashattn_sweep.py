@@ -5,6 +5,8 @@
 
 head_dims the split_head layer runs (48, 80, 96, 144, 160, 192) are swept on its kernels into its tables
 (printed under "nano_flashattn/split_head.py"); with the bench option --no-split-head, on the padded ones.
+On sm_90 the hopper.py layers' head_dims (forward 96 / 128, backward 64 / 96 / 128) are swept on them into
+its DEFAULT_CONFIGS / BWD_CONFIGS (--no-hopper-forward / --no-hopper-backward: on the kernels beneath).
 
 Tries a few tile shapes per kernel, keeps the fastest, writes it into nano_flashattn.configs' tables for the
 rest of the process, prints the tables to paste into nano_flashattn/configs.py (with the one line that says
@@ -65,6 +67,12 @@ def _tables(d: int):
     return layer if layer is not None and layer.registered() and d in layer.SPLIT_HEAD_DIMS else configs
 
 
+def _hopper_forward(d: int):
+    """The Hopper forward layer when it is on and takes head_dim d (its DEFAULT_CONFIGS are then d's table)."""
+    layer = sys.modules.get("nano_flashattn.hopper")
+    return layer if layer is not None and layer.enabled() and d in layer.ENABLED_HEAD_DIMS else None
+
+
 def _bwd_tables(d: int):
     """The module whose backward table the kernels running head_dim d read: the Hopper backward layer's when
     it is on and takes d, else `_tables(d)`."""
@@ -75,7 +83,8 @@ def _bwd_tables(d: int):
 def sweep_attention(head_dims, report: dict) -> None:
     """Forward, then the backward's dK/dV tiles with dQ's held, then dQ's with the best dK/dV: speed summed
     over causal and not (1/ms), at bench_compile's shape. Each head_dim is swept on the kernels that run it
-    (the split_head layer's for its head_dims, unless --no-split-head) and written into their tables."""
+    (the split_head layer's for its head_dims, the hopper.py forward's and backward's on sm_90, unless the
+    bench options turn them off) and written into their tables."""
     base = {d: _bwd_tables(d).bwd_config(d, torch.bfloat16, CUDA) for d in head_dims}
     jobs = [("fwd", d, c, cfg) for d in head_dims for c in (False, True) for cfg in FWD_CANDIDATES]
     for d in head_dims:
@@ -86,7 +95,11 @@ def sweep_attention(head_dims, report: dict) -> None:
         ok = [cfg for cfg in FWD_CANDIDATES
               if not any(str(("fwd", d, c, cfg)) in failed for c in (False, True))]
         scores = {cfg: sum(1 / _ms(run_fwd(d, c, cfg)) for c in (False, True)) for cfg in ok}
-        _tables(d).FWD_CONFIGS[d] = _best(scores, f"fwd hd{d}")
+        best, hopper = _best(scores, f"fwd hd{d}"), _hopper_forward(d)
+        if hopper is not None:  # its launcher reads a tuple as HopperConfig(block_m, block_n, warps, stages)
+            hopper.DEFAULT_CONFIGS[d] = hopper.HopperConfig(*best[:2], num_warps=best[2], num_stages=best[3])
+        else:
+            _tables(d).FWD_CONFIGS[d] = best
         report["fwd"][d] = {str(k): v for k, v in scores.items()}
         best, scores = base[d], {}
         for which, candidates in ((0, DKDV_CANDIDATES), (1, DQ_CANDIDATES)):
@@ -148,8 +161,9 @@ def tables(command: str) -> str:
                   tuned, f"FWD_CONFIGS = {dict(sorted(layer.FWD_CONFIGS.items()))!r}",
                   tuned, f"BWD_CONFIGS = {dict(sorted(layer.BWD_CONFIGS.items()))!r}"]
     hopper = sys.modules.get("nano_flashattn.hopper")
-    if hopper is not None and hopper.backward_enabled():
+    if hopper is not None and (hopper.backward_enabled() or hopper.enabled()):
         lines += ["# nano_flashattn/hopper.py:", tuned,
+                  f"DEFAULT_CONFIGS = {dict(sorted(hopper.DEFAULT_CONFIGS.items()))!r}", tuned,
                   f"BWD_CONFIGS = {dict(sorted(hopper.BWD_CONFIGS.items()))!r}"]
     return "\n".join(lines)
 
@@ -167,6 +181,7 @@ def main(argv=None) -> dict:
     bench_args = bench.parse_args(bench_argv)
     bench.use_split_head(not bench_args.no_split_head)
     bench.use_hopper_backward(not bench_args.no_hopper_backward)
+    bench.use_hopper_forward(not bench_args.no_hopper_forward)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
     sweep_attention(args.sweep_head_dims, report)
     if not args.no_decode_sweep:

@@ -131,8 +131,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"^head_dim must be one of \(64, 96, 128\) for the Hopper forward, "
                                          r"got 80"):
         hopper_forward(q80, q80, q80, block_table=None, **args)
-    with pytest.raises(TypeError, match=r"^config must be a HopperConfig, got tuple"):
-        hopper_forward(q, q, q, block_table=None, config=(128, 64, 8, 3), **args)
+    with pytest.raises(TypeError, match=r"^config must be a HopperConfig or a \(BLOCK_M, BLOCK_N, num_warps, "
+                                        r"num_stages\) tuple, got dict"):
+        hopper_forward(q, q, q, block_table=None, config={"block_m": 128}, **args)
     with pytest.raises(TypeError, match=r"^config must be a HopperConfig or None, got dict"):
         hopper.enable({"block_m": 128})
     with pytest.raises(ValueError, match=r"^HopperConfig.block_n must be a positive power of two, got 96"):
