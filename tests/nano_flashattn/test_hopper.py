@@ -121,6 +121,16 @@ def test_enable_registers_for_the_calls_it_applies_to():
     hopper.disable()  # twice: harmless
 
 
+def test_tuple_config_is_the_paper_paths_tile_format():
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), what the config sweep passes, is that HopperConfig."""
+    q, k, v, _ = _inputs(1, 40, 40, 2, 2, 96, torch.float16, "cpu")
+    args = dict(q=q[0], k=k[0], v=v[0], batch=1, seqlen_q=40, seqlen_k=40, cu_seqlens_q=None, cu_seqlens_k=None,
+                block_table=None, scale=96 ** -0.5, window_left=1 << 30, window_right=0)
+    got = hopper_forward(config=(32, 16, 4, 1), **args)
+    ref = hopper_forward(config=HopperConfig(block_m=32, block_n=16, num_warps=4, num_stages=1), **args)
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
 def test_bad_arguments():
     q = torch.zeros(8, 2, 64, dtype=torch.float16)
     args = dict(batch=1, seqlen_q=8, seqlen_k=8, cu_seqlens_q=None, cu_seqlens_k=None, scale=0.125,
