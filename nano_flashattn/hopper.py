@@ -85,7 +85,8 @@ class HopperConfig:
 # The fastest of 3-5 tile / stage variants per head_dim against the default forward (the paper path; split_head
 # at 96) at the bench's shapes (hidden 2048, 16k tokens, 4k and 16k, causal and not; H200, 2026-12-02):
 # 128 x 128 x 3 stages at 128 (1.10-1.19x the paper path), 128 x 64 x 3 at 96 (1.07-1.11x split_head's),
-# 128 x 64 x 3 at 64 (0.96-1.02x: not faster, so `enable()` leaves head_dim 64 to the paper path).
+# 128 x 64 x 3 at 64 (0.96-1.02x: not faster, so `enable()` leaves head_dim 64 to the paper path). 256-row
+# tiles at 16 warps ran 0.75-0.89x (hd64) and 0.82-0.90x (hd128) of these, split query halves 0.38-0.41x (hd64).
 DEFAULT_CONFIGS: dict[int, HopperConfig] = {
     64: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     96: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
