@@ -22,8 +22,9 @@ what changes in the forward is how tiles move and how the loop is scheduled, eac
 
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
 LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
-`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 64/96/128, contiguous rows, no paged KV); head_dim 96
-is held as 64 + 32 parts, each product over the head axis two products (split_head.py's split).
+`applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS = 96
+and 128, or with a config given every head_dim of 64/96/128); head_dim 96 is held as 64 + 32 parts, each
+product over the head axis two products (split_head.py's split).
 `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU at hand and times them
 against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the same arithmetic.
 
