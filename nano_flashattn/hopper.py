@@ -605,10 +605,7 @@ def enabled() -> bool:
 def backward_applies(q, k, v, do, **arguments) -> bool:
     """The calls `hopper_backward` takes: CUDA sm_90, fp16/bf16, head_dim 64/96/128, contiguous q/k/v of one
     dtype (and dO of it), and a Triton with tensor descriptors."""
-    return (HAS_TENSOR_DESCRIPTORS and q.is_cuda and q.dtype in DTYPES and k.dtype == q.dtype
-            and v.dtype == q.dtype and do.dtype == q.dtype and q.shape[-1] in BWD_CONFIGS
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
+    return do.dtype == q.dtype and applies(q, k, v, head_dims=tuple(BWD_CONFIGS))
 
 
 _REMOVE_BACKWARD: list[Callable[[], None]] = []
