@@ -178,12 +178,10 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         grid = itertools.product((128, 256), (16, 32), (4, 8, 16), (1, 2, 3))
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split(-(-n // bn) * -(-m // bm), wv),
                  "num_warps": 4, "num_stages": st} for bn, bk, wv, st in grid]
-    if kind == "awq_gemv_repacked":  # 12 tiles (8-64 words a thread) x 2 pipelines
-        tiles = [(2, 2048, 1), (2, 4096, 2), (4, 1024, 1), (4, 1024, 2), (4, 2048, 1), (4, 2048, 2),
-                 (8, 1024, 1), (8, 1024, 2), (8, 2048, 2), (8, 2048, 4), (16, 1024, 2), (16, 1024, 4)]
-        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1 if -(-n // bn) >= 2 * sms else 2, "num_warps": w,
-                 "num_stages": st}
-                for (bn, bk, w), st in itertools.product(tiles, (1, 2)) if k % bk == 0]
+    if kind == "awq_gemv_repacked":  # 6 tiles (columns, groups a step, warps) x 2 pipelines x 2 split-K
+        tiles = [(8, 2, 1), (16, 2, 1), (16, 4, 1), (32, 2, 1), (32, 4, 2), (64, 2, 2)]
+        return [{"BLOCK_N": bn, "GPS": gps, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
+                for (bn, gps, w), st, sp in itertools.product(tiles, (3, 4), (1, 4)) if groups >= gps * sp]
     if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 = 48: columns, warps, stages, split-K
         bm = repacked.awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": w, "num_stages": st}

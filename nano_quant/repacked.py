@@ -5,12 +5,13 @@ AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): 
 reads the weight once, and 4-bit weights move ~4x fewer bytes than 16-bit ones, provided the
 dequantization is cheap enough to hide under the loads. `repack_for_gemv` lays each output column's words
 along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), and every kernel here unpacks a
-nibble without shifting it down: each half-word of a packed int32 is ORed once with a float exponent
-pattern, then one AND with a constant keeps one nibble and an exponent, and one subtract leaves an exact
-float (q·16^t in the GEMV, which pre-scales x by 16^-t instead; q itself in the others, whose exponent
-depends on the nibble). The zero point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k.
+nibble without shifting it down to bit 0: a half-word of a packed int32 is ORed once with a float exponent
+pattern, then one AND with a constant keeps one nibble and the exponent that makes its lowest bit worth 1,
+so the fp32 reads M + q for a power of two M (subtracted, or in the GEMV taken off once per word). The zero
+point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k.
 
-* `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND, one subtract, one FMA per weight.
+* `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND and one FMA per weight (a subtract for a quarter
+  of them), x widened once per word for several columns.
 * `awq_mma_repacked_triton` — M = 2..64 on tensor cores: the unpacked tile (exact small integers in x's
   dtype) is the MMA's A operand against xᵀ, scale and zero applied once per tile of a group.
 * `dequantize_repacked_triton` — more rows: the (N, K) weight once per call, for cuBLAS.
@@ -29,34 +30,25 @@ import triton.language as tl
 from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
-from .gemv import _MAGIC, _MAGIC_BITS, num_sms, split_k_partials, split_k_reduce
+from .gemv import num_sms, split_k_partials, split_k_reduce
 from .kernels import AWQ_LARGE_M
 from .linear import WQLinear_GEMM
 from .quant import unpack_awq
 
 # `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
 # output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
-# that owns a few output columns then reads long contiguous runs of each (BLOCK_K / 2 bytes per row per
-# step) with 16-byte loads, and x's matching 8 elements are four int32 pairs. Per group the zero point is
-# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernel needs no zero unpack.
-# Per weight one AND, one subtract and one FMA; on an H200 the GEMV still reads HBM at a third of its rate
-# (Nsight Compute: 52% of SM and 30% of DRAM throughput, 19% occupancy at 168 registers). Dropping each
-# nibble into the top of an fp32 mantissa instead (1 + q/128, x pre-scaled, no subtract per weight) needs a
-# shift per nibble pair and measured 107 µs per llama3-8b layer against 86 (H200, 2026-12-02).
+# that owns a few output columns reads contiguous runs of each with 16-byte loads. Per group the zero point is
+# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernels need no zero unpack.
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-01); with
-# the weight stream loaded evict-first they stayed best (BLOCK_N 4 / 8, 1-2 warps, 1-2 stages tried).
-# Shapes not listed take `awq_gemv_repacked_config`'s rule.
+# "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-02). Shapes
+# not listed take `awq_gemv_repacked_config`'s rule.
 MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run)
-    (6144, 4096): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
-                   "num_stages": 1},  # qkv: 13.8 (13.2)
-    (4096, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 1,
-                   "num_stages": 1},  # o: 11.0 (10.3)
-    (28672, 4096): {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 1,
-                    "num_stages": 1},  # gate_up: 38.0 (38.2)
-    (4096, 14336): {"BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_K": 1, "num_warps": 2,
-                    "num_stages": 1},  # down: 23.5 (22.4)
+    (6144, 4096): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # qkv: 12.6 (13.0)
+    (4096, 4096): {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # o: 11.7 (10.0)
+    (28672, 4096): {"BLOCK_N": 32, "GPS": 2, "SPLIT_K": 1, "num_warps": 1,
+                    "num_stages": 3},  # gate_up: 32.6 (38.3)
+    (4096, 14336): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 4, "num_warps": 1, "num_stages": 3},  # down: 22.6 (22.0)
 }
 
 
@@ -101,94 +93,117 @@ def awq_gemv_repacked_reference(x: torch.Tensor, qweight_t: torch.Tensor, scales
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-@triton.jit(do_not_specialize=["iters_per_split"])
-def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, iters_per_split, GROUP_SIZE: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
-                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                              X_PAIRS: tl.constexpr):
-    """One row of x. Tile axes (output column n, group g of the step, word w of the group, pair j): a step
-    reads BLOCK_K = NG·WPG·8 values of K for BLOCK_N columns. Nibbles 2j and 2j + 1 of a word meet x's
-    pair j. No nibble is shifted down: nibbles 0-3 stay in place in the low half-word, 4-7 in the high one
-    (one shift a word), each half ORed with the magic exponent once, so one AND with a constant makes the
-    fp32 2^23 + q·16^(t%4); x is pre-multiplied by 16^-(t%4) (exact: a power of two). X_PAIRS: x is bf16
-    read as int32 pairs, whose halves are already the fp32 bit patterns' top halves (no conversion)."""
+@triton.jit
+def _nibble_at(half, b: tl.constexpr, minus: tl.constexpr):
+    """The nibble at bit b of `half`, whose exponent field is all ones, as the fp32 2^(23 − b) + q: the AND keeps
+    the nibble and the exponent of 2^(23 − b), which makes the nibble's lowest bit worth 1; `minus`: q (exact)."""
+    v = (half & ((0xF << b) | ((150 - b) << 23))).to(tl.float32, bitcast=True)
+    if minus:
+        v -= 1 << (23 - b)
+    return v
+
+
+@triton.jit
+def _load_x8(X, word, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
+    """x[8·word + t] for t = 0..7 as fp32 tensors shaped like `word`. X_PAIRS: bf16 read as int32 pairs, whose
+    halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
+    if X_PAIRS:
+        if EVEN:
+            p0, p1 = tl.load(X + 4 * word), tl.load(X + 4 * word + 1)
+            p2, p3 = tl.load(X + 4 * word + 2), tl.load(X + 4 * word + 3)
+        else:
+            p0, p1 = tl.load(X + 4 * word, mask=ok, other=0), tl.load(X + 4 * word + 1, mask=ok, other=0)
+            p2, p3 = tl.load(X + 4 * word + 2, mask=ok, other=0), tl.load(X + 4 * word + 3, mask=ok, other=0)
+        return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
+                (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
+                (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
+                (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
+    ptr = X + 8 * word
+    if EVEN:
+        return (tl.load(ptr).to(tl.float32), tl.load(ptr + 1).to(tl.float32), tl.load(ptr + 2).to(tl.float32),
+                tl.load(ptr + 3).to(tl.float32), tl.load(ptr + 4).to(tl.float32), tl.load(ptr + 5).to(tl.float32),
+                tl.load(ptr + 6).to(tl.float32), tl.load(ptr + 7).to(tl.float32))
+    return (tl.load(ptr, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32),
+            tl.load(ptr + 2, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 3, mask=ok, other=0.0).to(tl.float32),
+            tl.load(ptr + 4, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 5, mask=ok, other=0.0).to(tl.float32),
+            tl.load(ptr + 6, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 7, mask=ok, other=0.0).to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["groups_per_split"])
+def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split, GROUP_SIZE: tl.constexpr,
+                              BLOCK_N: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
+                              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, X_PAIRS: tl.constexpr,
+                              EXACT: tl.constexpr):
+    """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
+    whole groups of BLOCK_N columns (WPG: the group's GROUP_SIZE / 8 words, padded to a power of two), and
+    each thread holds several columns at the same word positions, so x's eight values per word are loaded
+    and widened once for all of them.
+
+    Per word: both half-words are moved to bits 7-22 (lo: w << 7, hi: w >> 9) under an all-ones exponent,
+    so the nibbles sit at bits 7, 11, 15 and 19 and one AND each reads 2^(23 − b) + q (`_nibble_at`). With
+    those magics (2^16, 2^12, 2^8, 2^4) small, (2^(23 − b) + q)·x accumulates in fp32 with FMAs and Σ 2^(23−b)·x
+    comes off once per word; only the 2^16 nibbles take their magic off per weight, which keeps the running sum
+    below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
+    magic off per weight). Then acc += s·part + (−z·s)·Σx."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1)[:, None, None].to(tl.int64)  # columns past N re-read N - 1, never stored
-    gi = tl.arange(0, NG)[None, :, None]
-    wrd = gi * WPG + tl.arange(0, WPG)[None, None, :]
-    j = tl.arange(0, 4)[None, None, None, :]
-    mask_a = (0xF << (8 * (j % 2))) | _MAGIC_BITS  # nibble 2j % 4 of a half-word, and the magic exponent
-    mask_b = (0xF0 << (8 * (j % 2))) | _MAGIC_BITS  # nibble (2j + 1) % 4
-    unit_a = tl.where(j % 2 == 0, 1.0, 1.0 / 256)
-    unit_b = tl.where(j % 2 == 0, 1.0 / 16, 1.0 / 4096)
-    acc = tl.zeros((BLOCK_N, NG, WPG), dtype=tl.float32)
-    it_lo = pid_k * iters_per_split
-    it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(KP, BLOCK_K // 8))
-    for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
-        kw = it * (BLOCK_K // 8) + wrd  # word index along K, a multiple of BLOCK_K / 8 plus the tile offset
-        grp = (it * BLOCK_K + gi * (WPG * 8)) // GROUP_SIZE
-        kw4 = kw[:, :, :, None]
-        if EVEN_K:
-            w = tl.load(QW + rows * KP + kw, eviction_policy="evict_first")  # read once: keep x in L2
-            s = tl.load(S + rows * GROUPS + grp)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
+    rg = tl.arange(0, GPS)[None, :, None]
+    rw = tl.arange(0, WPG)[None, None, :]
+    acc = tl.zeros((BLOCK_N, GPS, WPG), dtype=tl.float32)
+    g_lo = pid_k * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, GROUPS)
+    for g0 in tl.range(g_lo, g_hi, GPS, num_stages=NUM_STAGES):
+        grp = g0 + rg
+        word = grp * (GROUP_SIZE // 8) + rw
+        ok = (grp < g_hi) & (rw < GROUP_SIZE // 8)
+        if EVEN:
+            w = tl.load(QW + rows * KP + word, eviction_policy="evict_first")  # read once: keep x in L2
+            s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp)
-            if X_PAIRS:
-                x2 = tl.load(X + 4 * kw4 + j)
-            else:
-                xa = tl.load(X + 8 * kw4 + 2 * j)
-                xb = tl.load(X + 8 * kw4 + 2 * j + 1)
-        else:
-            w = tl.load(QW + rows * KP + kw, mask=kw < KP, other=0, eviction_policy="evict_first")
-            s = tl.load(S + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
-            zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < GROUPS, other=0.0)
-            if X_PAIRS:
-                x2 = tl.load(X + 4 * kw4 + j, mask=kw4 < KP, other=0)
-            else:
-                xa = tl.load(X + 8 * kw4 + 2 * j, mask=kw4 < KP, other=0.0)
-                xb = tl.load(X + 8 * kw4 + 2 * j + 1, mask=kw4 < KP, other=0.0)
-        if X_PAIRS:  # bf16 is the top half of fp32: shift the low element up, mask the high one
-            xa = (x2 << 16).to(tl.float32, bitcast=True)
-            xb = (x2 & -65536).to(tl.float32, bitcast=True)
-        else:
-            xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-        lo = (w & 0xFFFF) | _MAGIC_BITS
-        hi = ((w >> 16) & 0xFFFF) | _MAGIC_BITS
-        half = tl.where(j < 2, lo[:, :, :, None], hi[:, :, :, None])
-        qa = (half & mask_a).to(tl.float32, bitcast=True) - _MAGIC
-        qb = (half & mask_b).to(tl.float32, bitcast=True) - _MAGIC
-        p = tl.sum((xa * unit_a) * qa + (xb * unit_b) * qb, axis=3)
-        acc += s.to(tl.float32) * p + zs * tl.sum(xa + xb, axis=3)
+        else:  # masked words read 0 against x = 0, and s = 0: they add nothing
+            w = tl.load(QW + rows * KP + word, mask=ok, other=0, eviction_policy="evict_first")
+            s = tl.load(S + rows * GROUPS + grp, mask=grp < g_hi, other=0.0).to(tl.float32)
+            zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < g_hi, other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, ok, X_PAIRS, EVEN)
+        lo = (w << 7) | 0x7F800000  # nibbles 0-3 at bits 7, 11, 15, 19 (bits shifted into the exponent: ORed away)
+        hi = (w.to(tl.uint32, bitcast=True) >> 9).to(tl.int32, bitcast=True) | 0x7F800000  # nibbles 4-7
+        part = _nibble_at(lo, 19, EXACT) * x3  # smallest magics first: the running sum grows last
+        part += _nibble_at(hi, 19, EXACT) * x7
+        part += _nibble_at(lo, 15, EXACT) * x2
+        part += _nibble_at(hi, 15, EXACT) * x6
+        part += _nibble_at(lo, 11, EXACT) * x1
+        part += _nibble_at(hi, 11, EXACT) * x5
+        part += _nibble_at(lo, 7, True) * x0
+        part += _nibble_at(hi, 7, True) * x4
+        if not EXACT:  # per word position, not per column
+            part -= 16.0 * (x3 + x7) + 256.0 * (x2 + x6) + 4096.0 * (x1 + x5)
+        x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        acc += s * part + zs * x_sum
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
 
 
 @functools.lru_cache(maxsize=1024)
 def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> dict:
-    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 8
-    columns per program, up to 2048 values of K (1 KiB contiguous per column) per step, 2 warps, no software
-    pipeline (the measured tiles' choice), and SPLIT_K only where N leaves fewer than 2 programs per SM."""
+    """Tiles for `_awq_gemv_repacked_kernel` at M = 1: the measured entry of MEASURED_REPACKED, else 16
+    columns and up to 4 groups per step on one warp, 3 stages, and SPLIT_K doubled while the grid has fewer
+    than 2 programs per SM and every slice keeps at least two steps."""
     if (n, k) in MEASURED_REPACKED and num_sms == 132:
         return dict(MEASURED_REPACKED[(n, k)])
-    pow2_group = group_size & (group_size - 1) == 0
-    block_n = 8
-    block_k = min(2048, max(group_size, next_pow2_at_most(k))) if pow2_group else group_size & -group_size
+    groups = k // group_size
+    gps = min(4, 1 << (groups.bit_length() - 1))  # the largest power of two up to min(4, groups)
     split = 1
-    while cdiv(n, block_n) * split < 2 * num_sms and k >= 4 * split * block_k:
+    while cdiv(n, 16) * split < 2 * num_sms and groups >= 4 * split * gps:
         split *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 2, "num_stages": 1}
-
-
-def next_pow2_at_most(v: int) -> int:
-    """The largest power of two <= v (v >= 1)."""
-    return 1 << (v.bit_length() - 1)
+    return {"BLOCK_N": 16, "GPS": gps, "SPLIT_K": split, "num_warps": 1, "num_stages": 3}
 
 
 def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                              zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
                              config: dict | None = None) -> torch.Tensor:
     """x (1, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout (AWQ §4's memory-bound decoding): each
-    program streams BLOCK_N columns' K-contiguous packed words, applies scale and zero once per word's group."""
+    program streams BLOCK_N columns' K-contiguous packed words, GPS groups a step, scale and zero once per word."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"awq_gemv_repacked: x must be (1, K), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -201,24 +216,23 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
                          f"{tuple(qweight_t.shape)} / scales_t {tuple(scales_t.shape)} / zeros_t "
                          f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
     cfg = dict(config or awq_gemv_repacked_config(n, k, group_size, num_sms(x.device)))
-    block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
-    if block_k < 8 or block_k & (block_k - 1) or (block_k % group_size and group_size % block_k):
-        raise ValueError(f"awq_gemv_repacked: BLOCK_K {block_k} must be a power of two >= 8 that divides "
-                         f"or is a multiple of group_size {group_size}")
-    if split < 1 or cfg["BLOCK_N"] < 1 or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
-        raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1 and BLOCK_N a power of two, got {split}, "
-                         f"{cfg['BLOCK_N']}")
-    ng = max(block_k // group_size, 1)
+    gps, split = cfg.pop("GPS"), cfg.pop("SPLIT_K")
+    if gps < 1 or gps & (gps - 1) or cfg["BLOCK_N"] < 1 or cfg["BLOCK_N"] & (cfg["BLOCK_N"] - 1):
+        raise ValueError(f"awq_gemv_repacked: GPS {gps} and BLOCK_N {cfg['BLOCK_N']} must be powers of two")
+    if split < 1:
+        raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1, got {split}")
+    per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    partial = split_k_partials(out, split, bias)
-    iters = cdiv(cdiv(k, block_k), split)
-    stages = cfg.setdefault("num_stages", 1)
+    partial = split_k_partials(out, cdiv(groups, per), bias)
+    wpg = next_pow2(group_size // 8)
     pairs = x.dtype == torch.bfloat16
     x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
-    _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
-        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, iters,
-        GROUP_SIZE=group_size, BLOCK_K=block_k, NG=ng, WPG=block_k // 8 // ng, NUM_STAGES=stages,
-        EVEN_K=k % block_k == 0, X_PAIRS=pairs, **cfg)
+    stages = cfg.setdefault("num_stages", 1)
+    _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))](
+        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, per,
+        GROUP_SIZE=group_size, GPS=gps, WPG=wpg, NUM_STAGES=stages,
+        EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs, EXACT=x.dtype == torch.float32,
+        **cfg)
     return split_k_reduce(partial, out, bias)
 
 

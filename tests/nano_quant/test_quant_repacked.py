@@ -1,8 +1,9 @@
 """nano_quant.repacked's M = 1 GEMV and M = 2..64 tensor-core kernel under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
-N not a multiple of BLOCK_N, K a multiple of the group size but not always of BLOCK_K, group sizes
-32 / 64 / 128, BLOCK_K below and above the group size, split-K, bias on and off, fp16 / fp32
-activations, and bf16 ones, which the kernel reads as int32 pairs and widens with bit operations only. Tolerance as in
+N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
+group sizes 24 (words padded to a power of two) / 32 / 64 / 128, one to four groups a step, split-K with a
+short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones, which the GEMV reads as int32
+pairs and widens with bit operations only. Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
@@ -29,19 +30,19 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
 
 
 @pytest.mark.parametrize("dtype,k,n,group_size,cfg,bias", [
-    (torch.float16, 256, 40, 32, (4, 64, 1), False),   # 2 groups a step; 37 of 40 columns: ragged N
-    (torch.float32, 384, 24, 128, (8, 256, 2), True),    # K % BLOCK_K != 0 (masked), split-K
-    (torch.float16, 192, 72, 64, (2, 32, 3), True),    # BLOCK_K below the group, 6 steps over 3 slices
-    (torch.float16, 512, 16, 128, (1, 512, 1), False),  # one column per program, 4 groups a step
-    (torch.bfloat16, 384, 24, 64, (4, 256, 2), True)])  # bf16 x read as int32 pairs; K % BLOCK_K != 0
+    (torch.float16, 256, 40, 32, (4, 2, 1), False),    # 2 groups a step; 37 of 40 columns: ragged N
+    (torch.float32, 384, 24, 128, (8, 2, 2), True),    # 3 groups, 2 a step: the last slice's step is half empty
+    (torch.float16, 192, 72, 64, (2, 1, 3), True),     # one group a step, 3 slices of one step each
+    (torch.float16, 512, 16, 128, (1, 4, 1), False),   # one column per program, 4 groups a step
+    (torch.float16, 240, 16, 24, (8, 2, 1), True),     # 3 words a group, padded to 4 and masked
+    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True)])   # bf16 x read as int32 pairs; 6 groups in slices of 4
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
     packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
     if n == 40:  # the repacked layout has no multiple-of-8 rule on N: keep 37 columns
         packed, exact, low = [t[:37] for t in packed], exact[:, :37], low[:, :37]
         n, b = 37, None
-    config = {"BLOCK_N": cfg[0], "BLOCK_K": cfg[1], "SPLIT_K": cfg[2], "num_warps": 4,
-              "num_stages": 2}
+    config = {"BLOCK_N": cfg[0], "GPS": cfg[1], "SPLIT_K": cfg[2], "num_warps": 4, "num_stages": 2}
     ours = repacked.awq_gemv_repacked_triton(x, *packed, group_size, b, config=config)
     assert ours.dtype == dtype and ours.shape == (1, n) and within_fa_rule(ours, exact, low)
     ref = repacked.awq_gemv_repacked_reference(x, *packed, group_size, b)
@@ -112,9 +113,12 @@ def test_default_config():
     assert mma["BLOCK_M"] == 16 and mma["BLOCK_K"] == 128 and mma["SPLIT_K"] >= 1
     assert repacked.awq_mma_repacked_config(40, 1000, 96 * 8, 96, 132)["BLOCK_K"] == 32
     assert repacked.awq_mma_repacked_config(40, 1000, 96 * 8, 96, 132)["BLOCK_M"] == 64
-    cfg = repacked.awq_gemv_repacked_config(4096, 4096, 128, 132)
-    assert cfg["BLOCK_K"] % 128 == 0 and cfg["BLOCK_K"] // 2 >= 256 and cfg["SPLIT_K"] >= 1
-    assert repacked.awq_gemv_repacked_config(4096, 96 * 8, 96, 132)["BLOCK_K"] == 32
+    cfg = repacked.awq_gemv_repacked_config(4096, 4096, 128, 132)  # a measured entry
+    assert cfg["GPS"] in (1, 2, 4) and cfg["SPLIT_K"] >= 1 and 4096 // 128 % (cfg["GPS"] * cfg["SPLIT_K"]) == 0
+    rule = repacked.awq_gemv_repacked_config(4096, 96 * 8, 96, 132)  # 8 groups, 256 column tiles
+    assert rule["GPS"] == 4 and rule["SPLIT_K"] == 1
+    few = repacked.awq_gemv_repacked_config(64, 4096, 128, 132)  # 4 column tiles: split K, two steps a slice
+    assert few["GPS"] == 4 and few["SPLIT_K"] == 4
 
 
 def test_bad_arguments():
@@ -124,12 +128,12 @@ def test_bad_arguments():
         repacked.awq_gemv_repacked_triton(torch.randn(2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_gemv_repacked: x \\(1, 32\\) does not match qweight_t"):
         repacked.awq_gemv_repacked_triton(torch.randn(1, 32), *packed, 32)
-    with pytest.raises(ValueError, match="awq_gemv_repacked: BLOCK_K 48 must be a power of two"):
+    with pytest.raises(ValueError, match="awq_gemv_repacked: GPS 3 and BLOCK_N 4 must be powers of two"):
         repacked.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
-                                      config={"BLOCK_N": 4, "BLOCK_K": 48, "SPLIT_K": 1})
+                                          config={"BLOCK_N": 4, "GPS": 3, "SPLIT_K": 1})
     with pytest.raises(ValueError, match="awq_gemv_repacked: SPLIT_K must be >= 1"):
         repacked.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
-                                      config={"BLOCK_N": 4, "BLOCK_K": 32, "SPLIT_K": 0})
+                                          config={"BLOCK_N": 4, "GPS": 1, "SPLIT_K": 0})
     with pytest.raises(ValueError, match="repack_for_gemv: group_size 12 must be a multiple of 8"):
         repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 12)
     with pytest.raises(ValueError, match="repack_for_gemv: qzeros \\(2, 2\\) / scales \\(2, 16\\) do not match"):
