@@ -295,6 +295,9 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
 # The unpack is not what bounds this kernel: two nibbles per AND/OR as bf16 128 + q (magic 0x43004300, the 128
 # taken off once per group through Σx) measured 132-136 µs per llama3-8b layer at M = 1 and 16 against
 # 136 with the fp32 unpack above (H200, 2026-12-02). Not kept.
+# Nor is the interleave: with K permuted so that each nibble position's tile is its own dot (an elementwise
+# unpack), M = 1 / 16 took 140 / 191-194 µs per layer; two nibbles per byte, 64 k apart, 128 µs at M = 16 (6%,
+# for a third copy of the weight). Not kept (H200, 2026-12-02).
 # The best config per (N, K) and row tile on an H200 (2026-12-01) of `python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 mma repacked']" 'ms=[16,32,64]'` (BLOCK_N 64-256, 4 or 8 warps, 1 or 3 stages,
 # SPLIT_K 1-8), which prints the entries. Other shapes take `awq_mma_repacked_config`'s rule.
