@@ -106,29 +106,29 @@ def _nibble_at(half, b: tl.constexpr, minus: tl.constexpr):
 
 
 @triton.jit
+def _load(ptr, ok, EVEN: tl.constexpr):
+    """tl.load, masked (0 where not `ok`) unless EVEN."""
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=ok, other=0)
+
+
+@triton.jit
 def _load_x8(X, word, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
     """x[8·word + t] for t = 0..7 as fp32 tensors shaped like `word`. X_PAIRS: bf16 read as int32 pairs, whose
     halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
     if X_PAIRS:
-        if EVEN:
-            p0, p1 = tl.load(X + 4 * word), tl.load(X + 4 * word + 1)
-            p2, p3 = tl.load(X + 4 * word + 2), tl.load(X + 4 * word + 3)
-        else:
-            p0, p1 = tl.load(X + 4 * word, mask=ok, other=0), tl.load(X + 4 * word + 1, mask=ok, other=0)
-            p2, p3 = tl.load(X + 4 * word + 2, mask=ok, other=0), tl.load(X + 4 * word + 3, mask=ok, other=0)
+        p0, p1 = _load(X + 4 * word, ok, EVEN), _load(X + 4 * word + 1, ok, EVEN)
+        p2, p3 = _load(X + 4 * word + 2, ok, EVEN), _load(X + 4 * word + 3, ok, EVEN)
         return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
                 (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
                 (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
                 (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
     ptr = X + 8 * word
-    if EVEN:
-        return (tl.load(ptr).to(tl.float32), tl.load(ptr + 1).to(tl.float32), tl.load(ptr + 2).to(tl.float32),
-                tl.load(ptr + 3).to(tl.float32), tl.load(ptr + 4).to(tl.float32), tl.load(ptr + 5).to(tl.float32),
-                tl.load(ptr + 6).to(tl.float32), tl.load(ptr + 7).to(tl.float32))
-    return (tl.load(ptr, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32),
-            tl.load(ptr + 2, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 3, mask=ok, other=0.0).to(tl.float32),
-            tl.load(ptr + 4, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 5, mask=ok, other=0.0).to(tl.float32),
-            tl.load(ptr + 6, mask=ok, other=0.0).to(tl.float32), tl.load(ptr + 7, mask=ok, other=0.0).to(tl.float32))
+    return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 1, ok, EVEN).to(tl.float32),
+            _load(ptr + 2, ok, EVEN).to(tl.float32), _load(ptr + 3, ok, EVEN).to(tl.float32),
+            _load(ptr + 4, ok, EVEN).to(tl.float32), _load(ptr + 5, ok, EVEN).to(tl.float32),
+            _load(ptr + 6, ok, EVEN).to(tl.float32), _load(ptr + 7, ok, EVEN).to(tl.float32))
 
 
 @triton.jit
