@@ -185,7 +185,7 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
     if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 = 48: columns, warps, stages, split-K
         bm = repacked.awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
-                for bn, w, st, sp in itertools.product((64, 128, 256), (4, 8), (1, 3), (1, 2, 4, 8))]
+                for bn, w, st, sp in itertools.product((64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8))]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]

@@ -2,8 +2,8 @@
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
 group sizes 24 (words padded to a power of two) / 32 / 64 / 128, one to four groups a step, split-K with a
-short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones, which the GEMV reads as int32
-pairs and widens with bit operations only. Tolerance as in
+short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones (at group size 24, whose layout has
+no nibble-major chunks, the GEMV reads them as int32 pairs and widens with bit operations only). Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.float16, 192, 72, 64, (2, 1, 3), True),     # one group a step, 3 slices of one step each
     (torch.float16, 512, 16, 128, (1, 4, 1), False),   # one column per program, 4 groups a step
     (torch.float16, 240, 16, 24, (8, 2, 1), True),     # 3 words a group, padded to 4 and masked
-    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True)])   # bf16 x read as int32 pairs; 6 groups in slices of 4
+    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True),    # bf16 x at a stride of 8 (chunks of 8 words); 6 groups
+    (torch.bfloat16, 240, 16, 24, (8, 2, 1), False)])  # bf16 x read as int32 pairs (chunks of one word)
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
     packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
@@ -50,13 +51,17 @@ def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F
 
 
 def test_repack_layout():
-    """Word j of row n holds q[8j + i, n] in nibble i; scales transposed; zeros are −z·s in fp32."""
+    """Nibble-major chunks of C words: word j of chunk c of row n holds q[8C·c + C·i + j, n] in nibble i (C = 4
+    for groups of 32); scales transposed; zeros are −z·s in fp32."""
+    assert [repacked.chunk_words(g) for g in (8, 16, 24, 32, 64, 96, 128, 256)] == [1, 2, 1, 4, 8, 4, 16, 16]
     layer, *_ = _case(64, 16, 32, torch.float32, False)
     qt, st, zt = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
     assert qt.shape == (16, 8) and qt.dtype == torch.int32 and st.shape == zt.shape == (16, 2)
     q = repacked.unpack_awq(layer.qweight)  # (K, N)
-    n, j, i = 5, 3, 6
-    assert int((qt[n, j] >> (4 * i)) & 0xF) == int(q[8 * j + i, n])
+    for n, word, i in ((5, 3, 6), (2, 5, 1), (15, 7, 7)):
+        c, j = divmod(word, 4)
+        assert int((qt[n, word] >> (4 * i)) & 0xF) == int(q[32 * c + 4 * i + j, n])
+    assert torch.allclose(repacked.dequantize_repacked_torch(qt, st, zt, 32), layer.dequantize(), atol=1e-6)
     z = repacked.unpack_awq(layer.qzeros)
     assert torch.equal(zt, -(z.float() * layer.scales.float()).t()) and torch.equal(st, layer.scales.t())
 
@@ -144,7 +149,7 @@ def test_bad_arguments():
         repacked.awq_mma_repacked_triton(torch.randn(1, 2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: x \\(2, 32\\) does not match qweight_t"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 32), *packed, 32)
-    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be the layout's chunk, .* = 32"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
             "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 8, "SPLIT_K": 1, "num_warps": 4})
 
