@@ -133,12 +133,21 @@ def _load(ptr, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_x8(X, word, j, ok, C: tl.constexpr, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
-    """x at nibble t = 0..7 of `word` (j: its place in its chunk of C words), k = 8·(word − j) + C·t + j, as
-    fp32 tensors shaped like `word`. X_PAIRS (C = 1, bf16): x read as int32 pairs, whose halves are the top
-    halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
+def _load_x8(X, word, grp, rw, ok, GROUP_SIZE: tl.constexpr, C: tl.constexpr, X_PAIRS: tl.constexpr,
+             EVEN: tl.constexpr):
+    """x at nibble t = 0..7 of `word` (word rw of group grp; j = rw mod C its place in its chunk of C words),
+    k = 8·(word − j) + C·t + j, as fp32 tensors shaped like `word`. X_PAIRS (bf16): x read as int32 pairs,
+    whose halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion); 4-byte
+    loads are also what Triton's pipeline copies asynchronously (cp.async has no 2-byte form)."""
+    if C > 1 and X_PAIRS:  # one chunk a group (G = 8C): the pair of k = G·grp + C·t + rw holds it and its odd
+        ptr = X + (grp * GROUP_SIZE + rw) // 2  # or even neighbour; rw's parity picks the half
+        odd = (rw % 2) == 1
+        return (_pair_half(_load(ptr, ok, EVEN), odd), _pair_half(_load(ptr + C // 2, ok, EVEN), odd),
+                _pair_half(_load(ptr + C, ok, EVEN), odd), _pair_half(_load(ptr + 3 * C // 2, ok, EVEN), odd),
+                _pair_half(_load(ptr + 2 * C, ok, EVEN), odd), _pair_half(_load(ptr + 5 * C // 2, ok, EVEN), odd),
+                _pair_half(_load(ptr + 3 * C, ok, EVEN), odd), _pair_half(_load(ptr + 7 * C // 2, ok, EVEN), odd))
     if C > 1:
-        ptr = X + 8 * word - 7 * j
+        ptr = X + 8 * word - 7 * (rw % C)
         return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + C, ok, EVEN).to(tl.float32),
                 _load(ptr + 2 * C, ok, EVEN).to(tl.float32), _load(ptr + 3 * C, ok, EVEN).to(tl.float32),
                 _load(ptr + 4 * C, ok, EVEN).to(tl.float32), _load(ptr + 5 * C, ok, EVEN).to(tl.float32),
@@ -146,15 +155,19 @@ def _load_x8(X, word, j, ok, C: tl.constexpr, X_PAIRS: tl.constexpr, EVEN: tl.co
     if X_PAIRS:
         p0, p1 = _load(X + 4 * word, ok, EVEN), _load(X + 4 * word + 1, ok, EVEN)
         p2, p3 = _load(X + 4 * word + 2, ok, EVEN), _load(X + 4 * word + 3, ok, EVEN)
-        return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
-                (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
-                (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
-                (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
+        return (_pair_half(p0, False), _pair_half(p0, True), _pair_half(p1, False), _pair_half(p1, True),
+                _pair_half(p2, False), _pair_half(p2, True), _pair_half(p3, False), _pair_half(p3, True))
     ptr = X + 8 * word
     return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 1, ok, EVEN).to(tl.float32),
             _load(ptr + 2, ok, EVEN).to(tl.float32), _load(ptr + 3, ok, EVEN).to(tl.float32),
             _load(ptr + 4, ok, EVEN).to(tl.float32), _load(ptr + 5, ok, EVEN).to(tl.float32),
             _load(ptr + 6, ok, EVEN).to(tl.float32), _load(ptr + 7, ok, EVEN).to(tl.float32))
+
+
+@triton.jit
+def _pair_half(p, high):
+    """The bf16 in the high (else low) half of the int32 `p`, as fp32."""
+    return tl.where(high, p & -65536, p << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -193,7 +206,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split
             w = tl.load(QW + rows * KP + word, mask=ok, other=0, eviction_policy="evict_first")
             s = tl.load(S + rows * GROUPS + grp, mask=grp < g_hi, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < g_hi, other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, rw % C, ok, C, X_PAIRS, EVEN)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, grp, rw, ok, GROUP_SIZE, C, X_PAIRS, EVEN)
         lo = (w << 7) | 0x7F800000  # nibbles 0-3 at bits 7, 11, 15, 19 (bits shifted into the exponent: ORed away)
         hi = (w.to(tl.uint32, bitcast=True) >> 9).to(tl.int32, bitcast=True) | 0x7F800000  # nibbles 4-7
         part = _nibble_at(lo, 19, EXACT) * x3  # smallest magics first: the running sum grows last
@@ -253,7 +266,7 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     partial = split_k_partials(out, cdiv(groups, per), bias)
     wpg, c = next_pow2(group_size // 8), chunk_words(group_size)
-    pairs = x.dtype == torch.bfloat16 and c == 1
+    pairs = x.dtype == torch.bfloat16 and (c == 1 or group_size == 8 * c)
     x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
     stages = cfg.setdefault("num_stages", 1)
     _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))](

@@ -2,8 +2,8 @@
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
 group sizes 24 (words padded to a power of two) / 32 / 64 / 128, one to four groups a step, split-K with a
-short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones (at group size 24, whose layout has
-no nibble-major chunks, the GEMV reads them as int32 pairs and widens with bit operations only). Tolerance as in
+short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones (read as int32 pairs and widened with
+bit operations only where a group is one chunk, as at 64, or chunks are one word, as at 24). Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.float16, 192, 72, 64, (2, 1, 3), True),     # one group a step, 3 slices of one step each
     (torch.float16, 512, 16, 128, (1, 4, 1), False),   # one column per program, 4 groups a step
     (torch.float16, 240, 16, 24, (8, 2, 1), True),     # 3 words a group, padded to 4 and masked
-    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True),    # bf16 x at a stride of 8 (chunks of 8 words); 6 groups
+    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True),    # bf16 x pairs at a stride of 8 (one 8-word chunk a group)
+    (torch.float16, 384, 16, 96, (8, 1, 1), False),    # x at a stride of 4 (three 4-word chunks a group)
     (torch.bfloat16, 240, 16, 24, (8, 2, 1), False)])  # bf16 x read as int32 pairs (chunks of one word)
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
