@@ -4,8 +4,7 @@
 AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at a few rows of x the GEMM
 reads the weight once, and 4-bit weights move ~4x fewer bytes than 16-bit ones, provided the
 dequantization is cheap enough to hide under the loads. `repack_for_gemv` lays each output column's words
-along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), nibble-major within a chunk of
-words (below), and every kernel here unpacks a
+along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), and every kernel here unpacks a
 nibble without shifting it down to bit 0: a half-word of a packed int32 is ORed once with a float exponent
 pattern, then one AND with a constant keeps one nibble and the exponent that makes its lowest bit worth 1,
 so the fp32 reads M + q for a power of two M (subtracted, or in the GEMV taken off once per word). The zero
@@ -36,16 +35,10 @@ from .kernels import AWQ_LARGE_M
 from .linear import WQLinear_GEMM
 from .quant import unpack_awq
 
-# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words of one output column each (TinyChat's
-# and tinygemm's GEMV layouts are K-contiguous too): a program that owns a few output columns reads contiguous
-# runs of each with 16-byte loads. Within a chunk of C words (C·8 values of K, C = `chunk_words`: 16 for a
-# group of 128) the order is nibble-major, word j's nibble t holding k = C·t + j, so that nibble t of the
-# chunk's words is a run of C consecutive k. Why: the tensor-core kernel's unpack (one AND per nibble, the
-# words' positions unchanged) then yields the MMA's A-operand fragment in the registers that loaded the words,
-# with no trip through shared memory (an interleaved, k = 8j + t, order needed one: 136 against 102 µs per
-# llama3-8b layer at M = 16; H200, 2026-12-02); the GEMV reads x's eight values for a word at a stride of C.
-# Per group the zero point is pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the
-# kernels need no zero unpack.
+# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
+# output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
+# that owns a few output columns reads contiguous runs of each with 16-byte loads. Per group the zero point is
+# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernels need no zero unpack.
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-02; they were
@@ -61,18 +54,10 @@ MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 
 }
 
 
-def chunk_words(group_size: int) -> int:
-    """Words per nibble-major chunk of `repack_for_gemv`'s layout: the largest power of two dividing the group's
-    words, at most 16 (a chunk is one step of the tensor-core kernel: BLOCK_K = 8·C, a power of two dividing
-    the group); 1 (the plain k = 8j + t order) when the group has an odd number of words."""
-    return min(16, (group_size // 8) & -(group_size // 8))
-
-
 def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AutoAWQ's GEMM layout -> (qweight_t int32 (N, K/8), scales_t (N, K/G) in scales' dtype, zeros_t fp32
-    (N, K/G) = −z·s): with C = chunk_words(group_size), word j of chunk c of row n holds q[8C·c + C·i + j, n]
-    in nibble i. One more copy of the 4-bit weight."""
+    (N, K/G) = −z·s): word j of row n holds q[8j + i, n] in nibble i. One more copy of the 4-bit weight."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"repack_for_gemv: qweight and qzeros must be 2-D int32, got {qweight.dtype} "
                          f"{tuple(qweight.shape)} and {qzeros.dtype}")
@@ -84,9 +69,7 @@ def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
         raise ValueError(f"repack_for_gemv: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not "
                          f"match qweight {tuple(qweight.shape)} with group_size {group_size}")
     q = unpack_awq(qweight)  # (K, N), natural column order
-    c = chunk_words(group_size)
-    nibbles = q.t().reshape(n, k // (8 * c), 8, c).transpose(-1, -2).reshape(n, k // 8, 8).to(torch.int64)
-    nibbles = nibbles << (4 * torch.arange(8, device=q.device))
+    nibbles = q.t().reshape(n, k // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=q.device))
     packed = nibbles.sum(-1)  # disjoint nibbles: the sum is a bitwise or
     qweight_t = (packed - (packed >= 2**31) * 2**32).to(torch.int32).contiguous()
     z = unpack_awq(qzeros)
@@ -99,10 +82,8 @@ def dequantize_repacked_torch(qweight_t: torch.Tensor, scales_t: torch.Tensor, z
     """The (N, K) fp32 weight of the repacked tensors: Ŵ_nk = s·q + (−z·s), which is (q − z)·s (AWQ §3's
     group-wise grid)."""
     n, kp = qweight_t.shape
-    c = chunk_words(group_size)
     q = (qweight_t[..., None] >> (4 * torch.arange(8, device=qweight_t.device, dtype=torch.int32))) & 0xF
-    q = q.reshape(n, kp // c, c, 8).transpose(-1, -2).reshape(n, kp * 8)  # (chunk, j, t) -> 8C·chunk + C·t + j
-    return (q.float() * scales_t.float().repeat_interleave(group_size, 1)
+    return (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
             + zeros_t.repeat_interleave(group_size, 1))
 
 
@@ -133,30 +114,16 @@ def _load(ptr, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_x8(X, word, grp, rw, ok, GROUP_SIZE: tl.constexpr, C: tl.constexpr, X_PAIRS: tl.constexpr,
-             EVEN: tl.constexpr):
-    """x at nibble t = 0..7 of `word` (word rw of group grp; j = rw mod C its place in its chunk of C words),
-    k = 8·(word − j) + C·t + j, as fp32 tensors shaped like `word`. X_PAIRS (bf16): x read as int32 pairs,
-    whose halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion); 4-byte
-    loads are also what Triton's pipeline copies asynchronously (cp.async has no 2-byte form)."""
-    if C > 1 and X_PAIRS:  # one chunk a group (G = 8C): the pair of k = G·grp + C·t + rw holds it and its odd
-        ptr = X + (grp * GROUP_SIZE + rw) // 2  # or even neighbour; rw's parity picks the half
-        odd = (rw % 2) == 1
-        return (_pair_half(_load(ptr, ok, EVEN), odd), _pair_half(_load(ptr + C // 2, ok, EVEN), odd),
-                _pair_half(_load(ptr + C, ok, EVEN), odd), _pair_half(_load(ptr + 3 * C // 2, ok, EVEN), odd),
-                _pair_half(_load(ptr + 2 * C, ok, EVEN), odd), _pair_half(_load(ptr + 5 * C // 2, ok, EVEN), odd),
-                _pair_half(_load(ptr + 3 * C, ok, EVEN), odd), _pair_half(_load(ptr + 7 * C // 2, ok, EVEN), odd))
-    if C > 1:
-        ptr = X + 8 * word - 7 * (rw % C)
-        return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + C, ok, EVEN).to(tl.float32),
-                _load(ptr + 2 * C, ok, EVEN).to(tl.float32), _load(ptr + 3 * C, ok, EVEN).to(tl.float32),
-                _load(ptr + 4 * C, ok, EVEN).to(tl.float32), _load(ptr + 5 * C, ok, EVEN).to(tl.float32),
-                _load(ptr + 6 * C, ok, EVEN).to(tl.float32), _load(ptr + 7 * C, ok, EVEN).to(tl.float32))
+def _load_x8(X, word, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
+    """x[8·word + t] for t = 0..7 as fp32 tensors shaped like `word`. X_PAIRS: bf16 read as int32 pairs, whose
+    halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
     if X_PAIRS:
         p0, p1 = _load(X + 4 * word, ok, EVEN), _load(X + 4 * word + 1, ok, EVEN)
         p2, p3 = _load(X + 4 * word + 2, ok, EVEN), _load(X + 4 * word + 3, ok, EVEN)
-        return (_pair_half(p0, False), _pair_half(p0, True), _pair_half(p1, False), _pair_half(p1, True),
-                _pair_half(p2, False), _pair_half(p2, True), _pair_half(p3, False), _pair_half(p3, True))
+        return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
+                (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
+                (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
+                (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
     ptr = X + 8 * word
     return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 1, ok, EVEN).to(tl.float32),
             _load(ptr + 2, ok, EVEN).to(tl.float32), _load(ptr + 3, ok, EVEN).to(tl.float32),
@@ -165,14 +132,8 @@ def _load_x8(X, word, grp, rw, ok, GROUP_SIZE: tl.constexpr, C: tl.constexpr, X_
 
 
 @triton.jit
-def _pair_half(p, high):
-    """The bf16 in the high (else low) half of the int32 `p`, as fp32."""
-    return tl.where(high, p & -65536, p << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split, GROUP_SIZE: tl.constexpr,
-                              C: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
+                              BLOCK_N: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
                               NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, X_PAIRS: tl.constexpr,
                               EXACT: tl.constexpr):
     """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
@@ -206,7 +167,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split
             w = tl.load(QW + rows * KP + word, mask=ok, other=0, eviction_policy="evict_first")
             s = tl.load(S + rows * GROUPS + grp, mask=grp < g_hi, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < g_hi, other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, grp, rw, ok, GROUP_SIZE, C, X_PAIRS, EVEN)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, ok, X_PAIRS, EVEN)
         lo = (w << 7) | 0x7F800000  # nibbles 0-3 at bits 7, 11, 15, 19 (bits shifted into the exponent: ORed away)
         hi = (w.to(tl.uint32, bitcast=True) >> 9).to(tl.int32, bitcast=True) | 0x7F800000  # nibbles 4-7
         part = _nibble_at(lo, 19, EXACT) * x3  # smallest magics first: the running sum grows last
@@ -265,13 +226,13 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     partial = split_k_partials(out, cdiv(groups, per), bias)
-    wpg, c = next_pow2(group_size // 8), chunk_words(group_size)
-    pairs = x.dtype == torch.bfloat16 and (c == 1 or group_size == 8 * c)
+    wpg = next_pow2(group_size // 8)
+    pairs = x.dtype == torch.bfloat16
     x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
     stages = cfg.setdefault("num_stages", 1)
     _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))](
         x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, per,
-        GROUP_SIZE=group_size, C=c, GPS=gps, WPG=wpg, NUM_STAGES=stages,
+        GROUP_SIZE=group_size, GPS=gps, WPG=wpg, NUM_STAGES=stages,
         EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs, EXACT=x.dtype == torch.float32,
         **cfg)
     return split_k_reduce(partial, out, bias)
@@ -290,27 +251,39 @@ def _nibble(half, t: tl.constexpr):
 
 
 @triton.jit
-def _unpack_chunk(w, ROWS: tl.constexpr, C: tl.constexpr):
-    """(rows, C) int32 words of one nibble-major chunk -> (rows, 8·C) fp32 integers q in k order (k = C·t + j:
-    nibble t of word j). Each nibble stays at its word's place (joins along new in-thread axes, then the
-    nibble axis moved ahead of the word axis), so a thread holding words j of the MMA's A fragment holds
-    their nibbles there: nothing is exchanged between threads."""
+def _unpack_words(w):
+    """(rows, words) int32 -> (rows, 8·words) fp32 integers q: value 8j + t is nibble t of word j."""
+    lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
+    hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
+    # three levels of interleave, each a new in-thread axis: the natural order without a shuffle
+    e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)), tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
+    o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)), tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
+    return tl.interleave(e, o)
+
+
+@triton.jit
+def _unpack_nibble_major(w, ROWS: tl.constexpr, W: tl.constexpr):
+    """(rows, W) int32 words -> (rows, 8·W) fp32 integers q in nibble-major order: value W·t + j is nibble t
+    of word j. Each nibble stays at its word's place (joins along new in-thread axes, then the nibble axis
+    moved ahead of the word axis), so the thread that loaded the words of the MMA's A fragment holds their
+    nibbles there: nothing is exchanged between threads or through shared memory."""
     lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
     hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
     q = tl.join(tl.join(tl.join(_nibble(lo, 0), _nibble(hi, 4)), tl.join(_nibble(lo, 2), _nibble(hi, 6))),
                 tl.join(tl.join(_nibble(lo, 1), _nibble(hi, 5)), tl.join(_nibble(lo, 3), _nibble(hi, 7))))
-    # axes (row, j, a, b, c) with t = 4a + 2b + c: (row, a, b, c, j) flattens to k = C·t + j
-    return tl.reshape(tl.permute(q, (0, 2, 3, 4, 1)), (ROWS, 8 * C))
+    # axes (row, j, a, b, c) with t = 4a + 2b + c; (row, a, b, c, j) flattens to W·t + j
+    return tl.reshape(tl.permute(q, (0, 2, 3, 4, 1)), (ROWS, 8 * W))
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
 def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
                              GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, BLOCK_N columns' words of one chunk
-    (BLOCK_K = 8·C values of K, inside one group) are unpacked to exact integers q in x's dtype and multiplied
+    """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, BLOCK_N columns' words of BLOCK_K values of
+    K (one group: BLOCK_K divides GROUP_SIZE) are unpacked to exact integers q in x's dtype and multiplied
     as the A operand with xᵀ (the weight tile fills the MMA's M = 64 rows; x's few rows are its N), then
-    acc += s·(q xᵀ) + (−z·s)·Σ_k x."""
+    acc += s·(q xᵀ) + (−z·s)·Σ_k x. The dot's sum over k runs in nibble-major order (`_unpack_nibble_major`),
+    so x's tile is permuted the same way: a few rows, on their way to shared memory for the MMA anyway."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,43 +301,41 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
         zs = tl.load(ZS + rows * GROUPS + grp)
         x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (it * BLOCK_K + rk)[None, :], mask=m_ok[:, None],
                     other=0.0)
-        q = _unpack_chunk(w, BLOCK_N, BLOCK_K // 8).to(X.dtype.element_ty)  # integers 0..15: exact in fp16 / bf16
+        q = _unpack_nibble_major(w, BLOCK_N, BLOCK_K // 8).to(X.dtype.element_ty)  # 0..15: exact in fp16 / bf16
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
         acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
     out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
 
 
-# Measured per llama3-8b layer at M = 16 (H200, 2026-12-02): this kernel over the nibble-major layout 102 µs;
-# over the interleaved (k = 8j + t) layout, whose unpack reached the A fragment through shared memory (16 KB
-# stored and re-read per step), 136; the same with x permuted in the kernel instead of the weight, 114. Not
-# kept: the weight dequantized to (q − z)·s in x's dtype and accumulated by the MMA itself (the loop's wgmma
-# then asynchronous), 110 and one more rounding per weight; with the interleaved layout, two nibbles per AND/OR
-# as bf16 128 + q (132-136), each nibble position its own dot (191-194), two nibbles per byte (128, for a
-# third copy of the weight).
-# The best config per (N, K) and row tile on an H200 (2026-12-02) of `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 mma repacked']" 'ms=[16,32,64]'` (BLOCK_N 64-256, 4 or 8 warps, 3 or 4 stages,
-# SPLIT_K 1-8), which prints the entries. Other shapes take `awq_mma_repacked_config`'s rule.
+# Per llama3-8b layer at M = 16 (H200, 2026-12-02): 114 µs with the nibble-major unpack above, 136 with the
+# natural-order one (`_unpack_words`: interleaves, whose result reached the MMA's A fragment through shared
+# memory, 16 KB stored and re-read per step). Not kept: a nibble-major weight layout (x then read in order),
+# 103 µs here but 89.5 against 80.4 for the M = 1 GEMV, which reads x's eight values for a word at a stride
+# (batch-1 serving 1.27x bf16 against 1.40x); the weight dequantized to (q − z)·s in x's dtype and
+# accumulated by the MMA itself (its wgmma then asynchronous), 110 and one more rounding per weight; with the
+# natural-order unpack, two nibbles per AND/OR as bf16 128 + q (132-136), each nibble position its own dot
+# (191-194), two nibbles per byte (128, for a third copy of the weight).
+# The best config per (N, K) and row tile on an H200 (2026-12-02) of a sweep of BLOCK_N 64 / 128, 4 or 8
+# warps, 2-4 stages, SPLIT_K 1-8 at M = 16 and 32 (M = 64: `python -m nano_quant.bench tune=true
+# "tune_systems=['w4a16 mma repacked']" 'ms=[64]'`, which prints the entries). Other shapes take
+# `awq_mma_repacked_config`'s rule.
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32 / 64, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),
-    (6144, 4096, 64): (64, 4, 3, 4),  # qkv: 16.6 / 20.0 / 27.4 (23.1 / 22.9 / 23.1)
-    (4096, 4096, 16): (64, 4, 4, 4), (4096, 4096, 32): (64, 4, 3, 4),
-    (4096, 4096, 64): (128, 8, 3, 4),  # o: 14.8 / 15.4 / 20.2 (19.3 / 19.9 / 18.2)
-    (28672, 4096, 16): (64, 4, 4, 2), (28672, 4096, 32): (128, 8, 3, 1),
-    (28672, 4096, 64): (128, 8, 3, 1),  # gate_up: 43.8 / 50.5 / 81.1 (68.5 / 68.3 / 70.6)
-    (4096, 14336, 16): (64, 4, 3, 8), (4096, 14336, 32): (128, 8, 3, 8),
-    (4096, 14336, 64): (128, 8, 4, 4),  # down: 27.5 / 32.7 / 43.3 (42.3 / 41.8 / 44.3)
+    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32, bf16 cuBLAS after
+    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),  # qkv: 17.6 / 21.7 (22.4 / 22.5)
+    (4096, 4096, 16): (64, 4, 3, 8), (4096, 4096, 32): (128, 8, 3, 8),  # o: 15.0 / 17.3 (19.2 / 18.2)
+    (28672, 4096, 16): (128, 4, 4, 1), (28672, 4096, 32): (128, 4, 3, 1),  # gate_up: 50.0 / 59.7 (68.3 / 69.5)
+    (4096, 14336, 16): (128, 8, 3, 8), (4096, 14336, 32): (128, 4, 3, 8),  # down: 31.1 / 36.1 (42.3 / 42.2)
 }
 
 
 @functools.lru_cache(maxsize=1024)
 def awq_mma_repacked_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
-    """Tiles for `_awq_mma_repacked_kernel`: rows of x padded to 16 / 32 / 64, BLOCK_K the layout's chunk
-    (8·chunk_words: the group's largest power-of-two divisor up to 128); a measured entry, else 64 columns
-    (128 for 64 rows), 4 warps, 3 stages, and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most
-    the steps along K."""
+    """Tiles for `_awq_mma_repacked_kernel`: rows of x padded to 16 / 32 / 64, BLOCK_K the group's largest
+    power-of-two divisor up to 128; a measured entry, else 64 columns (128 for 64 rows), 4 warps, 3 stages,
+    and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
     block_m = min(64, max(16, next_pow2(m)))
-    block_k = 8 * chunk_words(group_size)
+    block_k = min(128, group_size & -group_size)
     known = MEASURED_MMA_REPACKED.get((n, k, block_m)) if num_sms == 132 and block_k == 128 else None
     if known is None:
         block_n = 64 if block_m <= 32 else 128
@@ -392,9 +363,9 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
                          f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
     cfg = dict(config or awq_mma_repacked_config(m, n, k, group_size, num_sms(x.device)))
     block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
-    if block_k < 16 or block_k != 8 * chunk_words(group_size) or split < 1:
-        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be the layout's chunk, 8·chunk_words(group_size "
-                         f"{group_size}) = {8 * chunk_words(group_size)}, at least 16, and SPLIT_K {split} >= 1")
+    if block_k < 16 or block_k & (block_k - 1) or group_size % block_k or split < 1:
+        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be a power of two >= 16 dividing group_size "
+                         f"{group_size}, and SPLIT_K {split} >= 1")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
@@ -410,10 +381,9 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
 # ------------------------------------------------------------------ more rows: dequantize once, then cuBLAS
 
 @triton.jit
-def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.constexpr, C: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ŵ (BLOCK_N, BLOCK_K) = q·s + (−z·s), unpacked as in the tensor-core kernel (BLOCK_K / 8C whole chunks
-    a row)."""
+def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+    """Ŵ (BLOCK_N, BLOCK_K) = q·s + (−z·s), unpacked as in the tensor-core kernel."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -423,9 +393,7 @@ def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.cons
     grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
     s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
     zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    chunks: tl.constexpr = BLOCK_N * BLOCK_K // (8 * C)
-    q = tl.reshape(_unpack_chunk(tl.reshape(w, (chunks, C)), chunks, C), (BLOCK_N, BLOCK_K))
-    w_hat = (q * s + zs).to(W.dtype.element_ty)
+    w_hat = (_unpack_words(w) * s + zs).to(W.dtype.element_ty)
     tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
 
 
@@ -437,8 +405,8 @@ def dequantize_repacked_triton(qweight_t: torch.Tensor, scales_t: torch.Tensor, 
     w = torch.empty(n, kp * 8, device=qweight_t.device, dtype=dtype)
     block_n, block_k = 32, 128
     _dequantize_repacked_kernel[(cdiv(n, block_n), cdiv(kp * 8, block_k))](
-        qweight_t, scales_t, zeros_t, w, n, kp, scales_t.shape[1], GROUP_SIZE=group_size, C=chunk_words(group_size),
-        BLOCK_N=block_n, BLOCK_K=block_k)
+        qweight_t, scales_t, zeros_t, w, n, kp, scales_t.shape[1], GROUP_SIZE=group_size, BLOCK_N=block_n,
+        BLOCK_K=block_k)
     return w
 
 

@@ -2,8 +2,8 @@
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
 group sizes 24 (words padded to a power of two) / 32 / 64 / 128, one to four groups a step, split-K with a
-short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones (read as int32 pairs and widened with
-bit operations only where a group is one chunk, as at 64, or chunks are one word, as at 24). Tolerance as in
+short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones, which the GEMV reads as int32
+pairs and widens with bit operations only. Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.float16, 192, 72, 64, (2, 1, 3), True),     # one group a step, 3 slices of one step each
     (torch.float16, 512, 16, 128, (1, 4, 1), False),   # one column per program, 4 groups a step
     (torch.float16, 240, 16, 24, (8, 2, 1), True),     # 3 words a group, padded to 4 and masked
-    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True),    # bf16 x pairs at a stride of 8 (one 8-word chunk a group)
-    (torch.float16, 384, 16, 96, (8, 1, 1), False),    # x at a stride of 4 (three 4-word chunks a group)
-    (torch.bfloat16, 240, 16, 24, (8, 2, 1), False)])  # bf16 x read as int32 pairs (chunks of one word)
+    (torch.float16, 384, 16, 96, (8, 1, 1), False),    # 12 words a group, padded to 16 and masked
+    (torch.bfloat16, 384, 24, 64, (4, 4, 2), True)])   # bf16 x read as int32 pairs; 6 groups in slices of 4
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
     layer, x, b, exact, low = _case(k, n, group_size, dtype, bias)
     packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
@@ -52,17 +51,13 @@ def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F
 
 
 def test_repack_layout():
-    """Nibble-major chunks of C words: word j of chunk c of row n holds q[8C·c + C·i + j, n] in nibble i (C = 4
-    for groups of 32); scales transposed; zeros are −z·s in fp32."""
-    assert [repacked.chunk_words(g) for g in (8, 16, 24, 32, 64, 96, 128, 256)] == [1, 2, 1, 4, 8, 4, 16, 16]
+    """Word j of row n holds q[8j + i, n] in nibble i; scales transposed; zeros are −z·s in fp32."""
     layer, *_ = _case(64, 16, 32, torch.float32, False)
     qt, st, zt = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
     assert qt.shape == (16, 8) and qt.dtype == torch.int32 and st.shape == zt.shape == (16, 2)
     q = repacked.unpack_awq(layer.qweight)  # (K, N)
-    for n, word, i in ((5, 3, 6), (2, 5, 1), (15, 7, 7)):
-        c, j = divmod(word, 4)
-        assert int((qt[n, word] >> (4 * i)) & 0xF) == int(q[32 * c + 4 * i + j, n])
-    assert torch.allclose(repacked.dequantize_repacked_torch(qt, st, zt, 32), layer.dequantize(), atol=1e-6)
+    n, j, i = 5, 3, 6
+    assert int((qt[n, j] >> (4 * i)) & 0xF) == int(q[8 * j + i, n])
     z = repacked.unpack_awq(layer.qzeros)
     assert torch.equal(zt, -(z.float() * layer.scales.float()).t()) and torch.equal(st, layer.scales.t())
 
@@ -96,10 +91,12 @@ def test_module_layer(monkeypatch):
 @pytest.mark.parametrize("dtype,m,k,n,group_size,cfg,bias", [
     (torch.float16, 3, 256, 37, 64, (16, 16, 64, 1), True),    # ragged M and N, 4 steps of one group
     (torch.float16, 17, 384, 24, 128, (32, 16, 128, 2), False),  # two row tiles, split-K over 3 steps
-    (torch.float32, 5, 256, 64, 32, (16, 32, 32, 3), True)])   # fp32 activations, BLOCK_K = group = 32
+    (torch.float32, 5, 256, 64, 32, (16, 32, 32, 3), True),    # fp32 activations, BLOCK_K = group = 32
+    (torch.float16, 2, 256, 128, 128, (16, 64, 16, 4), False)])  # BLOCK_K 16 of a group of 128: two-word steps
 def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa: F811
-    """The tensor-core kernel (nibbles unpacked to exact integers, scale and zero per tile) equals AWQ's
-    dequantize-then-matmul within the precision rule, for every row of a ragged M."""
+    """The tensor-core kernel (nibbles unpacked to exact integers in nibble-major order, x's tile permuted to
+    match, scale and zero per tile) equals AWQ's dequantize-then-matmul within the precision rule, for every
+    row of a ragged M."""
     torch.manual_seed(m + k + n)
     layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n + (-n) % 8, bias=True), group_size)
     packed = [t[:n] for t in repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)]
@@ -150,7 +147,7 @@ def test_bad_arguments():
         repacked.awq_mma_repacked_triton(torch.randn(1, 2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: x \\(2, 32\\) does not match qweight_t"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 32), *packed, 32)
-    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be the layout's chunk, .* = 32"):
+    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
             "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 8, "SPLIT_K": 1, "num_warps": 4})
 
