@@ -13,7 +13,8 @@ point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k
 * `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND and one FMA per weight (a subtract for a quarter
   of them), x widened once per word for several columns.
 * `awq_mma_repacked_triton` — M = 2..64 on tensor cores: the unpacked tile (exact small integers in x's
-  dtype) is the MMA's A operand against xᵀ, scale and zero applied once per tile of a group.
+  dtype, in nibble-major order so that it lands in the MMA's A-operand registers; x's tile permuted to
+  match) is the A operand against xᵀ, scale and zero applied once per tile of a group.
 * `dequantize_repacked_triton` — more rows: the (N, K) weight once per call, for cuBLAS.
 * `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches;
   `drop_autoawq` frees AutoAWQ's tensors when only serving needs the layer.
@@ -316,16 +317,22 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
 # accumulated by the MMA itself (its wgmma then asynchronous), 110 and one more rounding per weight; with the
 # natural-order unpack, two nibbles per AND/OR as bf16 128 + q (132-136), each nibble position its own dot
 # (191-194), two nibbles per byte (128, for a third copy of the weight).
-# The best config per (N, K) and row tile on an H200 (2026-12-02) of a sweep of BLOCK_N 64 / 128, 4 or 8
-# warps, 2-4 stages, SPLIT_K 1-8 at M = 16 and 32 (M = 64: `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 mma repacked']" 'ms=[64]'`, which prints the entries). Other shapes take
+# The best config per (N, K) and row tile on an H200 (2026-12-02): at M = 16 and 32 from a sweep of BLOCK_N
+# 64 / 128, 4 or 8 warps, 2-4 stages and SPLIT_K 1-8; at M = 64 from `python -m nano_quant.bench tune=true
+# "tune_systems=['w4a16 mma repacked']" 'ms=[64]'` (BLOCK_N 64-256, 4 or 8 warps, 3 or 4 stages, SPLIT_K 1-8),
+# which prints the entries. At 64 rows the permuted x tile costs more than the unpack saves: 220 µs per layer
+# against 208 for the natural-order unpack's best tiles (2026-12-01), and bf16 cuBLAS 157. Other shapes take
 # `awq_mma_repacked_config`'s rule.
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),  # qkv: 17.6 / 21.7 (22.4 / 22.5)
-    (4096, 4096, 16): (64, 4, 3, 8), (4096, 4096, 32): (128, 8, 3, 8),  # o: 15.0 / 17.3 (19.2 / 18.2)
-    (28672, 4096, 16): (128, 4, 4, 1), (28672, 4096, 32): (128, 4, 3, 1),  # gate_up: 50.0 / 59.7 (68.3 / 69.5)
-    (4096, 14336, 16): (128, 8, 3, 8), (4096, 14336, 32): (128, 4, 3, 8),  # down: 31.1 / 36.1 (42.3 / 42.2)
+    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32 / 64, bf16 cuBLAS after
+    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),
+    (6144, 4096, 64): (256, 8, 4, 4),  # qkv: 17.6 / 21.7 / 35.4 (22.4 / 22.5 / 23.0)
+    (4096, 4096, 16): (64, 4, 3, 8), (4096, 4096, 32): (128, 8, 3, 8),
+    (4096, 4096, 64): (128, 8, 4, 4),  # o: 15.0 / 17.3 / 23.0 (19.2 / 18.2 / 17.4)
+    (28672, 4096, 16): (128, 4, 4, 1), (28672, 4096, 32): (128, 4, 3, 1),
+    (28672, 4096, 64): (256, 8, 3, 1),  # gate_up: 50.0 / 59.7 / 104.6 (68.3 / 69.5 / 71.6)
+    (4096, 14336, 16): (128, 8, 3, 8), (4096, 14336, 32): (128, 4, 3, 8),
+    (4096, 14336, 64): (128, 8, 4, 4),  # down: 31.1 / 36.1 / 57.0 (42.3 / 42.2 / 44.5)
 }
 
 
