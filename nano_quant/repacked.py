@@ -252,28 +252,20 @@ def _nibble(half, t: tl.constexpr):
 
 
 @triton.jit
-def _unpack_words(w):
-    """(rows, words) int32 -> (rows, 8·words) fp32 integers q: value 8j + t is nibble t of word j."""
-    lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
-    hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
-    # three levels of interleave, each a new in-thread axis: the natural order without a shuffle
-    e = tl.interleave(tl.interleave(_nibble(lo, 0), _nibble(hi, 4)), tl.interleave(_nibble(lo, 2), _nibble(hi, 6)))
-    o = tl.interleave(tl.interleave(_nibble(lo, 1), _nibble(hi, 5)), tl.interleave(_nibble(lo, 3), _nibble(hi, 7)))
-    return tl.interleave(e, o)
-
-
-@triton.jit
-def _unpack_nibble_major(w, ROWS: tl.constexpr, W: tl.constexpr):
-    """(rows, W) int32 words -> (rows, 8·W) fp32 integers q in nibble-major order: value W·t + j is nibble t
-    of word j. Each nibble stays at its word's place (joins along new in-thread axes, then the nibble axis
-    moved ahead of the word axis), so the thread that loaded the words of the MMA's A fragment holds their
-    nibbles there: nothing is exchanged between threads or through shared memory."""
+def _unpack_words(w, ROWS: tl.constexpr, W: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
+    """(rows, W) int32 words -> (rows, 8·W) fp32 integers q: value 8j + t is nibble t of word j (the natural
+    order), or with NIBBLE_MAJOR value W·t + j. Each nibble stays at its word's place (joins along new
+    in-thread axes; nibble-major moves the nibble axes ahead of the word axis), so the thread that loaded the
+    words of the MMA's A fragment holds their nibbles there in nibble-major order: nothing is exchanged
+    between threads or through shared memory (the natural order, fed to the MMA, went through it)."""
     lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
     hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
     q = tl.join(tl.join(tl.join(_nibble(lo, 0), _nibble(hi, 4)), tl.join(_nibble(lo, 2), _nibble(hi, 6))),
                 tl.join(tl.join(_nibble(lo, 1), _nibble(hi, 5)), tl.join(_nibble(lo, 3), _nibble(hi, 7))))
-    # axes (row, j, a, b, c) with t = 4a + 2b + c; (row, a, b, c, j) flattens to W·t + j
-    return tl.reshape(tl.permute(q, (0, 2, 3, 4, 1)), (ROWS, 8 * W))
+    # axes (row, j, a, b, c) with t = 4a + 2b + c: flattened, 8j + t; as (row, a, b, c, j), W·t + j
+    if NIBBLE_MAJOR:
+        q = tl.permute(q, (0, 2, 3, 4, 1))
+    return tl.reshape(q, (ROWS, 8 * W))
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
@@ -283,7 +275,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
     """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, BLOCK_N columns' words of BLOCK_K values of
     K (one group: BLOCK_K divides GROUP_SIZE) are unpacked to exact integers q in x's dtype and multiplied
     as the A operand with xᵀ (the weight tile fills the MMA's M = 64 rows; x's few rows are its N), then
-    acc += s·(q xᵀ) + (−z·s)·Σ_k x. The dot's sum over k runs in nibble-major order (`_unpack_nibble_major`),
+    acc += s·(q xᵀ) + (−z·s)·Σ_k x. The dot's sum over k runs in nibble-major order (`_unpack_words`),
     so x's tile is permuted the same way: a few rows, on their way to shared memory for the MMA anyway."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -302,7 +294,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
         zs = tl.load(ZS + rows * GROUPS + grp)
         x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (it * BLOCK_K + rk)[None, :], mask=m_ok[:, None],
                     other=0.0)
-        q = _unpack_nibble_major(w, BLOCK_N, BLOCK_K // 8).to(X.dtype.element_ty)  # 0..15: exact in fp16 / bf16
+        q = _unpack_words(w, BLOCK_N, BLOCK_K // 8, True).to(X.dtype.element_ty)  # 0..15: exact in fp16 / bf16
         x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
         acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
     out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -310,7 +302,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
 
 
 # Per llama3-8b layer at M = 16 (H200, 2026-12-02): 114 µs with the nibble-major unpack above, 136 with the
-# natural-order one (`_unpack_words`: interleaves, whose result reached the MMA's A fragment through shared
+# natural-order one (the same joins unpermuted, whose result reached the MMA's A fragment through shared
 # memory, 16 KB stored and re-read per step). Not kept: a nibble-major weight layout (x then read in order),
 # 103 µs here but 89.5 against 80.4 for the M = 1 GEMV, which reads x's eight values for a word at a stride
 # (batch-1 serving 1.27x bf16 against 1.40x); the weight dequantized to (q − z)·s in x's dtype and
@@ -400,7 +392,7 @@ def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.cons
     grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
     s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
     zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    w_hat = (_unpack_words(w) * s + zs).to(W.dtype.element_ty)
+    w_hat = (_unpack_words(w, BLOCK_N, BLOCK_K // 8, False) * s + zs).to(W.dtype.element_ty)
     tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
 
 
