@@ -182,10 +182,12 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         tiles = [(8, 2, 1), (16, 2, 1), (16, 4, 1), (32, 2, 1), (32, 4, 2), (64, 2, 2)]
         return [{"BLOCK_N": bn, "GPS": gps, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
                 for (bn, gps, w), st, sp in itertools.product(tiles, (3, 4), (1, 4)) if groups >= gps * sp]
-    if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 = 48: columns, warps, stages, split-K
+    if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 x 2 = 96: columns, warps, stages, split-K, tiles a step
         bm = repacked.awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
-        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
-                for bn, w, st, sp in itertools.product((64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8))]
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "K_TILES": kt, "num_warps": w,
+                 "num_stages": st}
+                for bn, w, st, sp, kt in itertools.product((64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8), (1, 2))
+                if k // 128 % kt == 0]
     small = [(16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
     large = [(128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3),
              (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -243,7 +245,7 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
             if system == "w4a16 mma repacked":  # an entry for repacked.MEASURED_MMA_REPACKED
                 c = best or repacked.awq_mma_repacked_config(m, n, k, GROUP, gemv.num_sms(device))
                 print(f"    ({n}, {k}, {c['BLOCK_M']}): ({c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']}, "
-                      f"{c['SPLIT_K']}),  # {name} M={m}: {best_t * 1e6:.1f} us", flush=True)
+                      f"{c['SPLIT_K']}, {c.get('K_TILES', 1)}),  # {name} M={m}: {best_t * 1e6:.1f} us", flush=True)
     release_memory()
     return rows
 

@@ -4,17 +4,17 @@
 AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at a few rows of x the GEMM
 reads the weight once, and 4-bit weights move ~4x fewer bytes than 16-bit ones, provided the
 dequantization is cheap enough to hide under the loads. `repack_for_gemv` lays each output column's words
-along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), and every kernel here unpacks a
-nibble without shifting it down to bit 0: a half-word of a packed int32 is ORed once with a float exponent
-pattern, then one AND with a constant keeps one nibble and the exponent that makes its lowest bit worth 1,
-so the fp32 reads M + q for a power of two M (subtracted, or in the GEMV taken off once per word). The zero
-point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k.
+along K (TinyChat's and tinygemm's decode layouts are K-contiguous too), and within every 32 values of K in
+the order of the tensor cores' operand fragment: word c of a 32-value chunk holds the pairs k = 2c + 8i,
+2c + 8i + 1 (i = 0..3) at nibbles i and 4 + i, so one shift and one AND-OR turn a word into a pair of
+16-bit floats 2^e + q that is already an MMA register, while the GEMV still reads x's values as pairs.
+The zero point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k.
 
 * `awq_gemv_repacked_triton` — M = 1 on CUDA cores: one AND and one FMA per weight (a subtract for a quarter
   of them), x widened once per word for several columns.
-* `awq_mma_repacked_triton` — M = 2..64 on tensor cores: the unpacked tile (exact small integers in x's
-  dtype, in nibble-major order so that it lands in the MMA's A-operand registers; x's tile permuted to
-  match) is the A operand against xᵀ, scale and zero applied once per tile of a group.
+* `awq_mma_repacked_triton` — M = 2..64 on tensor cores: each word becomes four 16-bit pairs 2^e + q
+  (exact; two values per shift and AND-OR) in the MMA's A-operand registers, multiplied with xᵀ as it lies,
+  scale, zero and the 2^e offset applied once per tile of a group.
 * `dequantize_repacked_triton` — more rows: the (N, K) weight once per call, for cuBLAS.
 * `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches;
   `drop_autoawq` frees AutoAWQ's tensors when only serving needs the layer.
@@ -36,10 +36,16 @@ from .kernels import AWQ_LARGE_M
 from .linear import WQLinear_GEMM
 from .quant import unpack_awq
 
-# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words holding eight consecutive k of one
-# output column, in nibble order (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program
-# that owns a few output columns reads contiguous runs of each with 16-byte loads. Per group the zero point is
-# pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernels need no zero unpack.
+# `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words, each holding eight values of K of one
+# output column (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program that owns a few
+# output columns reads contiguous runs of each. Within a chunk of 32 values of K, word c (0..3) holds the pairs
+# (2c + 8i, 2c + 8i + 1) at nibbles (i, 4 + i), i = 0..3: a thread of an MMA holds exactly the values
+# 2c, 2c + 1, 2c + 8, 2c + 9 of each 16 of K (PTX ISA, the fragments of mma.m16n8k16 and wgmma), so a word
+# is two of its K-slices, and nibbles i and 4 + i, 16 bits apart, are one 32-bit register of them. Per group
+# the zero point is pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernels
+# need no zero unpack.
+CHUNK = 32  # values of K per chunk of four words; a group must hold whole chunks
+_OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # 2^e of `_pair`'s 16-bit values 2^e + q
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 gemv repacked']" 'ms=[1]'`, which prints the lines to paste here (2026-12-02; they were
@@ -58,19 +64,22 @@ MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 
 def repack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                     group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AutoAWQ's GEMM layout -> (qweight_t int32 (N, K/8), scales_t (N, K/G) in scales' dtype, zeros_t fp32
-    (N, K/G) = −z·s): word j of row n holds q[8j + i, n] in nibble i. One more copy of the 4-bit weight."""
+    (N, K/G) = −z·s): word 4u + c of row n holds q[32u + 2c + 8i + e, n] in nibble 4e + i. One more copy of
+    the 4-bit weight."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"repack_for_gemv: qweight and qzeros must be 2-D int32, got {qweight.dtype} "
                          f"{tuple(qweight.shape)} and {qzeros.dtype}")
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    if group_size < 8 or group_size % 8 or k % group_size:
-        raise ValueError(f"repack_for_gemv: group_size {group_size} must be a multiple of 8 dividing K = {k}")
+    if group_size < CHUNK or group_size % CHUNK or k % group_size:
+        raise ValueError(f"repack_for_gemv: group_size {group_size} must be a multiple of {CHUNK} dividing "
+                         f"K = {k}")
     groups = k // group_size
     if qzeros.shape != (groups, n // 8) or scales.shape != (groups, n):
         raise ValueError(f"repack_for_gemv: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not "
                          f"match qweight {tuple(qweight.shape)} with group_size {group_size}")
     q = unpack_awq(qweight)  # (K, N), natural column order
-    nibbles = q.t().reshape(n, k // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=q.device))
+    q = q.t().reshape(n, k // CHUNK, 4, 4, 2).permute(0, 1, 3, 4, 2)  # k = 32u + 8i + 2c + e -> (u, c, e, i)
+    nibbles = q.reshape(n, k // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=q.device))
     packed = nibbles.sum(-1)  # disjoint nibbles: the sum is a bitwise or
     qweight_t = (packed - (packed >= 2**31) * 2**32).to(torch.int32).contiguous()
     z = unpack_awq(qzeros)
@@ -84,6 +93,7 @@ def dequantize_repacked_torch(qweight_t: torch.Tensor, scales_t: torch.Tensor, z
     group-wise grid)."""
     n, kp = qweight_t.shape
     q = (qweight_t[..., None] >> (4 * torch.arange(8, device=qweight_t.device, dtype=torch.int32))) & 0xF
+    q = q.reshape(n, kp // 4, 4, 2, 4).permute(0, 1, 4, 2, 3)  # (u, c, e, i) -> k = 32u + 8i + 2c + e
     return (q.reshape(n, kp * 8).float() * scales_t.float().repeat_interleave(group_size, 1)
             + zeros_t.repeat_interleave(group_size, 1))
 
@@ -115,21 +125,22 @@ def _load(ptr, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_x8(X, word, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
-    """x[8·word + t] for t = 0..7 as fp32 tensors shaped like `word`. X_PAIRS: bf16 read as int32 pairs, whose
+def _load_x8(X, p, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
+    """The x of the nibbles t = 0..7 of words 4u + c, as fp32 tensors shaped like `p` = 16u + c, their first
+    pairs: nibbles i and 4 + i are the pair x[2p + 8i], x[2p + 8i + 1]. X_PAIRS: bf16 read as int32 pairs, whose
     halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
     if X_PAIRS:
-        p0, p1 = _load(X + 4 * word, ok, EVEN), _load(X + 4 * word + 1, ok, EVEN)
-        p2, p3 = _load(X + 4 * word + 2, ok, EVEN), _load(X + 4 * word + 3, ok, EVEN)
-        return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
-                (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
-                (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
-                (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
-    ptr = X + 8 * word
-    return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 1, ok, EVEN).to(tl.float32),
-            _load(ptr + 2, ok, EVEN).to(tl.float32), _load(ptr + 3, ok, EVEN).to(tl.float32),
-            _load(ptr + 4, ok, EVEN).to(tl.float32), _load(ptr + 5, ok, EVEN).to(tl.float32),
-            _load(ptr + 6, ok, EVEN).to(tl.float32), _load(ptr + 7, ok, EVEN).to(tl.float32))
+        p0, p1 = _load(X + p, ok, EVEN), _load(X + p + 4, ok, EVEN)
+        p2, p3 = _load(X + p + 8, ok, EVEN), _load(X + p + 12, ok, EVEN)
+        return ((p0 << 16).to(tl.float32, bitcast=True), (p1 << 16).to(tl.float32, bitcast=True),
+                (p2 << 16).to(tl.float32, bitcast=True), (p3 << 16).to(tl.float32, bitcast=True),
+                (p0 & -65536).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
+                (p2 & -65536).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
+    ptr = X + 2 * p
+    return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 8, ok, EVEN).to(tl.float32),
+            _load(ptr + 16, ok, EVEN).to(tl.float32), _load(ptr + 24, ok, EVEN).to(tl.float32),
+            _load(ptr + 1, ok, EVEN).to(tl.float32), _load(ptr + 9, ok, EVEN).to(tl.float32),
+            _load(ptr + 17, ok, EVEN).to(tl.float32), _load(ptr + 25, ok, EVEN).to(tl.float32))
 
 
 @triton.jit
@@ -153,6 +164,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
     rg = tl.arange(0, GPS)[None, :, None]
     rw = tl.arange(0, WPG)[None, None, :]
+    pair = 4 * rw - 3 * (rw % 4)  # word 4u + c's first pair of x, 16u + c, in its group (whole chunks)
     acc = tl.zeros((BLOCK_N, GPS, WPG), dtype=tl.float32)
     g_lo = pid_k * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, GROUPS)
@@ -168,7 +180,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split
             w = tl.load(QW + rows * KP + word, mask=ok, other=0, eviction_policy="evict_first")
             s = tl.load(S + rows * GROUPS + grp, mask=grp < g_hi, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < g_hi, other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, word, ok, X_PAIRS, EVEN)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, grp * (GROUP_SIZE // 2) + pair, ok, X_PAIRS, EVEN)
         lo = (w << 7) | 0x7F800000  # nibbles 0-3 at bits 7, 11, 15, 19 (bits shifted into the exponent: ORed away)
         hi = (w.to(tl.uint32, bitcast=True) >> 9).to(tl.int32, bitcast=True) | 0x7F800000  # nibbles 4-7
         part = _nibble_at(lo, 19, EXACT) * x3  # smallest magics first: the running sum grows last
@@ -242,41 +254,56 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
 # ------------------------------------------------------------------ tensor cores, M = 2..64
 
 @triton.jit
-def _nibble(half, t: tl.constexpr):
-    """Nibble t % 4 of a half-word whose exponent field is all ones: the AND keeps the nibble and the exponent
-    of 2^(23 − 4t'), so the fp32 is 2^(23 − 4t') + q (the nibble's lowest bit is worth 1); subtracting the
-    power of two leaves q exactly."""
-    tt: tl.constexpr = t % 4
-    return ((half & ((0xF << (4 * tt)) | ((150 - 4 * tt) << 23))).to(tl.float32, bitcast=True)
-            - (1 << (23 - 4 * tt)))
+def _pair(w, i: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr):
+    """Nibbles i and 4 + i of the words `w` (the values k = 2c + 8i and 2c + 8i + 1 of their chunk) in dtype. 16-bit
+    dtype: one AND-OR keeps both nibbles, 16 bits apart, under the bit pattern of 2^e (bf16 128, fp16 1024: the
+    power of two whose lowest mantissa bit is worth 1), so each half reads 2^e + q exactly and the 32-bit word
+    is already the MMA's register of two neighbouring K; fp32: q exact (2^23 + q, less 2^23). PTX: the AND-OR
+    as one `lop3` (ptxas keeps an OR with a second constant apart, one more instruction per pair)."""
+    v = w >> (4 * i)
+    if dtype == tl.float32:
+        v = v & 0x000F000F
+        lo = ((v & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((v >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        magic: tl.constexpr = 0x43004300 if dtype == tl.bfloat16 else 0x64006400
+        if PTX:
+            v = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            v = (v & 0x000F000F) | magic
+        lo = (v & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+        hi = (v >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
-def _unpack_words(w, ROWS: tl.constexpr, W: tl.constexpr, NIBBLE_MAJOR: tl.constexpr):
-    """(rows, W) int32 words -> (rows, 8·W) fp32 integers q: value 8j + t is nibble t of word j (the natural
-    order), or with NIBBLE_MAJOR value W·t + j. Each nibble stays at its word's place (joins along new
-    in-thread axes; nibble-major moves the nibble axes ahead of the word axis), so the thread that loaded the
-    words of the MMA's A fragment holds their nibbles there in nibble-major order: nothing is exchanged
-    between threads or through shared memory (the natural order, fed to the MMA, went through it)."""
-    lo = (w & 0xFFFF) | 0x7F800000  # nibbles 0-3 in place, under an all-ones exponent
-    hi = ((w >> 16) & 0xFFFF) | 0x7F800000  # nibbles 4-7
-    q = tl.join(tl.join(tl.join(_nibble(lo, 0), _nibble(hi, 4)), tl.join(_nibble(lo, 2), _nibble(hi, 6))),
-                tl.join(tl.join(_nibble(lo, 1), _nibble(hi, 5)), tl.join(_nibble(lo, 3), _nibble(hi, 7))))
-    # axes (row, j, a, b, c) with t = 4a + 2b + c: flattened, 8j + t; as (row, a, b, c, j), W·t + j
-    if NIBBLE_MAJOR:
-        q = tl.permute(q, (0, 2, 3, 4, 1))
+def _unpack_words(w, ROWS: tl.constexpr, W: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr):
+    """(rows, W) int32 words of `repack_for_gemv`'s layout (W a multiple of 4: whole chunks) -> (rows, 8·W)
+    values in natural K order, in dtype: 2^e + q for fp16 / bf16 (the offset comes off through Σx), q for fp32.
+    The joins and the permute only rename registers: each thread keeps the nibbles of the words it loaded, and
+    those are its fragment of the MMA's A operand."""
+    l0, h0 = _pair(w, 0, dtype, PTX)
+    l1, h1 = _pair(w, 1, dtype, PTX)
+    l2, h2 = _pair(w, 2, dtype, PTX)
+    l3, h3 = _pair(w, 3, dtype, PTX)
+    q = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    # axes (row, word = 4u + c, e, b, a) for pair i = 2a + b; k = 32u + 16a + 8b + 2c + e
+    q = tl.permute(tl.reshape(q, (ROWS, W // 4, 4, 2, 2, 2)), (0, 1, 5, 4, 2, 3))
     return tl.reshape(q, (ROWS, 8 * W))
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
 def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
                              GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, BLOCK_N columns' words of BLOCK_K values of
-    K (one group: BLOCK_K divides GROUP_SIZE) are unpacked to exact integers q in x's dtype and multiplied
-    as the A operand with xᵀ (the weight tile fills the MMA's M = 64 rows; x's few rows are its N), then
-    acc += s·(q xᵀ) + (−z·s)·Σ_k x. The dot's sum over k runs in nibble-major order (`_unpack_words`),
-    so x's tile is permuted the same way: a few rows, on their way to shared memory for the MMA anyway."""
+                             BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, OFFSET: tl.constexpr,
+                             PTX: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, K_TILES tiles of BLOCK_N columns' words of
+    BLOCK_K values of K (each in one group: BLOCK_K divides GROUP_SIZE) become OFFSET + q in x's dtype
+    (`_unpack_words`, in registers) and are multiplied as the A operand with xᵀ (the weight tile fills the
+    MMA's M = 64 rows; x's few rows are its N), then acc += s·(q' xᵀ) + (−z·s − OFFSET·s)·Σ_k x: the offset and
+    the zero point in one term. K_TILES > 1 reads longer runs of each column a step (DRAM likes 128 bytes
+    better than 64)."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,62 +313,59 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
     m_ok = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     it_lo = pid_k * iters_per_split
-    it_hi = tl.minimum(it_lo + iters_per_split, KP // (BLOCK_K // 8))
+    it_hi = tl.minimum(it_lo + iters_per_split, KP // (K_TILES * BLOCK_K // 8))
     for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
-        w = tl.load(QW + rows[:, None] * KP + (it * (BLOCK_K // 8) + rw)[None, :])
-        grp = it * BLOCK_K // GROUP_SIZE
-        s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
-        zs = tl.load(ZS + rows * GROUPS + grp)
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (it * BLOCK_K + rk)[None, :], mask=m_ok[:, None],
-                    other=0.0)
-        q = _unpack_words(w, BLOCK_N, BLOCK_K // 8, True).to(X.dtype.element_ty)  # 0..15: exact in fp16 / bf16
-        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 8)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
-        acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
+        for t in tl.static_range(K_TILES):
+            kt = it * K_TILES + t  # the tile's index along K
+            w = tl.load(QW + rows[:, None] * KP + (kt * (BLOCK_K // 8) + rw)[None, :])
+            grp = kt * BLOCK_K // GROUP_SIZE
+            s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
+            zs = tl.load(ZS + rows * GROUPS + grp) - OFFSET * s
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (kt * BLOCK_K + rk)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            q = _unpack_words(w, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX)
+            acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
     out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
 
 
-# Per llama3-8b layer at M = 16 (H200, 2026-12-02): 114 µs with the nibble-major unpack above, 136 with the
-# natural-order one (the same joins unpermuted, whose result reached the MMA's A fragment through shared
-# memory, 16 KB stored and re-read per step). Not kept: a nibble-major weight layout (x then read in order),
-# 103 µs here but 89.5 against 80.4 for the M = 1 GEMV, which reads x's eight values for a word at a stride
-# (batch-1 serving 1.27x bf16 against 1.40x); the weight dequantized to (q − z)·s in x's dtype and
-# accumulated by the MMA itself (its wgmma then asynchronous), 110 and one more rounding per weight; with the
-# natural-order unpack, two nibbles per AND/OR as bf16 128 + q (132-136), each nibble position its own dot
-# (191-194), two nibbles per byte (128, for a third copy of the weight).
-# The best config per (N, K) and row tile on an H200 (2026-12-02): at M = 16 and 32 from a sweep of BLOCK_N
-# 64 / 128, 4 or 8 warps, 2-4 stages and SPLIT_K 1-8; at M = 64 from `python -m nano_quant.bench tune=true
-# "tune_systems=['w4a16 mma repacked']" 'ms=[64]'` (BLOCK_N 64-256, 4 or 8 warps, 3 or 4 stages, SPLIT_K 1-8),
-# which prints the entries. At 64 rows the permuted x tile costs more than the unpack saves: 220 µs per layer
-# against 208 for the natural-order unpack's best tiles (2026-12-01), and bf16 cuBLAS 157. Other shapes take
-# `awq_mma_repacked_config`'s rule.
-MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K); µs at M = 16 / 32 / 64, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 3, 4), (6144, 4096, 32): (64, 4, 3, 4),
-    (6144, 4096, 64): (256, 8, 4, 4),  # qkv: 17.6 / 21.7 / 35.4 (22.4 / 22.5 / 23.0)
-    (4096, 4096, 16): (64, 4, 3, 8), (4096, 4096, 32): (128, 8, 3, 8),
-    (4096, 4096, 64): (128, 8, 4, 4),  # o: 15.0 / 17.3 / 23.0 (19.2 / 18.2 / 17.4)
-    (28672, 4096, 16): (128, 4, 4, 1), (28672, 4096, 32): (128, 4, 3, 1),
-    (28672, 4096, 64): (256, 8, 3, 1),  # gate_up: 50.0 / 59.7 / 104.6 (68.3 / 69.5 / 71.6)
-    (4096, 14336, 16): (128, 8, 3, 8), (4096, 14336, 32): (128, 4, 3, 8),
-    (4096, 14336, 64): (128, 8, 4, 4),  # down: 31.1 / 36.1 / 57.0 (42.3 / 42.2 / 44.5)
+# Per llama3-8b layer (H200, 2026-12-02, bf16 cuBLAS 152 / 155 / 159 µs in the same run): 95.4 µs at M = 16,
+# 107.0 at 32 and 158.1 at 64 with the fragment-order layout and the two-values-per-instruction unpack above,
+# against 116.5 / 140.2 / 226.2 for the natural-order layout's kernel (its tile through shared memory into the
+# A fragment, or x's tile permuted to match a nibble-major unpack; four instructions per value). The whole
+# step is 333 SASS instructions per thread at 128 x 16 tiles, against 593. Not kept: fp32 scales, whose
+# loads the pipeline copies asynchronously (2-byte ones it does not): 0-10% slower, for 4% more bytes; earlier,
+# a nibble-major weight layout with x read at a stride, which cost the M = 1 GEMV 11%.
+# The best config per (N, K) and row tile on an H200 (2026-12-02), from a sweep of BLOCK_N 64 / 128 / 256,
+# 4 or 8 warps, 3 or 4 stages and SPLIT_K 1-8 (`python -m nano_quant.bench tune=true "tune_systems=['w4a16 mma
+# repacked']" 'ms=[16,32,64]'` prints the entries). Other shapes take `awq_mma_repacked_config`'s rule.
+MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K, K_TILES); µs at M = 16 / 32 / 64, bf16 cuBLAS after
+    (6144, 4096, 16): (64, 4, 3, 4, 1), (6144, 4096, 32): (64, 4, 3, 4, 1),
+    (6144, 4096, 64): (128, 8, 3, 2, 1),  # qkv: 15.2 / 17.7 / 25.8 (22.6 / 22.8 / 23.1)
+    (4096, 4096, 16): (64, 4, 3, 8, 1), (4096, 4096, 32): (128, 8, 3, 4, 1),
+    (4096, 4096, 64): (128, 8, 3, 4, 1),  # o: 13.8 / 14.9 / 19.4 (18.2 / 18.7 / 18.1)
+    (28672, 4096, 16): (128, 8, 4, 1, 1), (28672, 4096, 32): (128, 8, 3, 1, 1),
+    (28672, 4096, 64): (128, 8, 4, 1, 1),  # gate_up: 39.4 / 46.3 / 72.3 (68.4 / 69.4 / 71.8)
+    (4096, 14336, 16): (64, 4, 4, 4, 1), (4096, 14336, 32): (128, 8, 3, 8, 1),
+    (4096, 14336, 64): (128, 8, 3, 4, 1),  # down: 26.9 / 28.0 / 40.6 (42.6 / 43.6 / 45.8)
 }
 
 
 @functools.lru_cache(maxsize=1024)
 def awq_mma_repacked_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> dict:
     """Tiles for `_awq_mma_repacked_kernel`: rows of x padded to 16 / 32 / 64, BLOCK_K the group's largest
-    power-of-two divisor up to 128; a measured entry, else 64 columns (128 for 64 rows), 4 warps, 3 stages,
-    and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
+    power-of-two divisor up to 128; a measured entry, else 64 columns (128 for 64 rows), 4 warps, 3 stages, one
+    tile a step, and SPLIT_K 4 (8 when N gives fewer than 96 column tiles), at most the steps along K."""
     block_m = min(64, max(16, next_pow2(m)))
     block_k = min(128, group_size & -group_size)
     known = MEASURED_MMA_REPACKED.get((n, k, block_m)) if num_sms == 132 and block_k == 128 else None
-    if known is None:
+    if known is None or (k // block_k) % known[4]:
         block_n = 64 if block_m <= 32 else 128
-        known = (block_n, 4, 3, 4 if cdiv(n, block_n) >= 96 else 8)
-    block_n, warps, stages, split = known
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "SPLIT_K": max(1, min(split, k // block_k)), "num_warps": warps, "num_stages": stages}
+        known = (block_n, 4, 3, 4 if cdiv(n, block_n) >= 96 else 8, 1)
+    block_n, warps, stages, split, k_tiles = known
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "K_TILES": k_tiles,
+            "SPLIT_K": max(1, min(split, k // block_k // k_tiles)), "num_warps": warps, "num_stages": stages}
 
 
 def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
@@ -361,10 +385,13 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
                          f"{tuple(qweight_t.shape)} / scales_t {tuple(scales_t.shape)} / zeros_t "
                          f"{tuple(zeros_t.shape)} {zeros_t.dtype} with group_size {group_size}")
     cfg = dict(config or awq_mma_repacked_config(m, n, k, group_size, num_sms(x.device)))
-    block_k, split = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
-    if block_k < 16 or block_k & (block_k - 1) or group_size % block_k or split < 1:
-        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be a power of two >= 16 dividing group_size "
-                         f"{group_size}, and SPLIT_K {split} >= 1")
+    block_k, split, k_tiles = cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K"), cfg.pop("K_TILES", 1)
+    if block_k < CHUNK or block_k & (block_k - 1) or group_size % block_k or split < 1:
+        raise ValueError(f"awq_mma_repacked: BLOCK_K {block_k} must be a power of two >= {CHUNK} dividing "
+                         f"group_size {group_size}, and SPLIT_K {split} >= 1")
+    if k_tiles < 1 or (k // block_k) % k_tiles:
+        raise ValueError(f"awq_mma_repacked: K_TILES {k_tiles} must divide the {k // block_k} tiles of "
+                         f"BLOCK_K {block_k} along K = {k}")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
@@ -372,8 +399,9 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
     grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
     stages = cfg.pop("num_stages", 1)
     _awq_mma_repacked_kernel[grid](x, qweight_t, scales_t, zeros_t, partial, m, n, kp, groups, x.stride(0),
-                                   cdiv(k // block_k, split), GROUP_SIZE=group_size, BLOCK_K=block_k,
-                                   NUM_STAGES=stages, num_stages=stages, **cfg)
+                                   cdiv(k // block_k // k_tiles, split), GROUP_SIZE=group_size, BLOCK_K=block_k,
+                                   K_TILES=k_tiles,
+                                   OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages, num_stages=stages, **cfg)
     return split_k_reduce(partial, out, bias)
 
 
@@ -392,7 +420,7 @@ def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.cons
     grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
     s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
     zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    w_hat = (_unpack_words(w, BLOCK_N, BLOCK_K // 8, False) * s + zs).to(W.dtype.element_ty)
+    w_hat = (_unpack_words(w, BLOCK_N, BLOCK_K // 8, tl.float32, False) * s + zs).to(W.dtype.element_ty)
     tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
 
 
@@ -436,8 +464,7 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        # the tensor-core kernel's BLOCK_K, a power of two dividing the group, must be >= 16
-        fits = rows == 1 or (1 < rows <= AWQ_LARGE_M and self.group_size % 16 == 0)
+        fits = 1 <= rows <= AWQ_LARGE_M
         on_gpu = x.dtype in (torch.float16, torch.bfloat16) and use_triton(x)
         if (fits and on_gpu) or getattr(self, "repacked_only", False):
             if getattr(self, "qweight_t", None) is None:  # built once, on the first call that needs it
@@ -457,11 +484,12 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
 
 
 def use_repacked_gemv(model: torch.nn.Module, drop_autoawq: bool = False) -> torch.nn.Module:
-    """A performance layer, off unless called: every WQLinear_GEMM of `model` becomes a RepackedGemvWQLinear
-    in place with its repacked tensors built now (before any CUDA-graph capture); with `drop_autoawq`,
-    AutoAWQ's tensors are freed (the layers can then not be saved). Returns the model."""
+    """A performance layer, off unless called: every WQLinear_GEMM of `model` whose group holds whole chunks
+    (a multiple of 32) becomes a RepackedGemvWQLinear in place with its repacked tensors built now (before any
+    CUDA-graph capture); with `drop_autoawq`, AutoAWQ's tensors are freed (the layers can then not be saved).
+    Other layers keep AutoAWQ's kernels. Returns the model."""
     for m in model.modules():
-        if type(m) is WQLinear_GEMM:
+        if type(m) is WQLinear_GEMM and m.group_size % CHUNK == 0:
             m.__class__ = RepackedGemvWQLinear
             m.build_repacked()
             if drop_autoawq:

@@ -1,12 +1,14 @@
 """nano_quant.repacked's M = 1 GEMV and M = 2..64 tensor-core kernel under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
-group sizes 24 (words padded to a power of two) / 32 / 64 / 128, one to four groups a step, split-K with a
+group sizes 32 / 64 / 96 (words padded to a power of two) / 128, one to four groups a step, split-K with a
 short last slice, bias on and off, fp16 / fp32 activations, and bf16 ones, which the GEMV reads as int32
 pairs and widens with bit operations only. Tolerance as in
 test_quant_kernels: at most twice the error of the reference evaluated in the output dtype."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -34,7 +36,6 @@ def _case(k: int, n: int, group_size: int, dtype: torch.dtype, bias: bool):
     (torch.float32, 384, 24, 128, (8, 2, 2), True),    # 3 groups, 2 a step: the last slice's step is half empty
     (torch.float16, 192, 72, 64, (2, 1, 3), True),     # one group a step, 3 slices of one step each
     (torch.float16, 512, 16, 128, (1, 4, 1), False),   # one column per program, 4 groups a step
-    (torch.float16, 240, 16, 24, (8, 2, 1), True),     # 3 words a group, padded to 4 and masked
     (torch.float16, 384, 16, 96, (8, 1, 1), False),    # 12 words a group, padded to 16 and masked
     (torch.bfloat16, 384, 24, 64, (4, 4, 2), True)])   # bf16 x read as int32 pairs; 6 groups in slices of 4
 def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F811
@@ -51,13 +52,17 @@ def test_repacked_gemv(poisoned, dtype, k, n, group_size, cfg, bias):  # noqa: F
 
 
 def test_repack_layout():
-    """Word j of row n holds q[8j + i, n] in nibble i; scales transposed; zeros are −z·s in fp32."""
+    """Word 4u + c of row n holds q[32u + 2c + 8i + e, n] in nibble 4e + i (the MMA fragment's pairs); scales
+    transposed; zeros are −z·s in fp32; the torch dequantization inverts the layout."""
     layer, *_ = _case(64, 16, 32, torch.float32, False)
     qt, st, zt = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
     assert qt.shape == (16, 8) and qt.dtype == torch.int32 and st.shape == zt.shape == (16, 2)
     q = repacked.unpack_awq(layer.qweight)  # (K, N)
-    n, j, i = 5, 3, 6
-    assert int((qt[n, j] >> (4 * i)) & 0xF) == int(q[8 * j + i, n])
+    for n in range(16):
+        for u, c, i, e in itertools.product(range(2), range(4), range(4), range(2)):
+            assert int((qt[n, 4 * u + c] >> (4 * (4 * e + i))) & 0xF) == int(q[32 * u + 2 * c + 8 * i + e, n])
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 32)
+    assert torch.allclose(repacked.dequantize_repacked_torch(qt, st, zt, 32), w.t(), atol=1e-6, rtol=0)
     z = repacked.unpack_awq(layer.qzeros)
     assert torch.equal(zt, -(z.float() * layer.scales.float()).t()) and torch.equal(st, layer.scales.t())
 
@@ -88,11 +93,20 @@ def test_module_layer(monkeypatch):
     assert mma == [1] and torch.allclose(y3.float(), want.float().expand(3, -1), atol=2e-2, rtol=1e-2)
 
 
+def test_group_of_partial_chunks_keeps_autoawq():
+    """A group of 16 values does not hold whole 32-value chunks: use_repacked_gemv leaves that layer to AutoAWQ's
+    layout and kernels."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(64, 16), 16)
+    model = repacked.use_repacked_gemv(torch.nn.Sequential(layer), drop_autoawq=True)
+    assert type(model[0]) is WQLinear_GEMM and hasattr(model[0], "qweight")
+
+
 @pytest.mark.parametrize("dtype,m,k,n,group_size,cfg,bias", [
     (torch.float16, 3, 256, 37, 64, (16, 16, 64, 1), True),    # ragged M and N, 4 steps of one group
     (torch.float16, 17, 384, 24, 128, (32, 16, 128, 2), False),  # two row tiles, split-K over 3 steps
     (torch.float32, 5, 256, 64, 32, (16, 32, 32, 3), True),    # fp32 activations, BLOCK_K = group = 32
-    (torch.float16, 2, 256, 128, 128, (16, 64, 16, 4), False)])  # BLOCK_K 16 of a group of 128: two-word steps
+    (torch.float16, 2, 256, 128, 128, (16, 64, 32, 4), False),  # BLOCK_K 32 of a group of 128: one-chunk tiles
+    (torch.float16, 9, 768, 40, 64, (16, 32, 64, 2, 2), True)])  # two tiles (groups) a step, 3 steps in 2 slices
 def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa: F811
     """The tensor-core kernel (nibbles unpacked to exact integers in nibble-major order, x's tile permuted to
     match, scale and zero per tile) equals AWQ's dequantize-then-matmul within the precision rule, for every
@@ -105,8 +119,8 @@ def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa:
     w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, group_size)[:, :n]
     exact = x.double() @ w.double() + (0 if b is None else b.double())
     low = (x.float() @ w.float() + (0 if b is None else b.float())).to(dtype)
-    config = {"BLOCK_M": cfg[0], "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "SPLIT_K": cfg[3], "num_warps": 4,
-              "num_stages": 1}
+    config = {"BLOCK_M": cfg[0], "BLOCK_N": cfg[1], "BLOCK_K": cfg[2], "SPLIT_K": cfg[3],
+              "K_TILES": cfg[4] if len(cfg) > 4 else 1, "num_warps": 4, "num_stages": 1}
     ours = repacked.awq_mma_repacked_triton(x, *packed, group_size, b, config=config)
     assert ours.dtype == dtype and ours.shape == (m, n) and within_fa_rule(ours, exact, low)
 
@@ -137,19 +151,22 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="awq_gemv_repacked: SPLIT_K must be >= 1"):
         repacked.awq_gemv_repacked_triton(torch.randn(1, 64), *packed, 32,
                                           config={"BLOCK_N": 4, "GPS": 1, "SPLIT_K": 0})
-    with pytest.raises(ValueError, match="repack_for_gemv: group_size 12 must be a multiple of 8"):
-        repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 12)
-    with pytest.raises(ValueError, match="repack_for_gemv: qzeros \\(2, 2\\) / scales \\(2, 16\\) do not match"):
+    with pytest.raises(ValueError, match="repack_for_gemv: group_size 16 must be a multiple of 32"):
         repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 16)
+    with pytest.raises(ValueError, match="repack_for_gemv: qzeros \\(2, 2\\) / scales \\(2, 16\\) do not match"):
+        repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 64)
     with pytest.raises(ValueError, match="repack_for_gemv: qweight and qzeros must be 2-D int32"):
         repacked.repack_for_gemv(layer.qweight.float(), layer.qzeros, layer.scales, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: x must be \\(M, K\\), got \\(1, 2, 64\\)"):
         repacked.awq_mma_repacked_triton(torch.randn(1, 2, 64), *packed, 32)
     with pytest.raises(ValueError, match="awq_mma_repacked: x \\(2, 32\\) does not match qweight_t"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 32), *packed, 32)
-    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 8 must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="awq_mma_repacked: BLOCK_K 16 must be a power of two >= 32"):
         repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
-            "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 8, "SPLIT_K": 1, "num_warps": 4})
+            "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "num_warps": 4})
+    with pytest.raises(ValueError, match="awq_mma_repacked: K_TILES 3 must divide the 2 tiles of BLOCK_K 32"):
+        repacked.awq_mma_repacked_triton(torch.randn(2, 64), *packed, 32, config={
+            "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "K_TILES": 3, "num_warps": 4})
 
 
 def test_drop_autoawq(monkeypatch):
