@@ -54,6 +54,46 @@ def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl
     tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
+TICKETS = 1 << 16  # output tiles one launch of a kernel with `split_k_epilogue` may have
+
+
+def split_k_tickets(device: torch.device) -> torch.Tensor:
+    """The int32 counters `split_k_epilogue` takes tickets from, one buffer per device and stream: every launch
+    leaves them at zero, so kernels that follow each other on a stream share it (CUDA-graph replays too)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _tickets(device, stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _tickets(device: torch.device, stream: int) -> torch.Tensor:
+    return torch.zeros(TICKETS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def split_k_epilogue(acc, offs, ok, OUT, PART, TICKETS, ticket, pid_k, MN, N, BIAS, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """Store a program's fp32 sum `acc` over its slice of K for the output elements `offs` of an (M, N) output
+    (MN = M·N; `ok` masks): the whole sum (+ bias) when SPLIT is False. Else its partial goes to PART, and the
+    slice that finishes a tile last (a ticket counter, acq_rel at GPU scope, taken after a barrier) sums the
+    tile's partials in slice order — the same result on every run, whichever slice is last — adds the bias,
+    stores, and resets the counter: no second launch and no memset."""
+    if SPLIT:
+        tl.store(PART + pid_k * MN + offs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        if tl.atomic_add(TICKETS + ticket, 1) == tl.num_programs(1) - 1:
+            acc = tl.zeros_like(acc)
+            for s in range(tl.num_programs(1)):  # .cg: from L2, where the other slices' stores are
+                acc += tl.load(PART + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
+            tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(TICKETS + ticket, 0)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
 def split_k_partials(out: torch.Tensor, split_k: int, bias: torch.Tensor | None) -> torch.Tensor:
     """Where a split-K kernel writes: `out` itself when one program sums all of K and there is no bias,
     else a (split_k, M, N) fp32 buffer for `split_k_reduce`."""

@@ -31,7 +31,7 @@ import triton.language as tl
 from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
-from .gemv import num_sms, split_k_partials, split_k_reduce
+from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
 from .kernels import AWQ_LARGE_M
 from .linear import WQLinear_GEMM
 from .quant import unpack_awq
@@ -144,10 +144,11 @@ def _load_x8(X, p, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split, GROUP_SIZE: tl.constexpr,
-                              BLOCK_N: tl.constexpr, GPS: tl.constexpr, WPG: tl.constexpr,
-                              NUM_STAGES: tl.constexpr, EVEN: tl.constexpr, X_PAIRS: tl.constexpr,
-                              EXACT: tl.constexpr):
+def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GROUPS, groups_per_split,
+                              GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
+                              WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
+                              X_PAIRS: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr,
+                              HAS_BIAS: tl.constexpr):
     """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
     whole groups of BLOCK_N columns (WPG: the group's GROUP_SIZE / 8 words, padded to a power of two), and
     each thread holds several columns at the same word positions, so x's eight values per word are loaded
@@ -196,7 +197,16 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, N, KP, GROUPS, groups_per_split
         x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
         acc += s * part + zs * x_sum
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(OUT + pid_k.to(tl.int64) * N + rn, y.to(OUT.dtype.element_ty), mask=rn < N)
+    split_k_epilogue(y, rn, rn < N, OUT, PART, TICKETS, pid_n, pid_k, N, N, BIAS, SPLIT, HAS_BIAS)
+
+
+def _split_k_buffers(out: torch.Tensor, slices: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_k_epilogue`'s fp32 partials (slices, M, N) (`out` itself when one slice sums all of K) and its
+    ticket counters for `tiles` output tiles."""
+    if tiles > TICKETS:
+        raise ValueError(f"repacked: {tiles} output tiles exceed the {TICKETS} split-K tickets")
+    partial = out if slices == 1 else torch.empty(slices, *out.shape, device=out.device, dtype=torch.float32)
+    return partial, split_k_tickets(out.device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -238,17 +248,18 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
         raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1, got {split}")
     per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    partial = split_k_partials(out, cdiv(groups, per), bias)
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))
+    partial, tickets = _split_k_buffers(out, grid[1], grid[0])
     wpg = next_pow2(group_size // 8)
     pairs = x.dtype == torch.bfloat16
     x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
     stages = cfg.setdefault("num_stages", 1)
-    _awq_gemv_repacked_kernel[(cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))](
-        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, partial, n, kp, groups, per,
-        GROUP_SIZE=group_size, GPS=gps, WPG=wpg, NUM_STAGES=stages,
-        EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs, EXACT=x.dtype == torch.float32,
-        **cfg)
-    return split_k_reduce(partial, out, bias)
+    _awq_gemv_repacked_kernel[grid](
+        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, out, partial, tickets,
+        out if bias is None else bias, n, kp, groups, per, GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
+        NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
+        EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, **cfg)
+    return out
 
 
 # ------------------------------------------------------------------ tensor cores, M = 2..64
@@ -294,10 +305,11 @@ def _unpack_words(w, ROWS: tl.constexpr, W: tl.constexpr, dtype: tl.constexpr, P
 
 
 @triton.jit(do_not_specialize=["M", "iters_per_split"])
-def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, iters_per_split,
-                             GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, OFFSET: tl.constexpr,
-                             PTX: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, GROUPS, stride_xm,
+                             iters_per_split, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+                             OFFSET: tl.constexpr, PTX: tl.constexpr, NUM_STAGES: tl.constexpr,
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, K_TILES tiles of BLOCK_N columns' words of
     BLOCK_K values of K (each in one group: BLOCK_K divides GROUP_SIZE) become OFFSET + q in x's dtype
     (`_unpack_words`, in registers) and are multiplied as the A operand with xᵀ (the weight tile fills the
@@ -325,8 +337,8 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
                         mask=m_ok[:, None], other=0.0)
             q = _unpack_words(w, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX)
             acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
-    out = OUT + pid_k.to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, tl.trans(acc).to(OUT.dtype.element_ty), mask=m_ok[:, None] & (rn < N)[None, :])
+    split_k_epilogue(tl.trans(acc), rm[:, None].to(tl.int64) * N + rn[None, :], m_ok[:, None] & (rn < N)[None, :],
+                     OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n, pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
 
 
 # Per llama3-8b layer (H200, 2026-12-02, bf16 cuBLAS 152 / 155 / 159 µs in the same run): 95.4 µs at M = 16,
@@ -341,13 +353,13 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, M, N, KP, GROUPS, stride_xm, ite
 # repacked']" 'ms=[16,32,64]'` prints the entries). Other shapes take `awq_mma_repacked_config`'s rule.
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K, K_TILES); µs at M = 16 / 32 / 64, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 3, 4, 1), (6144, 4096, 32): (64, 4, 3, 4, 1),
+    (6144, 4096, 16): (64, 4, 4, 4, 1), (6144, 4096, 32): (64, 4, 4, 4, 1),
     (6144, 4096, 64): (128, 8, 3, 2, 1),  # qkv: 15.2 / 17.7 / 25.8 (22.6 / 22.8 / 23.1)
-    (4096, 4096, 16): (64, 4, 3, 8, 1), (4096, 4096, 32): (128, 8, 3, 4, 1),
+    (4096, 4096, 16): (64, 4, 4, 4, 1), (4096, 4096, 32): (128, 8, 4, 4, 1),
     (4096, 4096, 64): (128, 8, 3, 4, 1),  # o: 13.8 / 14.9 / 19.4 (18.2 / 18.7 / 18.1)
-    (28672, 4096, 16): (128, 8, 4, 1, 1), (28672, 4096, 32): (128, 8, 3, 1, 1),
+    (28672, 4096, 16): (64, 4, 3, 1, 2), (28672, 4096, 32): (128, 8, 3, 1, 1),
     (28672, 4096, 64): (128, 8, 4, 1, 1),  # gate_up: 39.4 / 46.3 / 72.3 (68.4 / 69.4 / 71.8)
-    (4096, 14336, 16): (64, 4, 4, 4, 1), (4096, 14336, 32): (128, 8, 3, 8, 1),
+    (4096, 14336, 16): (64, 4, 3, 8, 2), (4096, 14336, 32): (128, 8, 3, 8, 1),
     (4096, 14336, 64): (128, 8, 3, 4, 1),  # down: 26.9 / 28.0 / 40.6 (42.6 / 43.6 / 45.8)
 }
 
@@ -395,14 +407,16 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    partial = split_k_partials(out, split, bias)
-    grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
+    per = cdiv(k // block_k // k_tiles, split)  # steps a program takes: no empty slice
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(k // block_k // k_tiles, per), cdiv(m, cfg["BLOCK_M"]))
+    partial, tickets = _split_k_buffers(out, grid[1], grid[0] * grid[2])
     stages = cfg.pop("num_stages", 1)
-    _awq_mma_repacked_kernel[grid](x, qweight_t, scales_t, zeros_t, partial, m, n, kp, groups, x.stride(0),
-                                   cdiv(k // block_k // k_tiles, split), GROUP_SIZE=group_size, BLOCK_K=block_k,
-                                   K_TILES=k_tiles,
-                                   OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages, num_stages=stages, **cfg)
-    return split_k_reduce(partial, out, bias)
+    _awq_mma_repacked_kernel[grid](x, qweight_t, scales_t, zeros_t, out, partial, tickets,
+                                   out if bias is None else bias, m, n, kp, groups, x.stride(0), per,
+                                   GROUP_SIZE=group_size, BLOCK_K=block_k, K_TILES=k_tiles,
+                                   OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages,
+                                   SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, num_stages=stages, **cfg)
+    return out
 
 
 # ------------------------------------------------------------------ more rows: dequantize once, then cuBLAS

@@ -123,6 +123,9 @@ def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa:
               "K_TILES": cfg[4] if len(cfg) > 4 else 1, "num_warps": 4, "num_stages": 1}
     ours = repacked.awq_mma_repacked_triton(x, *packed, group_size, b, config=config)
     assert ours.dtype == dtype and ours.shape == (m, n) and within_fa_rule(ours, exact, low)
+    # split-K: the last slice of a tile sums the partials in a fixed order and hands its ticket back
+    assert torch.equal(repacked.awq_mma_repacked_triton(x, *packed, group_size, b, config=config), ours)
+    assert not repacked.split_k_tickets(x.device).any()
 
 
 def test_default_config():
