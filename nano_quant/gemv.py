@@ -18,6 +18,8 @@ Split-K partial sums go to a (SPLIT_K, M, N) fp32 buffer that `_split_k_sum_kern
 fixed order: the result is the same on every run, which a captured CUDA graph's replay is compared against,
 and every buffer's size depends only on shapes, so it is capture-safe. fp32 atomics into a zeroed buffer
 would save the second launch but not the memset, and would sum in a different order on every run.
+`split_k_epilogue` (used by repacked.py's kernels) keeps the fixed order without the second launch: the
+slice that finishes a tile last, found by a self-resetting ticket counter, does the sum.
 """
 
 from __future__ import annotations

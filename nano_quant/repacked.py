@@ -52,12 +52,12 @@ _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # 2^e of `_pair`'s 16-
 # also the best of a wider sweep: BLOCK_N 8-64, GPS 1-4, 1-2 warps, 2-4 stages, SPLIT_K 1-8). Shapes not listed
 # take `awq_gemv_repacked_config`'s rule. The kernel must specialize `groups_per_split` (Triton's divisibility
 # hint on the loop bound): marking it do_not_specialize cost 7% per layer (85.1 against 79.3 µs, same call).
-MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # NVIDIA H200: µs at M = 1 (tinygemm in the same run)
-    (6144, 4096): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # qkv: 12.6 (13.2)
-    (4096, 4096): {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # o: 11.9 (10.1)
+MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # H200: µs at M = 1, 2026-12-02 (tinygemm in the same run)
+    (6144, 4096): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # qkv: 12.9 (13.2)
+    (4096, 4096): {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # o: 12.1 (10.0)
     (28672, 4096): {"BLOCK_N": 32, "GPS": 2, "SPLIT_K": 1, "num_warps": 1,
-                    "num_stages": 3},  # gate_up: 31.8 (38.4)
-    (4096, 14336): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 4, "num_warps": 1, "num_stages": 3},  # down: 24.3 (22.1)
+                    "num_stages": 3},  # gate_up: 32.8 (38.2)
+    (4096, 14336): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 4, "num_warps": 1, "num_stages": 3},  # down: 22.1 (22.0)
 }
 
 
@@ -341,26 +341,27 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                      OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n, pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
 
 
-# Per llama3-8b layer (H200, 2026-12-02, bf16 cuBLAS 152 / 155 / 159 µs in the same run): 95.4 µs at M = 16,
-# 107.0 at 32 and 158.1 at 64 with the fragment-order layout and the two-values-per-instruction unpack above,
-# against 116.5 / 140.2 / 226.2 for the natural-order layout's kernel (its tile through shared memory into the
-# A fragment, or x's tile permuted to match a nibble-major unpack; four instructions per value). The whole
-# step is 333 SASS instructions per thread at 128 x 16 tiles, against 593. Not kept: fp32 scales, whose
-# loads the pipeline copies asynchronously (2-byte ones it does not): 0-10% slower, for 4% more bytes; earlier,
-# a nibble-major weight layout with x read at a stride, which cost the M = 1 GEMV 11%.
+# Per llama3-8b layer (H200, 2026-12-02, `python -m nano_quant.bench 'ms=[1,4,16,64]'`): 89.8 µs at M = 16 and
+# 159.0 at 64 (bf16 cuBLAS 153.5 / 158.1) with the fragment-order layout and the two-values-per-instruction
+# unpack above, against 116.5 / 226.2 for the natural-order layout's kernel (its tile through shared memory
+# into the A fragment, or x's tile permuted to match a nibble-major unpack; four instructions per value). A
+# step is 333 SASS instructions per thread at 128 x 16 tiles, against 593. Not kept: fp32 scales, whose loads
+# the pipeline copies asynchronously (2-byte ones it does not): 0-10% slower, for 3% more bytes; earlier, a
+# nibble-major weight layout with x read at a stride, which cost the M = 1 GEMV 11%.
 # The best config per (N, K) and row tile on an H200 (2026-12-02), from a sweep of BLOCK_N 64 / 128 / 256,
-# 4 or 8 warps, 3 or 4 stages and SPLIT_K 1-8 (`python -m nano_quant.bench tune=true "tune_systems=['w4a16 mma
-# repacked']" 'ms=[16,32,64]'` prints the entries). Other shapes take `awq_mma_repacked_config`'s rule.
+# 4 or 8 warps, 3 or 4 stages, SPLIT_K 1-8 and K_TILES 1-2 (`python -m nano_quant.bench tune=true
+# "tune_systems=['w4a16 mma repacked']" 'ms=[16,32,64]'` sweeps that grid and prints the entries). Other shapes
+# take `awq_mma_repacked_config`'s rule.
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K, K_TILES); µs at M = 16 / 32 / 64, bf16 cuBLAS after
-    (6144, 4096, 16): (64, 4, 4, 4, 1), (6144, 4096, 32): (64, 4, 4, 4, 1),
-    (6144, 4096, 64): (128, 8, 3, 2, 1),  # qkv: 15.2 / 17.7 / 25.8 (22.6 / 22.8 / 23.1)
-    (4096, 4096, 16): (64, 4, 4, 4, 1), (4096, 4096, 32): (128, 8, 4, 4, 1),
-    (4096, 4096, 64): (128, 8, 3, 4, 1),  # o: 13.8 / 14.9 / 19.4 (18.2 / 18.7 / 18.1)
+    (6144, 4096, 16): (64, 4, 3, 4, 1), (6144, 4096, 32): (64, 4, 3, 4, 1),
+    (6144, 4096, 64): (128, 8, 4, 2, 1),  # qkv: 14.7 / 17.2 / 26.2 (22.6 / 22.8 / 22.8)
+    (4096, 4096, 16): (64, 4, 4, 4, 1), (4096, 4096, 32): (64, 4, 4, 4, 1),
+    (4096, 4096, 64): (64, 4, 3, 4, 1),  # o: 12.8 / 15.2 / 19.2 (19.5 / 18.4 / 18.5)
     (28672, 4096, 16): (64, 4, 3, 1, 2), (28672, 4096, 32): (128, 8, 3, 1, 1),
-    (28672, 4096, 64): (128, 8, 4, 1, 1),  # gate_up: 39.4 / 46.3 / 72.3 (68.4 / 69.4 / 71.8)
+    (28672, 4096, 64): (128, 8, 4, 1, 1),  # gate_up: 37.9 / 45.1 / 71.5 (70.8 / 71.2 / 71.9)
     (4096, 14336, 16): (64, 4, 3, 8, 2), (4096, 14336, 32): (128, 8, 3, 8, 1),
-    (4096, 14336, 64): (128, 8, 3, 4, 1),  # down: 26.9 / 28.0 / 40.6 (42.6 / 43.6 / 45.8)
+    (4096, 14336, 64): (64, 4, 3, 4, 1),  # down: 25.0 / 28.4 / 41.8 (41.5 / 42.7 / 44.8)
 }
 
 
