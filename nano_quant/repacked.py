@@ -265,39 +265,70 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
 # ------------------------------------------------------------------ tensor cores, M = 2..64
 
 @triton.jit
-def _pair(w, i: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr):
-    """Nibbles i and 4 + i of the words `w` (the values k = 2c + 8i and 2c + 8i + 1 of their chunk) in dtype. 16-bit
-    dtype: one AND-OR keeps both nibbles, 16 bits apart, under the bit pattern of 2^e (bf16 128, fp16 1024: the
-    power of two whose lowest mantissa bit is worth 1), so each half reads 2^e + q exactly and the 32-bit word
-    is already the MMA's register of two neighbouring K; fp32: q exact (2^23 + q, less 2^23). PTX: the AND-OR
-    as one `lop3` (ptxas keeps an OR with a second constant apart, one more instruction per pair)."""
+def _zero_point(s, zs, dtype: tl.constexpr, PTX: tl.constexpr):
+    """The zero point z per row (exact: zs = −z·s in fp32) in the form `_pair` subtracts it: for fp16 / bf16 on
+    a GPU the int32 pair of −(2^e + z) in dtype (2^e as in `_pair`), else 2^e + z in dtype, or z in fp32."""
+    z = (tl.fdiv(-zs, tl.where(s != 0, s, 1.0)) + 0.5).to(tl.int32)  # s = 0: zs = 0, z = 0, weights 0
+    z = tl.minimum(tl.maximum(z, 0), 15)
+    if dtype == tl.float32:
+        z = z.to(tl.float32)
+    elif PTX:  # the sign bit and 2^e's exponent in both halves, z in the low mantissa bits
+        z = (z | (z << 16)) | ((0xC300C300 if dtype == tl.bfloat16 else 0xE400E400) - (1 << 32))
+    else:
+        z = (z + (128 if dtype == tl.bfloat16 else 1024)).to(dtype)
+    return z
+
+
+@triton.jit
+def _pair(w, z, i: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr, SUB: tl.constexpr):
+    """Nibbles i and 4 + i of the words `w` (the values k = 2c + 8i and 2c + 8i + 1 of their chunk) in dtype.
+    16-bit dtype: one AND-OR keeps both nibbles, 16 bits apart, under the bit pattern of 2^e (bf16 128, fp16
+    1024: the power of two whose lowest mantissa bit is worth 1), so each half reads 2^e + q exactly and the
+    32-bit word is already the MMA's register of two neighbouring K; with SUB one packed FMA takes 2^e + z
+    (`_zero_point`, broadcast like w) off both: q − z, exact. fp32: 2^23 + q, less 2^23 (+ z with SUB). PTX:
+    `lop3` (ptxas keeps an OR with a second constant apart, one more instruction) and `fma.rn.{b}f16x2`."""
     v = w >> (4 * i)
     if dtype == tl.float32:
         v = v & 0x000F000F
         lo = ((v & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         hi = ((v >> 16) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        if SUB:
+            lo, hi = lo - z, hi - z
     else:
         magic: tl.constexpr = 0x43004300 if dtype == tl.bfloat16 else 0x64006400
         if PTX:
-            v = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0xEA;", "=r,r", [v],
-                                          dtype=tl.int32, is_pure=True, pack=1)
+            asm: tl.constexpr = f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0xEA;"
+            if SUB:
+                fma: tl.constexpr = "fma.rn.bf16x2" if dtype == tl.bfloat16 else "fma.rn.f16x2"
+                one: tl.constexpr = 0x3F803F80 if dtype == tl.bfloat16 else 0x3C003C00  # 1.0 in both halves
+                v = tl.inline_asm_elementwise(
+                    f"{{ .reg .b32 t, one; lop3.b32 t, $1, 0x000F000F, {magic}, 0xEA; mov.b32 one, {one}; "
+                    f"{fma} $0, t, one, $2; }}", "=r,r,r", [v, z], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                v = tl.inline_asm_elementwise(asm, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
         else:
             v = (v & 0x000F000F) | magic
         lo = (v & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
         hi = (v >> 16).to(tl.int16).to(dtype, bitcast=True)
+        if SUB and not PTX:
+            lo, hi = lo - z, hi - z
     return lo, hi
 
 
 @triton.jit
-def _unpack_words(w, ROWS: tl.constexpr, W: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr):
+def _unpack_words(w, z, ROWS: tl.constexpr, W: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr,
+                  SUB: tl.constexpr):
     """(rows, W) int32 words of `repack_for_gemv`'s layout (W a multiple of 4: whole chunks) -> (rows, 8·W)
-    values in natural K order, in dtype: 2^e + q for fp16 / bf16 (the offset comes off through Σx), q for fp32.
-    The joins and the permute only rename registers: each thread keeps the nibbles of the words it loaded, and
-    those are its fragment of the MMA's A operand."""
-    l0, h0 = _pair(w, 0, dtype, PTX)
-    l1, h1 = _pair(w, 1, dtype, PTX)
-    l2, h2 = _pair(w, 2, dtype, PTX)
-    l3, h3 = _pair(w, 3, dtype, PTX)
+    values in natural K order, in dtype: q − z with SUB (z: each row's `_zero_point`), else 2^e + q for
+    fp16 / bf16 (the offset comes off through Σx) and q for fp32. The joins and the permute only rename
+    registers: each thread keeps the nibbles of the words it loaded, and those are its fragment of the MMA's A
+    operand."""
+    if SUB:
+        z = tl.broadcast_to(z[:, None], (ROWS, W))
+    l0, h0 = _pair(w, z, 0, dtype, PTX, SUB)
+    l1, h1 = _pair(w, z, 1, dtype, PTX, SUB)
+    l2, h2 = _pair(w, z, 2, dtype, PTX, SUB)
+    l3, h3 = _pair(w, z, 3, dtype, PTX, SUB)
     q = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
     # axes (row, word = 4u + c, e, b, a) for pair i = 2a + b; k = 32u + 16a + 8b + 2c + e
     q = tl.permute(tl.reshape(q, (ROWS, W // 4, 4, 2, 2, 2)), (0, 1, 5, 4, 2, 3))
@@ -313,9 +344,10 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
     """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, K_TILES tiles of BLOCK_N columns' words of
     BLOCK_K values of K (each in one group: BLOCK_K divides GROUP_SIZE) become OFFSET + q in x's dtype
     (`_unpack_words`, in registers) and are multiplied as the A operand with xᵀ (the weight tile fills the
-    MMA's M = 64 rows; x's few rows are its N), then acc += s·(q' xᵀ) + (−z·s − OFFSET·s)·Σ_k x: the offset and
-    the zero point in one term. K_TILES > 1 reads longer runs of each column a step (DRAM likes 128 bytes
-    better than 64)."""
+    MMA's M = 64 rows; x's rows are its N), then acc += s·(q' xᵀ) + (−z·s − OFFSET·s)·Σ_k x: the offset and
+    the zero point in one term. From 64 rows of x, where Σx costs as much as the tile's unpack (BLOCK_M·BLOCK_K
+    adds), the tile is q − z instead, one packed FMA per register, and acc += s·((q − z) xᵀ). K_TILES > 1
+    reads longer runs of each column a step (DRAM likes 128 bytes better than 64)."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -332,11 +364,17 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
             w = tl.load(QW + rows[:, None] * KP + (kt * (BLOCK_K // 8) + rw)[None, :])
             grp = kt * BLOCK_K // GROUP_SIZE
             s = tl.load(S + rows * GROUPS + grp).to(tl.float32)
-            zs = tl.load(ZS + rows * GROUPS + grp) - OFFSET * s
+            zs = tl.load(ZS + rows * GROUPS + grp)
             x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (kt * BLOCK_K + rk)[None, :],
                         mask=m_ok[:, None], other=0.0)
-            q = _unpack_words(w, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX)
-            acc += tl.dot(q, tl.trans(x)) * s[:, None] + zs[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :]
+            if BLOCK_M >= 64:  # H200, llama3-8b layer at M = 64: 146.0 against 159.3 µs with Σx (same run)
+                q = _unpack_words(w, _zero_point(s, zs, X.dtype.element_ty, PTX), BLOCK_N, BLOCK_K // 8,
+                                  X.dtype.element_ty, PTX, True)
+                acc += tl.dot(q, tl.trans(x)) * s[:, None]
+            else:  # at M = 16 Σx is the cheaper: 89.5 against 94.5 µs
+                q = _unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX, False)
+                acc += (tl.dot(q, tl.trans(x)) * s[:, None]
+                        + (zs - OFFSET * s)[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :])
     split_k_epilogue(tl.trans(acc), rm[:, None].to(tl.int64) * N + rn[None, :], m_ok[:, None] & (rn < N)[None, :],
                      OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n, pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
 
@@ -435,7 +473,7 @@ def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.cons
     grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
     s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
     zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    w_hat = (_unpack_words(w, BLOCK_N, BLOCK_K // 8, tl.float32, False) * s + zs).to(W.dtype.element_ty)
+    w_hat = (_unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, tl.float32, False, False) * s + zs).to(W.dtype.element_ty)
     tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
 
 

@@ -106,7 +106,9 @@ def test_group_of_partial_chunks_keeps_autoawq():
     (torch.float16, 17, 384, 24, 128, (32, 16, 128, 2), False),  # two row tiles, split-K over 3 steps
     (torch.float32, 5, 256, 64, 32, (16, 32, 32, 3), True),    # fp32 activations, BLOCK_K = group = 32
     (torch.float16, 2, 256, 128, 128, (16, 64, 32, 4), False),  # BLOCK_K 32 of a group of 128: one-chunk tiles
-    (torch.float16, 9, 768, 40, 64, (16, 32, 64, 2, 2), True)])  # two tiles (groups) a step, 3 steps in 2 slices
+    (torch.float16, 9, 768, 40, 64, (16, 32, 64, 2, 2), True),  # two tiles (groups) a step, 3 steps in 2 slices
+    (torch.float16, 40, 256, 24, 64, (64, 16, 64, 2), True),   # 64 rows: the zero point subtracted in the tile
+    (torch.float32, 33, 128, 16, 32, (64, 16, 32, 1), False)])  # the same in fp32, one slice
 def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa: F811
     """The tensor-core kernel (nibbles unpacked to exact integers in nibble-major order, x's tile permuted to
     match, scale and zero per tile) equals AWQ's dequantize-then-matmul within the precision rule, for every
@@ -126,6 +128,21 @@ def test_repacked_mma(poisoned, dtype, m, k, n, group_size, cfg, bias):  # noqa:
     # split-K: the last slice of a tile sums the partials in a fixed order and hands its ticket back
     assert torch.equal(repacked.awq_mma_repacked_triton(x, *packed, group_size, b, config=config), ours)
     assert not repacked.split_k_tickets(x.device).any()
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_repacked_mma_zero_scale(block_m):
+    """A group whose scale is 0 contributes 0 on both zero-point paths (Σx below 64 rows, q − z from 64)."""
+    torch.manual_seed(block_m)
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(128, 16, bias=False), 32)
+    layer.scales[1, :5] = 0
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 32)
+    x = (torch.randn(3, 128) * 0.05).half()
+    w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 32)
+    exact, low = x.double() @ w.double(), (x.float() @ w.float()).half()
+    ours = repacked.awq_mma_repacked_triton(x, *packed, 32, config={
+        "BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1})
+    assert torch.isfinite(ours).all() and within_fa_rule(ours, exact, low)
 
 
 def test_default_config():
