@@ -53,11 +53,11 @@ _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # 2^e of `_pair`'s 16-
 # take `awq_gemv_repacked_config`'s rule. The kernel must specialize `groups_per_split` (Triton's divisibility
 # hint on the loop bound): marking it do_not_specialize cost 7% per layer (85.1 against 79.3 µs, same call).
 MEASURED_REPACKED: dict[tuple[int, int], dict] = {  # H200: µs at M = 1, 2026-12-02 (tinygemm in the same run)
-    (6144, 4096): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # qkv: 12.9 (13.2)
-    (4096, 4096): {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # o: 12.1 (10.0)
+    (6144, 4096): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # qkv: 12.8 (13.1)
+    (4096, 4096): {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 1, "num_warps": 1, "num_stages": 4},  # o: 12.0 (9.9)
     (28672, 4096): {"BLOCK_N": 32, "GPS": 2, "SPLIT_K": 1, "num_warps": 1,
-                    "num_stages": 3},  # gate_up: 32.8 (38.2)
-    (4096, 14336): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 4, "num_warps": 1, "num_stages": 3},  # down: 22.1 (22.0)
+                    "num_stages": 3},  # gate_up: 33.1 (38.3)
+    (4096, 14336): {"BLOCK_N": 16, "GPS": 4, "SPLIT_K": 4, "num_warps": 1, "num_stages": 3},  # down: 22.4 (22.2)
 }
 
 
@@ -367,11 +367,11 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
             zs = tl.load(ZS + rows * GROUPS + grp)
             x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + (kt * BLOCK_K + rk)[None, :],
                         mask=m_ok[:, None], other=0.0)
-            if BLOCK_M >= 64:  # H200, llama3-8b layer at M = 64: 146.0 against 159.3 µs with Σx (same run)
+            if BLOCK_M >= 64:  # H200, llama3-8b layer at M = 64, each its best tiles: 146.0 against 159.3 µs
                 q = _unpack_words(w, _zero_point(s, zs, X.dtype.element_ty, PTX), BLOCK_N, BLOCK_K // 8,
                                   X.dtype.element_ty, PTX, True)
                 acc += tl.dot(q, tl.trans(x)) * s[:, None]
-            else:  # at M = 16 Σx is the cheaper: 89.5 against 94.5 µs
+            else:  # with Σx (same run); at M = 16 Σx is the cheaper: 89.5 against 94.5 µs
                 q = _unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX, False)
                 acc += (tl.dot(q, tl.trans(x)) * s[:, None]
                         + (zs - OFFSET * s)[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :])
@@ -379,13 +379,14 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                      OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n, pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
 
 
-# Per llama3-8b layer (H200, 2026-12-02, `python -m nano_quant.bench 'ms=[1,4,16,64]'`): 89.8 µs at M = 16 and
-# 159.0 at 64 (bf16 cuBLAS 153.5 / 158.1) with the fragment-order layout and the two-values-per-instruction
+# Per llama3-8b layer (H200, 2026-12-02, `python -m nano_quant.bench 'ms=[1,4,16,64]'`): 90.4 µs at M = 16 and
+# 146.5 at 64 (bf16 cuBLAS 154.5 / 158.0) with the fragment-order layout and the two-values-per-instruction
 # unpack above, against 116.5 / 226.2 for the natural-order layout's kernel (its tile through shared memory
 # into the A fragment, or x's tile permuted to match a nibble-major unpack; four instructions per value). A
 # step is 333 SASS instructions per thread at 128 x 16 tiles, against 593. Not kept: fp32 scales, whose loads
-# the pipeline copies asynchronously (2-byte ones it does not): 0-10% slower, for 3% more bytes; earlier, a
-# nibble-major weight layout with x read at a stride, which cost the M = 1 GEMV 11%.
+# the pipeline copies asynchronously (2-byte ones it does not): 0-10% slower, for 3% more bytes; TMA loads
+# (tensor descriptors): 98.6 against 89.5 µs at M = 16, 155.5 against 146.0 at 64; earlier, a nibble-major
+# weight layout with x read at a stride, which cost the M = 1 GEMV 11%.
 # The best config per (N, K) and row tile on an H200 (2026-12-02), from a sweep of BLOCK_N 64 / 128 / 256,
 # 4 or 8 warps, 3 or 4 stages, SPLIT_K 1-8 and K_TILES 1-2 (`python -m nano_quant.bench tune=true
 # "tune_systems=['w4a16 mma repacked']" 'ms=[16,32,64]'` sweeps that grid and prints the entries). Other shapes
@@ -393,13 +394,13 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
 MEASURED_MMA_REPACKED: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     # (N, K, BLOCK_M): (BLOCK_N, num_warps, num_stages, SPLIT_K, K_TILES); µs at M = 16 / 32 / 64, bf16 cuBLAS after
     (6144, 4096, 16): (64, 4, 3, 4, 1), (6144, 4096, 32): (64, 4, 3, 4, 1),
-    (6144, 4096, 64): (128, 8, 4, 2, 1),  # qkv: 14.7 / 17.2 / 26.2 (22.6 / 22.8 / 22.8)
+    (6144, 4096, 64): (64, 4, 3, 4, 1),  # qkv: 14.7 / 17.2 / 22.9 (22.6 / 22.8 / 23.2)
     (4096, 4096, 16): (64, 4, 4, 4, 1), (4096, 4096, 32): (64, 4, 4, 4, 1),
-    (4096, 4096, 64): (64, 4, 3, 4, 1),  # o: 12.8 / 15.2 / 19.2 (19.5 / 18.4 / 18.5)
+    (4096, 4096, 64): (64, 4, 3, 2, 2),  # o: 12.8 / 15.2 / 17.6 (19.5 / 18.4 / 18.4)
     (28672, 4096, 16): (64, 4, 3, 1, 2), (28672, 4096, 32): (128, 8, 3, 1, 1),
-    (28672, 4096, 64): (128, 8, 4, 1, 1),  # gate_up: 37.9 / 45.1 / 71.5 (70.8 / 71.2 / 71.9)
+    (28672, 4096, 64): (128, 4, 3, 1, 1),  # gate_up: 37.9 / 45.1 / 66.5 (70.8 / 71.2 / 72.1)
     (4096, 14336, 16): (64, 4, 3, 8, 2), (4096, 14336, 32): (128, 8, 3, 8, 1),
-    (4096, 14336, 64): (64, 4, 3, 4, 1),  # down: 25.0 / 28.4 / 41.8 (41.5 / 42.7 / 44.8)
+    (4096, 14336, 64): (64, 4, 3, 4, 2),  # down: 25.0 / 28.4 / 39.4 (41.5 / 42.7 / 44.3)
 }
 
 
