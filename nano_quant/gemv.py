@@ -62,13 +62,13 @@ TICKETS = 1 << 16  # output tiles one launch of a kernel with `split_k_epilogue`
 def split_k_tickets(device: torch.device) -> torch.Tensor:
     """The int32 counters `split_k_epilogue` takes tickets from, one buffer per device and stream: every launch
     leaves them at zero, so kernels that follow each other on a stream share it (CUDA-graph replays too)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return _tickets(device, stream)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _TICKETS:  # kept for good: a launch in flight may still count on it
+        _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
-@functools.lru_cache(maxsize=64)
-def _tickets(device: torch.device, stream: int) -> torch.Tensor:
-    return torch.zeros(TICKETS, dtype=torch.int32, device=device)
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
