@@ -74,11 +74,11 @@ _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 @triton.jit
 def split_k_epilogue(acc, offs, ok, OUT, PART, TICKETS, ticket, pid_k, MN, N, BIAS, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr):
-    """Store a program's fp32 sum `acc` over its slice of K for the output elements `offs` of an (M, N) output
-    (MN = M·N; `ok` masks): the whole sum (+ bias) when SPLIT is False. Else its partial goes to PART, and the
-    slice that finishes a tile last (a ticket counter, acq_rel at GPU scope, taken after a barrier) sums the
-    tile's partials in slice order — the same result on every run, whichever slice is last — adds the bias,
-    stores, and resets the counter: no second launch and no memset."""
+    """Store a program's fp32 sum `acc` over its slice of K (the slices: grid axis 1) for the output elements
+    `offs` of an (M, N) output (MN = M·N; `ok` masks): the whole sum (+ bias) when SPLIT is False. Else its
+    partial goes to PART (slice-major), and the slice that finishes a tile last (a ticket counter, acq_rel at
+    GPU scope, taken after a barrier) sums the tile's partials in slice order — the same result on every run,
+    whichever slice is last — adds the bias, stores, and resets the counter: no second launch and no memset."""
     if SPLIT:
         tl.store(PART + pid_k * MN + offs, acc, mask=ok)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken

@@ -296,16 +296,15 @@ def _pair(w, z, i: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr, SUB: tl
             lo, hi = lo - z, hi - z
     else:
         magic: tl.constexpr = 0x43004300 if dtype == tl.bfloat16 else 0x64006400
-        if PTX:
-            asm: tl.constexpr = f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0xEA;"
-            if SUB:
-                fma: tl.constexpr = "fma.rn.bf16x2" if dtype == tl.bfloat16 else "fma.rn.f16x2"
-                one: tl.constexpr = 0x3F803F80 if dtype == tl.bfloat16 else 0x3C003C00  # 1.0 in both halves
-                v = tl.inline_asm_elementwise(
-                    f"{{ .reg .b32 t, one; lop3.b32 t, $1, 0x000F000F, {magic}, 0xEA; mov.b32 one, {one}; "
-                    f"{fma} $0, t, one, $2; }}", "=r,r,r", [v, z], dtype=tl.int32, is_pure=True, pack=1)
-            else:
-                v = tl.inline_asm_elementwise(asm, "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        if PTX and SUB:
+            fma: tl.constexpr = "fma.rn.bf16x2" if dtype == tl.bfloat16 else "fma.rn.f16x2"
+            one: tl.constexpr = 0x3F803F80 if dtype == tl.bfloat16 else 0x3C003C00  # 1.0 in both halves
+            v = tl.inline_asm_elementwise(
+                f"{{ .reg .b32 t, one; lop3.b32 t, $1, 0x000F000F, {magic}, 0xEA; mov.b32 one, {one}; "
+                f"{fma} $0, t, one, $2; }}", "=r,r,r", [v, z], dtype=tl.int32, is_pure=True, pack=1)
+        elif PTX:
+            v = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, 0x000F000F, {magic}, 0xEA;", "=r,r", [v],
+                                          dtype=tl.int32, is_pure=True, pack=1)
         else:
             v = (v & 0x000F000F) | magic
         lo = (v & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
