@@ -34,8 +34,8 @@ from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "group", "split_len", "stride_bt"])
-def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q, group, qk_scale, split_len,
+@triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
+def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q, group, qk_scale,
                          window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_bt, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
                          stride_lh, stride_ls, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -66,6 +66,9 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
     else:
         k_off = b64 * stride_kb + hk * stride_kh
         bt_row = block_table  # unused
+    # this sequence's keys cut into num_splits slices of whole tiles: a short context is split as finely as a
+    # long one (the capacity, a bound known on the host, would leave all its keys to the first slices)
+    split_len = tl.cdiv(tl.cdiv(k_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, k_len)
     # token t sits at key position t + k_len - seqlen_q (bottom-right aligned, as in the forward);
@@ -158,7 +161,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         return out, lse.transpose(1, 2)
     _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
-        block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E, split_len=split_len,
+        block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
         window_right=0 if causal else NO_WINDOW, stride_qb=q.stride(0), stride_qt=q.stride(1),
         stride_qh=q.stride(2), stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1),
         stride_kh=k_cache.stride(2), stride_bt=block_table.stride(0) if paged else 0,

@@ -82,8 +82,13 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                  ctx: AttentionContext) -> torch.Tensor:
+        store_kvcache(k, v, self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx], ctx.slot_mapping)
+        return self.attend(q, k, v, layer_idx, ctx)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+               ctx: AttentionContext) -> torch.Tensor:
+        """Step 2, with this step's K/V already in the cache (`__call__` wrote them, or a fused kernel)."""
         k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
-        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode:  # q: (batch, 1, heads, dim); every key, including the new one, is in the cache
             return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens, block_table=ctx.block_tables,
                                            causal=True)

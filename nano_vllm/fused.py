@@ -17,6 +17,11 @@ keeps its heads' rows), then each rank fuses its own shards, so rank r's `qkv_pr
 the layout vLLM's QKVParallelLinear loads. The modules are changed in place (their class and their
 projections); parameters that are not fused stay the same tensors. Quantized projections (nano_quant's
 W8A8Linear, WQLinear_GEMM) fuse too, by their own `stack`: their tensors concatenate the same way.
+
+On CUDA, under PagedAttention, a `FusedAttention` also rotates q and k and writes k and v into the paged
+cache in one kernel (`rope_and_store`), where the paper path launches four (RoPE on q, on k, and one
+`index_copy_` each for K and V): at a decode step each is a few µs of launch for a few KiB of data, and a
+llama3-8b step has 32 layers of them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from nano_vllm.attention import PagedAttention
 from shared import kernels
+from shared.kernels import HAS_TRITON, use_triton
 from shared.model import MLP, Attention, CausalLM
 
 
@@ -83,9 +90,94 @@ class FusedAttention(Attention):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v, self.layer_idx, ctx)
+        attn = self.attn_fn
+        if isinstance(attn, PagedAttention) and use_triton(q):  # RoPE and the cache write in one launch
+            caches = attn.kv_cache[0, self.layer_idx], attn.kv_cache[1, self.layer_idx]
+            q, k = rope_and_store(q, k, v, cos, sin, *caches, ctx.slot_mapping)
+            out = attn.attend(q, k, v, self.layer_idx, ctx)
+        else:
+            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+            out = attn(q, k, v, self.layer_idx, ctx)
         return self.o_proj(out.reshape(b, s, -1))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _rope_store_kernel(Q, K, V, COS, SIN, QOUT, KOUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
+                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st, n_rows,
+                           HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row r = (token t, head h) of the HEADS_Q + 2·HEADS_KV heads of q, k, v: rotated (RoFormer eq. 34,
+        rotate_half, fp32) for q and k, as is for v; q → QOUT, k → KOUT and k, v → cache row SLOTS[t]."""
+        heads: tl.constexpr = HEADS_Q + 2 * HEADS_KV
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < n_rows
+        t, h = (rows // heads).to(tl.int64), rows % heads
+        is_q, is_v = h < HEADS_Q, h >= HEADS_Q + HEADS_KV
+        is_k = ~is_q & ~is_v
+        hq, hk, hv = tl.minimum(h, HEADS_Q - 1), tl.minimum(tl.maximum(h - HEADS_Q, 0), HEADS_KV - 1), \
+            tl.maximum(h - HEADS_Q - HEADS_KV, 0)
+        d = tl.arange(0, BLOCK_D)
+        m = (ok[:, None] & (d < HALF)[None, :])
+        p_q = Q + t[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :]
+        p_k = K + t[:, None] * stride_kt + hk[:, None] * stride_kh + d[None, :]
+        p_v = V + t[:, None] * stride_vt + hv[:, None] * stride_vh + d[None, :]
+        mq, mk, mv = m & is_q[:, None], m & is_k[:, None], m & is_v[:, None]
+        x1 = (tl.load(p_q, mask=mq, other=0.0) + tl.load(p_k, mask=mk, other=0.0)
+              + tl.load(p_v, mask=mv, other=0.0)).to(tl.float32)
+        x2 = (tl.load(p_q + HALF, mask=mq, other=0.0) + tl.load(p_k + HALF, mask=mk, other=0.0)
+              + tl.load(p_v + HALF, mask=mv, other=0.0)).to(tl.float32)
+        c = tl.load(COS + t[:, None] * stride_ct + d[None, :], mask=m, other=1.0).to(tl.float32)
+        sn = tl.load(SIN + t[:, None] * stride_st + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y1 = tl.where(is_v[:, None], x1, x1 * c - x2 * sn).to(QOUT.dtype.element_ty)
+        y2 = tl.where(is_v[:, None], x2, x2 * c + x1 * sn).to(QOUT.dtype.element_ty)
+        o_q = QOUT + (t * HEADS_Q + hq)[:, None] * (2 * HALF) + d[None, :]
+        o_k = KOUT + (t * HEADS_KV + hk)[:, None] * (2 * HALF) + d[None, :]
+        tl.store(o_q, y1, mask=mq)
+        tl.store(o_q + HALF, y2, mask=mq)
+        tl.store(o_k, y1, mask=mk)
+        tl.store(o_k + HALF, y2, mask=mk)
+        slot = tl.load(SLOTS + t, mask=ok, other=0).to(tl.int64)
+        row = (slot * HEADS_KV + tl.where(is_k, hk, hv))[:, None] * (2 * HALF) + d[None, :]
+        tl.store(K_CACHE + row, y1, mask=mk)
+        tl.store(K_CACHE + row + HALF, y2, mask=mk)
+        tl.store(V_CACHE + row, y1, mask=mv)
+        tl.store(V_CACHE + row + HALF, y2, mask=mv)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.apply_rope` on q and k, then `attention.store_kvcache` of the rotated k and v, in one Triton
+    kernel (the same fp32 arithmetic, rounded once). q (B, S, Hq, D), k / v (B, S, Hkv, D), any strides with a
+    unit-stride last dim (views of the qkv projection's output); cos / sin (B, S, D/2); caches (blocks,
+    block_size, Hkv, D) contiguous; slot_mapping (B·S,). Returns the rotated q and k, new tensors."""
+    b, s, heads_q, dim = q.shape
+    heads_kv = k.shape[2]
+    tokens = b * s
+    if (k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != dim or dim % 2 or cos.shape[-1] != dim // 2
+            or k_cache.shape[-2:] != (heads_kv, dim) or v_cache.shape != k_cache.shape
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.numel() != tokens
+            or k_cache.dtype != q.dtype or any(t.stride(-1) != 1 for t in (q, k, v))):
+        raise ValueError(f"rope_and_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
+                         f"{tuple(cos.shape)}, caches {tuple(k_cache.shape)} {k_cache.dtype}, slot_mapping "
+                         f"{tuple(slot_mapping.shape)} do not fit one another")
+    q3, k3, v3 = (t.reshape(tokens, t.shape[2], dim) for t in (q, k, v))  # views: (B, S) merge by strides
+    cos2, sin2 = (t.expand(b, s, dim // 2).reshape(tokens, dim // 2) for t in (cos, sin))
+    q_out = torch.empty(b, s, heads_q, dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(b, s, heads_kv, dim, dtype=k.dtype, device=k.device)
+    n_rows = tokens * (heads_q + 2 * heads_kv)
+    block_d = triton.next_power_of_2(dim // 2)
+    block_r = max(1, 2048 // block_d)  # ~2K rotated pairs a program, as `apply_rope`
+    if n_rows:
+        _rope_store_kernel[(triton.cdiv(n_rows, block_r),)](
+            q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, q3.stride(0), q3.stride(1),
+            k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0), sin2.stride(0), n_rows,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+    return q_out, k_out
 
 
 class FusedMLP(MLP):

@@ -57,16 +57,21 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_config(n_cols: int) -> tuple[int, int]:
+def _launch_config(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(BLOCK columns per program, num_warps): 32 elements per thread, the best of 1K-4K x 4-8 warps
-    on an H200 (fwd and bwd within 3% of each other, 97-99% of copy bandwidth at 32768 x 11008)."""
-    return min(4096, next_pow2(n_cols)), 4
+    on an H200 (fwd and bwd within 3% of each other, 97-99% of copy bandwidth at 32768 x 11008). A decode
+    step has few rows (1-64): there the block shrinks, down to 256 columns, until about 256 programs share
+    the SMs (at 16 x 14336 a 4096 block leaves 64 programs, each a long serial chain of loads)."""
+    block = min(4096, next_pow2(n_cols))
+    while block > 256 and n_rows * cdiv(n_cols, block) < 256:
+        block //= 2
+    return block, max(1, min(4, block // 256))
 
 
 def _forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if out.numel():
-        block, num_warps = _launch_config(g.shape[1])
+        block, num_warps = _launch_config(min(g.shape[0], 256), g.shape[1])
         _silu_and_mul_fwd_kernel[(g.shape[0], cdiv(g.shape[1], block))](
             g, u, out, g.stride(0), u.stride(0), out.stride(0), g.shape[1], BLOCK=block, num_warps=num_warps,
         )  # fmt: skip
@@ -89,7 +94,7 @@ class _SiluAndMulFn(torch.autograd.Function):
         dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = torch.empty_like(dg)
         if dg.numel():
-            block, num_warps = _launch_config(g.shape[1])
+            block, num_warps = _launch_config(min(g.shape[0], 256), g.shape[1])
             _silu_and_mul_bwd_kernel[(g.shape[0], cdiv(g.shape[1], block))](
                 do, g, u, dg, du,
                 do.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),

@@ -108,6 +108,12 @@ def test_decode_splits(fa_check, num_splits, page):
     _compare_decode(fa_check, 3, 1, 8, 2, 32, [0, 37, 70], torch.float16, page, num_splits, False)
 
 
+@pytest.mark.parametrize("page", [None, 16])
+def test_decode_slices_follow_each_length(fa_check, page):
+    # each sequence's own keys cut into 8 slices of whole tiles: 5 keys leave 7 slices empty, 200 fill them all
+    _compare_decode(fa_check, 4, 1, 8, 2, 32, [0, 5, 37, 200], torch.float16, page, 8, True)
+
+
 def test_decode_paged_causal_multi_token(fa_check):
     # 2 new tokens per sequence, causal (bottom-right aligned to the cache end), page 32, shuffled
     _compare_decode(fa_check, 2, 2, 4, 1, 64, [2, 45], torch.float16, 32, 2, True)

@@ -69,3 +69,34 @@ def test_stack_linears_errors():
     fused = stack_linears([a, b])
     x = torch.randn(2, 4)
     torch.testing.assert_close(fused(x), torch.cat([a(x), b(x)], dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dim,qk_norm", [(32, False), (80, True)])  # 80: the half (40) padded to 64, masked
+@pytest.mark.parametrize("b,s", [(3, 1), (1, 5)])  # a decode step, a packed prefill
+def test_rope_and_store_is_rope_then_the_cache_write(dtype, dim, qk_norm, b, s):
+    """The fused kernel (Triton interpreter) writes what `apply_rope` + `store_kvcache` write: the rotated q and
+    k it returns, k and v in the cache rows of `slot_mapping`, and no other cache row."""
+    from nano_vllm.attention import store_kvcache
+    from nano_vllm.fused import rope_and_store
+    from shared.kernels import apply_rope_torch
+
+    g = torch.Generator().manual_seed(dim + b)
+    heads_q, heads_kv, blocks, page = 4, 2, 3, 4
+    qkv = torch.randn(b, s, (heads_q + 2 * heads_kv) * dim, generator=g).to(dtype)
+    q, k, v = (t.view(b, s, -1, dim) for t in qkv.split([heads_q * dim, heads_kv * dim, heads_kv * dim], -1))
+    if qk_norm:  # Qwen3: q and k are the norm's new tensors, v stays a view
+        q, k = q.contiguous(), k.contiguous()
+    pos = torch.randint(0, 100, (b, s), generator=g).float()[..., None] / (10.0 ** torch.arange(dim // 2) / dim)
+    cos, sin = pos.cos(), pos.sin()
+    slots = torch.randperm(blocks * page, generator=g)[: b * s]
+    caches = [torch.full((blocks, page, heads_kv, dim), 7.0, dtype=dtype) for _ in range(4)]
+    q_ref, k_ref = apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
+    store_kvcache(k_ref, v, caches[0], caches[1], slots)
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, caches[2], caches[3], slots)
+    torch.testing.assert_close(q_out, q_ref, rtol=0, atol=0)
+    torch.testing.assert_close(k_out, k_ref, rtol=0, atol=0)
+    torch.testing.assert_close(caches[2], caches[0], rtol=0, atol=0)  # untouched rows still hold 7.0
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rope_and_store"):
+        rope_and_store(q, k, v[..., :-2], cos, sin, caches[2], caches[3], slots)

@@ -75,6 +75,33 @@ def test_gemv_replays_in_a_cuda_graph(m, config):
         torch.testing.assert_close(out, gemv_triton(x, w, config=config), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("b,s", [(16, 1), (1, 300)])  # a decode step, a prefill chunk
+def test_rope_and_store_bf16_is_bit_identical(b, s):
+    """The fused RoPE + cache write (nano_vllm.fused) in bf16 writes what the paper path's `apply_rope` and
+    `store_kvcache` write: the same fp32 arithmetic rounded once, so at most one bf16 ulp apart where the
+    compiler contracts a multiply-add differently (the interpreter checks fp16 / fp32 bit for bit)."""
+    from nano_vllm.attention import store_kvcache
+    from nano_vllm.fused import rope_and_store
+    from shared.kernels import apply_rope
+
+    g = torch.Generator(device="cuda").manual_seed(b)
+    d, hq, hkv = 128, 32, 8
+    qkv = torch.randn(b, s, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (t.view(b, s, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    pos = torch.arange(b * s, device="cuda").view(b, s).float() * 3 + 11
+    inv = 500000.0 ** (-torch.arange(0, d, 2, device="cuda").float() / d)
+    cos, sin = (pos[..., None] * inv).cos(), (pos[..., None] * inv).sin()
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[: b * s]
+    caches = [torch.zeros(64, 16, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q_ref, k_ref = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    store_kvcache(k_ref, v, caches[0], caches[1], slots)
+    q_out, k_out = rope_and_store(q, k, v, cos, sin, caches[2], caches[3], slots)
+    for ours, ref in [(q_out, q_ref), (k_out, k_ref), (caches[2], caches[0])]:
+        torch.testing.assert_close(ours, ref, rtol=2**-7, atol=1e-30)  # one ulp of bf16's 8-bit significand
+        assert (ours != ref).float().mean() < 1e-3
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)  # v is copied, not computed
+
+
 def test_fused_sampling_kernel_on_cuda():
     rows, vocab = 64, 151_936
     logits = (4 * torch.randn(rows, vocab, device="cuda")).to(torch.bfloat16)
