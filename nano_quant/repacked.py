@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels import use_triton
+from shared.kernels import silu_and_mul, use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
 from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
@@ -144,11 +144,35 @@ def _load_x8(X, p, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _tile_columns(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """The output columns (weight rows) a program reads: BLOCK_N in a row, or with SILU (a fused gate_up of
+    N = 2·I columns) BLOCK_N / 2 gate columns and the up columns I later that pair with them."""
+    c = tl.arange(0, BLOCK_N)
+    if SILU:
+        half: tl.constexpr = BLOCK_N // 2
+        j = pid_n * half + c % half
+        return tl.where(c < half, j, tl.where(j < N // 2, j + N // 2, N))  # past the gate half: never stored
+    return pid_n * BLOCK_N + c
+
+
+@triton.jit
+def _store_silu_and_mul(acc, rows_out, cols_out, ok, OUT, HALF: tl.constexpr, N_OUT):
+    """SwiGLU after a fused gate_up tile (`silu_and_mul=True`): acc's first HALF columns (its last axis) are gate
+    columns, the next HALF the up columns of the same outputs. Each is rounded to OUT's dtype first, as the
+    unfused layer's output would be, then silu(g)·u in fp32 as `shared.kernels.silu_and_mul` computes it, so
+    the values are those of the two launches; OUT is (M, N_OUT), N_OUT the gate_up width / 2."""
+    g, u = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, HALF)), (0, 2, 1)))
+    g = g.to(OUT.dtype.element_ty).to(tl.float32)
+    u = u.to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + rows_out * N_OUT + cols_out, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GROUPS, groups_per_split,
                               GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                               WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
                               X_PAIRS: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr,
-                              HAS_BIAS: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
     whole groups of BLOCK_N columns (WPG: the group's GROUP_SIZE / 8 words, padded to a power of two), and
     each thread holds several columns at the same word positions, so x's eight values per word are loaded
@@ -161,7 +185,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
     magic off per weight). Then acc += s·part + (−z·s)·Σx."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
     rg = tl.arange(0, GPS)[None, :, None]
     rw = tl.arange(0, WPG)[None, None, :]
@@ -197,7 +221,11 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
         x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
         acc += s * part + zs * x_sum
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    split_k_epilogue(y, rn, rn < N, OUT, PART, TICKETS, pid_n, pid_k, N, N, BIAS, SPLIT, HAS_BIAS)
+    if SILU:  # one slice, no bias (checked on the host)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _store_silu_and_mul(y[None, :], 0, cols[None, :], (cols < N // 2)[None, :], OUT, BLOCK_N // 2, N // 2)
+    else:
+        split_k_epilogue(y, rn, rn < N, OUT, PART, TICKETS, pid_n, pid_k, N, N, BIAS, SPLIT, HAS_BIAS)
 
 
 def _split_k_buffers(out: torch.Tensor, slices: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,9 +254,11 @@ def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> d
 
 def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                              zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                             config: dict | None = None) -> torch.Tensor:
+                             config: dict | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (1, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout (AWQ §4's memory-bound decoding): each
-    program streams BLOCK_N columns' K-contiguous packed words, GPS groups a step, scale and zero once per word."""
+    program streams BLOCK_N columns' K-contiguous packed words, GPS groups a step, scale and zero once per word.
+    silu_and_mul: Ŵ is a fused gate_up (gate the first N / 2 columns, up the rest); returns SwiGLU's
+    silu(gate)·up, (1, N / 2), from the kernel's epilogue (`_store_silu_and_mul`; one slice of K, no bias)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"awq_gemv_repacked: x must be (1, K), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -246,9 +276,10 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
         raise ValueError(f"awq_gemv_repacked: GPS {gps} and BLOCK_N {cfg['BLOCK_N']} must be powers of two")
     if split < 1:
         raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1, got {split}")
+    split = _check_silu_and_mul("awq_gemv_repacked", silu_and_mul, n, cfg["BLOCK_N"], bias, split)
     per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(groups, per))
+    out = torch.empty(1, n // 2 if silu_and_mul else n, device=x.device, dtype=x.dtype)
+    grid = (cdiv(out.shape[1], cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]), cdiv(groups, per))
     partial, tickets = _split_k_buffers(out, grid[1], grid[0])
     wpg = next_pow2(group_size // 8)
     pairs = x.dtype == torch.bfloat16
@@ -258,8 +289,19 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
         x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, out, partial, tickets,
         out if bias is None else bias, n, kp, groups, per, GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
         NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
-        EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, **cfg)
+        EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul, **cfg)
     return out
+
+
+def _check_silu_and_mul(name: str, silu_and_mul: bool, n: int, block_n: int, bias: torch.Tensor | None,
+                        split: int) -> int:
+    """The SwiGLU epilogue's conditions (an even N and BLOCK_N, no bias); returns the split count it runs with:
+    1, since only a program holding all of K has the final gate and up values."""
+    if not silu_and_mul:
+        return split
+    if n % 2 or block_n % 2 or bias is not None:
+        raise ValueError(f"{name}: silu_and_mul needs an even N ({n}) and BLOCK_N ({block_n}) and no bias")
+    return 1
 
 
 # ------------------------------------------------------------------ tensor cores, M = 2..64
@@ -339,7 +381,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                              iters_per_split, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                              OFFSET: tl.constexpr, PTX: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, K_TILES tiles of BLOCK_N columns' words of
     BLOCK_K values of K (each in one group: BLOCK_K divides GROUP_SIZE) become OFFSET + q in x's dtype
     (`_unpack_words`, in registers) and are multiplied as the A operand with xᵀ (the weight tile fills the
@@ -349,7 +391,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
     reads longer runs of each column a step (DRAM likes 128 bytes better than 64)."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # columns past N re-read N - 1, never stored
     rw = tl.arange(0, BLOCK_K // 8)
     rk = tl.arange(0, BLOCK_K)
@@ -374,8 +416,14 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                 q = _unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX, False)
                 acc += (tl.dot(q, tl.trans(x)) * s[:, None]
                         + (zs - OFFSET * s)[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :])
-    split_k_epilogue(tl.trans(acc), rm[:, None].to(tl.int64) * N + rn[None, :], m_ok[:, None] & (rn < N)[None, :],
-                     OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n, pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
+    if SILU:  # one slice, no bias (checked on the host)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _store_silu_and_mul(tl.trans(acc), rm[:, None].to(tl.int64), cols[None, :],
+                            m_ok[:, None] & (cols < N // 2)[None, :], OUT, BLOCK_N // 2, N // 2)
+    else:
+        split_k_epilogue(tl.trans(acc), rm[:, None].to(tl.int64) * N + rn[None, :],
+                         m_ok[:, None] & (rn < N)[None, :], OUT, PART, TICKETS, pid_m * tl.num_programs(0) + pid_n,
+                         pid_k, M * N, N, BIAS, SPLIT, HAS_BIAS)
 
 
 # Per llama3-8b layer (H200, 2026-12-02, `python -m nano_quant.bench 'ms=[1,4,16,64]'`): 90.4 µs at M = 16 and
@@ -421,9 +469,10 @@ def awq_mma_repacked_config(m: int, n: int, k: int, group_size: int, num_sms: in
 
 def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                             zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (M, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout on tensor cores, for decode-sized M (AWQ
-    §4: the weight read once per step dominates); scale and zero applied once per group tile."""
+    §4: the weight read once per step dominates); scale and zero applied once per group tile. silu_and_mul: as
+    `awq_gemv_repacked_triton`'s, (M, N / 2)."""
     if x.dim() != 2:
         raise ValueError(f"awq_mma_repacked: x must be (M, K), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -443,18 +492,21 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
     if k_tiles < 1 or (k // block_k) % k_tiles:
         raise ValueError(f"awq_mma_repacked: K_TILES {k_tiles} must divide the {k // block_k} tiles of "
                          f"BLOCK_K {block_k} along K = {k}")
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    split = _check_silu_and_mul("awq_mma_repacked", silu_and_mul, n, cfg["BLOCK_N"], bias, split)
+    out = torch.empty(m, n // 2 if silu_and_mul else n, device=x.device, dtype=x.dtype)
     if m == 0:
         return out
     per = cdiv(k // block_k // k_tiles, split)  # steps a program takes: no empty slice
-    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(k // block_k // k_tiles, per), cdiv(m, cfg["BLOCK_M"]))
+    grid = (cdiv(out.shape[1], cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]),
+            cdiv(k // block_k // k_tiles, per), cdiv(m, cfg["BLOCK_M"]))
     partial, tickets = _split_k_buffers(out, grid[1], grid[0] * grid[2])
     stages = cfg.pop("num_stages", 1)
     _awq_mma_repacked_kernel[grid](x, qweight_t, scales_t, zeros_t, out, partial, tickets,
                                    out if bias is None else bias, m, n, kp, groups, x.stride(0), per,
                                    GROUP_SIZE=group_size, BLOCK_K=block_k, K_TILES=k_tiles,
                                    OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages,
-                                   SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, num_stages=stages, **cfg)
+                                   SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
+                                   num_stages=stages, **cfg)
     return out
 
 
@@ -534,6 +586,23 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
                 y = torch.nn.functional.linear(x2, w.to(x.dtype), bias)
             return y.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's silu(gate)·up of this layer's output, for a fused gate_up (gate the first half of its
+        columns, up the second: nano_vllm's `FusedMLP`). On the repacked kernels' path (1..AWQ_LARGE_M rows
+        on CUDA, no bias) it comes from the GEMM's epilogue: no (M, N) output and no second launch; otherwise
+        `forward`, then `shared.kernels.silu_and_mul`."""
+        rows = x.numel() // self.in_features
+        if (1 <= rows <= AWQ_LARGE_M and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x)
+                and self.bias is None and self.out_features % 2 == 0):
+            if getattr(self, "qweight_t", None) is None:
+                self.build_repacked()
+            kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
+            y = kernel(x.reshape(rows, -1), self.qweight_t, self.scales_t, self.zeros_t, self.group_size,
+                       silu_and_mul=True)
+            return y.view(*x.shape[:-1], self.out_features // 2)
+        gate, up = self.forward(x).chunk(2, dim=-1)
+        return silu_and_mul(gate, up)
 
 
 def use_repacked_gemv(model: torch.nn.Module, drop_autoawq: bool = False) -> torch.nn.Module:

@@ -22,6 +22,8 @@ On CUDA, under PagedAttention, a `FusedAttention` also rotates q and k and write
 cache in one kernel (`rope_and_store`), where the paper path launches four (RoPE on q, on k, and one
 `index_copy_` each for K and V): at a decode step each is a few µs of launch for a few KiB of data, and a
 llama3-8b step has 32 layers of them.
+A `FusedMLP` whose gate_up layer offers `forward_silu_and_mul` (nano_quant's repacked W4 layer) takes
+SwiGLU from that GEMM's epilogue: no (M, 2·intermediate) output and no SwiGLU launch.
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ class FusedMLP(MLP):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused_swiglu = getattr(self.gate_up_proj, "forward_silu_and_mul", None)
+        if fused_swiglu is not None:  # a quantized layer whose GEMM applies SwiGLU in its epilogue (nano_quant)
+            return self.down_proj(fused_swiglu(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(kernels.silu_and_mul(gate, up))
 

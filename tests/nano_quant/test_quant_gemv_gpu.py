@@ -124,3 +124,25 @@ def test_repacked_only_layer():
         low = (x.float() @ w.t().float() + bias.float()).to(torch.bfloat16)
         out = layer(x)
         assert out.dtype == torch.bfloat16 and rel(out, exact) <= 2 * rel(low, exact) + 1e-6, m
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 64])
+def test_silu_and_mul_epilogue_bf16(m):
+    """A fused gate_up of llama3-8b's shape in bf16: the kernels' SwiGLU epilogue writes exactly what the plain
+    kernel and the SwiGLU kernel write (default configs), and the layer's `forward_silu_and_mul` replays in a
+    CUDA graph."""
+    from shared.kernels import silu_and_mul
+
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(4096, 28672, bias=False, device=DEV), 128)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, 128)
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    kernel = repacked.awq_gemv_repacked_triton if m == 1 else repacked.awq_mma_repacked_triton
+    want = silu_and_mul(*kernel(x, *packed, 128).chunk(2, dim=-1))
+    assert torch.equal(kernel(x, *packed, 128, silu_and_mul=True), want)
+    repacked.use_repacked_gemv(torch.nn.Sequential(layer))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.forward_silu_and_mul(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

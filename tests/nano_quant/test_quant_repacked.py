@@ -208,3 +208,39 @@ def test_drop_autoawq(monkeypatch):
         assert y.dtype == torch.float16 and torch.allclose(y.float(), want[:rows], atol=3e-2, rtol=1e-2), rows
     w16 = repacked.dequantize_repacked_triton(layer.qweight_t, layer.scales_t, layer.zeros_t, 64, torch.float16)
     assert torch.allclose(w16.float(), want_w, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("m,cfg", [(1, {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}),
+                                   (5, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, "K_TILES": 1,
+                                        "num_warps": 4, "num_stages": 1}),
+                                   (40, {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "K_TILES": 2,
+                                         "num_warps": 4, "num_stages": 1})])
+def test_silu_and_mul_epilogue(m, cfg):
+    """A fused gate_up (gate the first N / 2 columns, up the rest; N / 2 = 20, not a multiple of the tile's
+    half) with silu_and_mul=True writes exactly what the plain kernel (one slice of K: the epilogue forces it)
+    followed by the SwiGLU kernel writes, fp16 under the interpreter, for the GEMV (M = 1) and the MMA
+    kernel; a bias is refused."""
+    from shared.kernels import silu_and_mul_triton
+
+    torch.manual_seed(m)
+    k, n, group_size = 256, 40, 64
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=False), group_size)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
+    x = (torch.randn(m, k) * 0.05).half()
+    kernel = repacked.awq_gemv_repacked_triton if m == 1 else repacked.awq_mma_repacked_triton
+    fused = kernel(x, *packed, group_size, config=cfg, silu_and_mul=True)
+    plain = kernel(x, *packed, group_size, config={**cfg, "SPLIT_K": 1})
+    assert fused.shape == (m, n // 2)
+    torch.testing.assert_close(fused, silu_and_mul_triton(*plain.chunk(2, dim=-1)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        kernel(x, *packed, group_size, torch.zeros(n, dtype=x.dtype), config=cfg, silu_and_mul=True)
+
+
+def test_forward_silu_and_mul_falls_back_on_cpu():
+    """Off the kernels' path (a CPU tensor) the layer's SwiGLU is forward, then silu_and_mul."""
+    from shared.kernels import silu_and_mul
+
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(64, 32, bias=False), 32)
+    model = repacked.use_repacked_gemv(torch.nn.Sequential(layer))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model[0].forward_silu_and_mul(x), silu_and_mul(*model[0](x).chunk(2, dim=-1)))
