@@ -36,6 +36,7 @@ from torch import nn
 from nano_vllm.attention import PagedAttention
 from shared import kernels
 from shared.kernels import HAS_TRITON, use_triton
+from shared.kernels.launch import cdiv, next_pow2
 from shared.model import MLP, Attention, CausalLM
 
 
@@ -120,10 +121,11 @@ if HAS_TRITON:
         t, h = (rows // heads).to(tl.int64), rows % heads
         is_q, is_v = h < HEADS_Q, h >= HEADS_Q + HEADS_KV
         is_k = ~is_q & ~is_v
-        hq, hk, hv = tl.minimum(h, HEADS_Q - 1), tl.minimum(tl.maximum(h - HEADS_Q, 0), HEADS_KV - 1), \
-            tl.maximum(h - HEADS_Q - HEADS_KV, 0)
+        hq = tl.minimum(h, HEADS_Q - 1)  # each row's head within q, k and v, clamped where it is not one
+        hk = tl.minimum(tl.maximum(h - HEADS_Q, 0), HEADS_KV - 1)
+        hv = tl.maximum(h - HEADS_Q - HEADS_KV, 0)
         d = tl.arange(0, BLOCK_D)
-        m = (ok[:, None] & (d < HALF)[None, :])
+        m = ok[:, None] & (d < HALF)[None, :]
         p_q = Q + t[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :]
         p_k = K + t[:, None] * stride_kt + hk[:, None] * stride_kh + d[None, :]
         p_v = V + t[:, None] * stride_vt + hv[:, None] * stride_vh + d[None, :]
@@ -172,10 +174,10 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     q_out = torch.empty(b, s, heads_q, dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(b, s, heads_kv, dim, dtype=k.dtype, device=k.device)
     n_rows = tokens * (heads_q + 2 * heads_kv)
-    block_d = triton.next_power_of_2(dim // 2)
+    block_d = next_pow2(dim // 2)
     block_r = max(1, 2048 // block_d)  # ~2K rotated pairs a program, as `apply_rope`
     if n_rows:
-        _rope_store_kernel[(triton.cdiv(n_rows, block_r),)](
+        _rope_store_kernel[(cdiv(n_rows, block_r),)](
             q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, q3.stride(0), q3.stride(1),
             k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0), sin2.stride(0), n_rows,
             HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
