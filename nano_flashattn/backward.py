@@ -235,8 +235,7 @@ def preprocess(do, q, out, lse):
     _bwd_preprocess[(triton.cdiv(total_q, pre_m), heads_q)](
         Out=out, DO=do, LSE=lse, Delta=delta, LSE2=lse2, total_q=total_q, stride_qt=q.stride(0),
         stride_qh=q.stride(1), stride_lse_h=lse.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=pre_m,
-    )
+        BLOCK_M=pre_m)
     return do, delta, lse2
 
 
@@ -257,13 +256,11 @@ def launch_dkdv_then_dq(dkdv_kernel, dq_kernel, q, k, v, dq, dk, dv, common: dic
         k_x, v_x, dk_x, dv_x = k, v, dk, dv
     dkdv_kernel[(triton.cdiv(seqlen_k, n1), k_x.shape[1], batch)](
         K=k_x, V=v_x, DK=dk_x, DV=dv_x, group=1 if expand else group, stride_kt=k_x.stride(0),
-        stride_kh=k_x.stride(1), BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1, **common,
-    )
+        stride_kh=k_x.stride(1), BLOCK_M=m1, BLOCK_N=n1, num_warps=warps1, num_stages=stages1, **common)
     if expand:
         dk.copy_(dk_x.view(-1, heads_k, group, head_dim).sum(2))
         dv.copy_(dv_x.view(-1, heads_k, group, head_dim).sum(2))
     dq_kernel[(triton.cdiv(seqlen_q, m2), heads_q, batch)](
         K=k, V=v, DQ=dq, group=group, stride_kt=k.stride(0), stride_kh=k.stride(1), BLOCK_M=m2, BLOCK_N=n2,
-        num_warps=warps2, num_stages=stages2, **common,
-    )
+        num_warps=warps2, num_stages=stages2, **common)
     return dq, dk, dv

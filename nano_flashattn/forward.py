@@ -244,6 +244,5 @@ def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_
         stride_kp=k.stride(0) if paged else 0, stride_bt=block_table.stride(0) if paged else 0,
         stride_lse_h=lse.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=cu_seqlens_q is not None,
         PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, REVERSE=window_right == 0,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **head_axis,
-    )
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **head_axis)
     return out, lse

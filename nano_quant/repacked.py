@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels import silu_and_mul, use_triton
+from shared.kernels import pdl_prologue, pdl_release, silu_and_mul, use_pdl, use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
 from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
@@ -172,7 +172,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
                               GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                               WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
                               X_PAIRS: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
     whole groups of BLOCK_N columns (WPG: the group's GROUP_SIZE / 8 words, padded to a power of two), and
     each thread holds several columns at the same word positions, so x's eight values per word are loaded
@@ -184,6 +184,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     comes off once per word; only the 2^16 nibbles take their magic off per weight, which keeps the running sum
     below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
     magic off per weight). Then acc += s·part + (−z·s)·Σx."""
+    pdl_prologue(PDL, False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
@@ -220,6 +221,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
             part -= 16.0 * (x3 + x7) + 256.0 * (x2 + x6) + 4096.0 * (x1 + x5)
         x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
         acc += s * part + zs * x_sum
+    pdl_release(PDL)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if SILU:  # one slice, no bias (checked on the host)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -289,7 +291,8 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
         x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, out, partial, tickets,
         out if bias is None else bias, n, kp, groups, per, GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
         NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
-        EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul, **cfg)
+        EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
+        PDL=use_pdl(x.device), launch_pdl=use_pdl(x.device), **cfg)
     return out
 
 
@@ -381,7 +384,8 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                              iters_per_split, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
                              OFFSET: tl.constexpr, PTX: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                             SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                             PDL: tl.constexpr):
     """out (BLOCK_M rows, BLOCK_N columns) over a K slice: per step, K_TILES tiles of BLOCK_N columns' words of
     BLOCK_K values of K (each in one group: BLOCK_K divides GROUP_SIZE) become OFFSET + q in x's dtype
     (`_unpack_words`, in registers) and are multiplied as the A operand with xᵀ (the weight tile fills the
@@ -399,6 +403,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     it_lo = pid_k * iters_per_split
     it_hi = tl.minimum(it_lo + iters_per_split, KP // (K_TILES * BLOCK_K // 8))
+    pdl_prologue(PDL, False)
     for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
         for t in tl.static_range(K_TILES):
             kt = it * K_TILES + t  # the tile's index along K
@@ -416,6 +421,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
                 q = _unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, X.dtype.element_ty, PTX, False)
                 acc += (tl.dot(q, tl.trans(x)) * s[:, None]
                         + (zs - OFFSET * s)[:, None] * tl.sum(x.to(tl.float32), axis=1)[None, :])
+    pdl_release(PDL)
     if SILU:  # one slice, no bias (checked on the host)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         _store_silu_and_mul(tl.trans(acc), rm[:, None].to(tl.int64), cols[None, :],
@@ -506,7 +512,7 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
                                    GROUP_SIZE=group_size, BLOCK_K=block_k, K_TILES=k_tiles,
                                    OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages,
                                    SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
-                                   num_stages=stages, **cfg)
+                                   PDL=use_pdl(x.device), launch_pdl=use_pdl(x.device), num_stages=stages, **cfg)
     return out
 
 

@@ -108,13 +108,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from shared.kernels import pdl_prologue, use_pdl
+
     @triton.jit(do_not_specialize=["n_rows"])
     def _rope_store_kernel(Q, K, V, COS, SIN, QOUT, KOUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
                            stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st, n_rows,
                            HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """Row r = (token t, head h) of the HEADS_Q + 2·HEADS_KV heads of q, k, v: rotated (RoFormer eq. 34,
         rotate_half, fp32) for q and k, as is for v; q → QOUT, k → KOUT and k, v → cache row SLOTS[t]."""
+        pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
         heads: tl.constexpr = HEADS_Q + 2 * HEADS_KV
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = rows < n_rows
@@ -180,7 +183,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         _rope_store_kernel[(cdiv(n_rows, block_r),)](
             q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, q3.stride(0), q3.stride(1),
             k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0), sin2.stride(0), n_rows,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d,
+            PDL=use_pdl(q.device), launch_pdl=use_pdl(q.device), num_warps=4)
     return q_out, k_out
 
 

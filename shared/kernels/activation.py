@@ -15,13 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_flashattn.pdl import pdl_prologue, use_pdl
+
 from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_silu_and_mul_args
 
 
 @triton.jit
-def _silu_and_mul_fwd_kernel(G, U, OUT, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_fwd_kernel(G, U, OUT, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
     # Rows on grid axis 0 (2^31 programs), column blocks on axis 1 (65535): any token count fits.
+    pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -72,8 +76,10 @@ def _forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if out.numel():
         block, num_warps = _launch_config(min(g.shape[0], 256), g.shape[1])
+        pdl = use_pdl(g.device)
         _silu_and_mul_fwd_kernel[(g.shape[0], cdiv(g.shape[1], block))](
-            g, u, out, g.stride(0), u.stride(0), out.stride(0), g.shape[1], BLOCK=block, num_warps=num_warps,
+            g, u, out, g.stride(0), u.stride(0), out.stride(0), g.shape[1], BLOCK=block, PDL=pdl,
+            launch_pdl=pdl, num_warps=num_warps,
         )  # fmt: skip
     return out
 
