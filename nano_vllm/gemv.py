@@ -146,6 +146,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from shared.kernels import pdl_prologue, pdl_release, use_pdl
+
     @triton.jit
     def _finish(acc, offs_m, m_ok, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL, COUNTERS, M, N,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -173,8 +175,10 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M", "iters_per_split"])
     def _gemv_m1_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om,
                         iters_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                        PDL: tl.constexpr):  # fmt: skip
         """One row of x: products accumulated elementwise in fp32 registers, reduced once; no tensor cores."""
+        pdl_prologue(PDL, False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -193,6 +197,7 @@ if HAS_TRITON:
                 w = tl.load(w_rows + offs_k[None, :], mask=k_ok[None, :], other=0.0)
                 x = tl.load(X + offs_k, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        pdl_release(PDL)  # after the main loop: the next kernel's programs are placed as this one drains
         offs_m = tl.arange(0, 1)
         _finish(tl.sum(acc, axis=1)[None, :], offs_m, offs_m < M, offs_n, n_ok, pid_n, pid_k, BIAS, OUT,
                 stride_om, PARTIAL, COUNTERS, M, N, HAS_BIAS, SPLIT_K)
@@ -201,8 +206,9 @@ if HAS_TRITON:
     def _gemv_dot_kernel(X, W, BIAS, OUT, PARTIAL, COUNTERS, M, N, K, stride_xm, stride_wn, stride_om,
                          iters_per_split, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                         IEEE: tl.constexpr):  # fmt: skip
+                         IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """2..16 rows of x, padded to 16: one `tl.dot` per K block."""
+        pdl_prologue(PDL, False)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, 16)
         m_ok = offs_m < M
@@ -227,6 +233,7 @@ if HAS_TRITON:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
+        pdl_release(PDL)
         _finish(acc, offs_m, m_ok, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL, COUNTERS, M, N,
                 HAS_BIAS, SPLIT_K)
 
@@ -262,7 +269,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             weight.stride(0), out.stride(0), iters_per_split)
     common = {"HAS_BIAS": bias is not None, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
               "SPLIT_K": config.split_k, "NUM_STAGES": config.num_stages, "EVEN_K": k % config.block_k == 0,
-              "num_warps": config.num_warps, "num_stages": config.num_stages}
+              "num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": use_pdl(x.device),
+              "launch_pdl": use_pdl(x.device)}
     if m == 1:
         _gemv_m1_kernel[grid](*args, **common)
     else:

@@ -84,13 +84,3 @@ def test_no_package_imports_tools():
             bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tools"]
     assert not bad, bad
 
-
-
-def test_pdl_only_on_hopper_cuda_and_off_by_env(monkeypatch):
-    """Programmatic dependent launch (pdl.py) is a CUDA sm_90+ launch attribute: never on a CPU, and
-    `NANO_PDL=0` turns it off everywhere (the A/B switch its measurement uses)."""
-    from nano_flashattn.pdl import use_pdl
-
-    assert not use_pdl(torch.device("cpu"))
-    monkeypatch.setenv("NANO_PDL", "0")
-    assert not use_pdl(torch.device("cuda", 0))  # decided before any CUDA query: no GPU needed

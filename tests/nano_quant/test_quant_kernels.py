@@ -139,4 +139,4 @@ def test_kernels_compile_for_hopper():
     script = Path(__file__).with_name("quant_hopper_compile.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 11 kernels for sm_90" in proc.stdout
+    assert "compiled 9 kernels for sm_90" in proc.stdout
