@@ -30,7 +30,7 @@ import triton.language as tl
 from .checks import NO_WINDOW, cdiv, next_pow2
 from .configs import DECODE_TUNING, block_d, decode_config, num_sms
 from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
-from .pdl import pdl_prologue, pdl_release, use_pdl
+from .pdl import pdl_args, pdl_prologue, pdl_release
 
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
@@ -163,7 +163,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         s_strides = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
         return out, lse.transpose(1, 2)
-    pdl = use_pdl(q.device)
+    pdl = pdl_args(q.device)
     _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
         block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
@@ -174,10 +174,9 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         stride_os=s_strides[0], stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1),
         stride_lh=lse_part.stride(2), stride_ls=s_strides[1], HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
-        num_stages=num_stages)
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **pdl)
     if num_splits > 1:
         _combine_kernel[(batch * seqlen_q * heads_q,)](
             O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits, HEAD_DIM=head_dim,
-            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits), PDL=pdl, launch_pdl=pdl)
+            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits), **pdl)
     return out, lse.transpose(1, 2)

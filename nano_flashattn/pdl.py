@@ -17,7 +17,7 @@ decode in `nano_vllm` (2026-12-02): W4A16 4,545 → 4,690 tokens/s with the rele
 4,575 → 4,432 with every kernel releasing at its start; bf16 (whose GEMMs are cuBLAS) 3,143 → 3,147.
 
 `use_pdl(device)` turns it on for CUDA devices of compute capability 9.0 or more, unless the environment
-sets `NANO_PDL=0` (for A/B measurements). The launch passes both: `PDL=pdl, launch_pdl=pdl`.
+sets `NANO_PDL=0` (for A/B measurements); a launch passes `**pdl_args(device)`.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def use_pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("NANO_PDL", "1") == "0":
         return False
     return _pdl_capable(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """The launch arguments of a kernel that takes `PDL`: the constexpr and Triton's launch option together
+    (`launch_pdl` only where it is on: a Triton without grid dependency control does not know the name)."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
 @functools.cache

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shared.kernels import pdl_prologue, pdl_release, silu_and_mul, use_pdl, use_triton
+from shared.kernels import pdl_args, pdl_prologue, pdl_release, silu_and_mul, use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
 from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
@@ -292,7 +292,7 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
         out if bias is None else bias, n, kp, groups, per, GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
         NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
         EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
-        PDL=use_pdl(x.device), launch_pdl=use_pdl(x.device), **cfg)
+        **pdl_args(x.device), **cfg)
     return out
 
 
@@ -512,7 +512,7 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
                                    GROUP_SIZE=group_size, BLOCK_K=block_k, K_TILES=k_tiles,
                                    OFFSET=_OFFSET.get(x.dtype, 0.0), PTX=x.is_cuda, NUM_STAGES=stages,
                                    SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
-                                   PDL=use_pdl(x.device), launch_pdl=use_pdl(x.device), num_stages=stages, **cfg)
+                                   num_stages=stages, **pdl_args(x.device), **cfg)
     return out
 
 

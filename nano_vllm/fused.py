@@ -108,7 +108,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from shared.kernels import pdl_prologue, use_pdl
+    from shared.kernels import pdl_args, pdl_prologue
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _rope_store_kernel(Q, K, V, COS, SIN, QOUT, KOUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
@@ -183,8 +183,8 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         _rope_store_kernel[(cdiv(n_rows, block_r),)](
             q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, q3.stride(0), q3.stride(1),
             k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0), sin2.stride(0), n_rows,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d,
-            PDL=use_pdl(q.device), launch_pdl=use_pdl(q.device), num_warps=4)
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+            **pdl_args(q.device))
     return q_out, k_out
 
 

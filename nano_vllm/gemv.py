@@ -146,7 +146,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from shared.kernels import pdl_prologue, pdl_release, use_pdl
+    from shared.kernels import pdl_args, pdl_prologue, pdl_release
 
     @triton.jit
     def _finish(acc, offs_m, m_ok, offs_n, n_ok, pid_n, pid_k, BIAS, OUT, stride_om, PARTIAL, COUNTERS, M, N,
@@ -269,8 +269,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             weight.stride(0), out.stride(0), iters_per_split)
     common = {"HAS_BIAS": bias is not None, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
               "SPLIT_K": config.split_k, "NUM_STAGES": config.num_stages, "EVEN_K": k % config.block_k == 0,
-              "num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": use_pdl(x.device),
-              "launch_pdl": use_pdl(x.device)}
+              "num_warps": config.num_warps, "num_stages": config.num_stages, **pdl_args(x.device)}
     if m == 1:
         _gemv_m1_kernel[grid](*args, **common)
     else:

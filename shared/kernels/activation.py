@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_flashattn.pdl import pdl_prologue, use_pdl
+from nano_flashattn.pdl import pdl_args, pdl_prologue
 
 from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_silu_and_mul_args
@@ -76,10 +76,9 @@ def _forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if out.numel():
         block, num_warps = _launch_config(min(g.shape[0], 256), g.shape[1])
-        pdl = use_pdl(g.device)
         _silu_and_mul_fwd_kernel[(g.shape[0], cdiv(g.shape[1], block))](
-            g, u, out, g.stride(0), u.stride(0), out.stride(0), g.shape[1], BLOCK=block, PDL=pdl,
-            launch_pdl=pdl, num_warps=num_warps,
+            g, u, out, g.stride(0), u.stride(0), out.stride(0), g.shape[1], BLOCK=block,
+            num_warps=num_warps, **pdl_args(g.device),
         )  # fmt: skip
     return out
 

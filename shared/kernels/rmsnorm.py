@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_flashattn.pdl import pdl_prologue, use_pdl
+from nano_flashattn.pdl import pdl_args, pdl_prologue
 
 from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_rms_norm_args
@@ -139,12 +139,11 @@ def _rms_norm_fwd(x2d, weight, r2d, eps):
     rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
     if n_rows:
         r = r2d if r2d is not None else x2d  # unused pointer when HAS_RESIDUAL is False
-        pdl = use_pdl(x2d.device)
         _rms_norm_fwd_kernel[(cdiv(n_rows, rows),)](
             x2d, r, weight, y, s, rstd,
             x2d.stride(0), r.stride(0), y.stride(0), s.stride(0),
             n_rows, n_cols, eps,
-            HAS_RESIDUAL=r2d is not None, ROWS=rows, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
+            HAS_RESIDUAL=r2d is not None, ROWS=rows, BLOCK=block, num_warps=num_warps, **pdl_args(x2d.device),
         )  # fmt: skip
     return y, s, rstd
 
