@@ -45,7 +45,7 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
     """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
 
     Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
-    pdl_prologue(PDL, False)  # a performance layer's launch overlap (pdl.py); no-op when PDL is False
+    pdl_prologue(PDL, RELEASE=False)  # a performance layer's launch overlap (pdl.py); no-op when PDL is False
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks

@@ -184,7 +184,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     comes off once per word; only the 2^16 nibbles take their magic off per weight, which keeps the running sum
     below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
     magic off per weight). Then acc += s·part + (−z·s)·Σx."""
-    pdl_prologue(PDL, False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+    pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
@@ -403,7 +403,7 @@ def _awq_mma_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, M, N, KP, G
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     it_lo = pid_k * iters_per_split
     it_hi = tl.minimum(it_lo + iters_per_split, KP // (K_TILES * BLOCK_K // 8))
-    pdl_prologue(PDL, False)
+    pdl_prologue(PDL, RELEASE=False)
     for it in tl.range(it_lo, it_hi, num_stages=NUM_STAGES):
         for t in tl.static_range(K_TILES):
             kt = it * K_TILES + t  # the tile's index along K

@@ -178,7 +178,7 @@ if HAS_TRITON:
                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         PDL: tl.constexpr):  # fmt: skip
         """One row of x: products accumulated elementwise in fp32 registers, reduced once; no tensor cores."""
-        pdl_prologue(PDL, False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+        pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -208,7 +208,7 @@ if HAS_TRITON:
                          SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """2..16 rows of x, padded to 16: one `tl.dot` per K block."""
-        pdl_prologue(PDL, False)
+        pdl_prologue(PDL, RELEASE=False)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_m = tl.arange(0, 16)
         m_ok = offs_m < M
