@@ -518,21 +518,28 @@ def awq_mma_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: 
 
 # ------------------------------------------------------------------ more rows: dequantize once, then cuBLAS
 
+# Values per program and warps of the dequantizing copy (a program takes one group of BLOCK_N rows).
+DEQUANT_TILE = {"values": 8192, "num_warps": 4}
+
 @triton.jit
 def _dequantize_repacked_kernel(QW, S, ZS, W, N, KP, GROUPS, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr):
-    """Ŵ (BLOCK_N, BLOCK_K) = q·s + (−z·s), unpacked as in the tensor-core kernel."""
+    """Ŵ (BLOCK_N, GROUP_SIZE) = q·s + (−z·s) of one group, unpacked as in the tensor-core kernel. One group
+    per program: its scale and zero are one value per row, loaded once and broadcast along K (a gather of
+    them per element made this copy ten times slower than its bytes). BLOCK_K: the group padded to a power
+    of two (a group holds whole chunks of 32, so the padding is whole chunks too)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rn < N)[:, None] & (rk < 8 * KP)[None, :]
-    w = tl.load(QW + rn[:, None].to(tl.int64) * KP + rw[None, :], mask=(rn < N)[:, None] & (rw < KP)[None, :],
-                other=0)
-    grp = rn[:, None].to(tl.int64) * GROUPS + (rk // GROUP_SIZE)[None, :]
-    s = tl.load(S + grp, mask=ok, other=0.0).to(tl.float32)
-    zs = tl.load(ZS + grp, mask=ok, other=0.0)
-    w_hat = (_unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, tl.float32, False, False) * s + zs).to(W.dtype.element_ty)
-    tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + rk[None, :], w_hat, mask=ok)
+    g = tl.program_id(1)
+    cw, ck = tl.arange(0, BLOCK_K // 8), tl.arange(0, BLOCK_K)
+    row_ok = rn < N
+    w = tl.load(QW + rn[:, None].to(tl.int64) * KP + (g * (GROUP_SIZE // 8) + cw)[None, :],
+                mask=row_ok[:, None] & (cw < GROUP_SIZE // 8)[None, :], other=0)
+    s = tl.load(S + rn.to(tl.int64) * GROUPS + g, mask=row_ok, other=0.0).to(tl.float32)
+    zs = tl.load(ZS + rn.to(tl.int64) * GROUPS + g, mask=row_ok, other=0.0)
+    q = _unpack_words(w, 0, BLOCK_N, BLOCK_K // 8, tl.float32, False, False)
+    w_hat = (q * s[:, None] + zs[:, None]).to(W.dtype.element_ty)
+    tl.store(W + rn[:, None].to(tl.int64) * (8 * KP) + (g * GROUP_SIZE + ck)[None, :], w_hat,
+             mask=row_ok[:, None] & (ck < GROUP_SIZE)[None, :])
 
 
 def dequantize_repacked_triton(qweight_t: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor,
@@ -540,11 +547,13 @@ def dequantize_repacked_triton(qweight_t: torch.Tensor, scales_t: torch.Tensor, 
     """The (N, K) weight of the repacked tensors in `dtype`, for the rows where cuBLAS on the dequantized
     weight beats reading 4 bits per weight (above AWQ_LARGE_M: prefill)."""
     n, kp = qweight_t.shape
+    groups = scales_t.shape[1]
     w = torch.empty(n, kp * 8, device=qweight_t.device, dtype=dtype)
-    block_n, block_k = 32, 128
-    _dequantize_repacked_kernel[(cdiv(n, block_n), cdiv(kp * 8, block_k))](
-        qweight_t, scales_t, zeros_t, w, n, kp, scales_t.shape[1], GROUP_SIZE=group_size, BLOCK_N=block_n,
-        BLOCK_K=block_k)
+    block_k = next_pow2(group_size)
+    block_n = max(1, DEQUANT_TILE["values"] // block_k)  # rows per program
+    _dequantize_repacked_kernel[(cdiv(n, block_n), groups)](
+        qweight_t, scales_t, zeros_t, w, n, kp, groups, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=DEQUANT_TILE["num_warps"])
     return w
 
 

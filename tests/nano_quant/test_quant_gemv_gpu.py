@@ -126,6 +126,16 @@ def test_repacked_only_layer():
         assert out.dtype == torch.bfloat16 and rel(out, exact) <= 2 * rel(low, exact) + 1e-6, m
 
 
+@pytest.mark.parametrize("k,n,group_size", [(4096, 28672, 128), (14336, 4096, 128), (384, 1000, 96)])
+def test_dequantize_repacked_exact(k, n, group_size):
+    """The prefill path's dequantizing copy writes the torch dequantization rounded once to bf16, bit for bit,
+    on llama3-8b's widest shapes and on a padded group with a ragged last row block."""
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=False, device=DEV), group_size)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
+    got = repacked.dequantize_repacked_triton(*packed, group_size, torch.bfloat16)
+    assert torch.equal(got, repacked.dequantize_repacked_torch(*packed, group_size).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("m", [1, 2, 16, 33, 64])
 def test_silu_and_mul_epilogue_bf16(m):
     """A fused gate_up of llama3-8b's shape in bf16: the kernels' SwiGLU epilogue writes exactly what the plain
