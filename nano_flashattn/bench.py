@@ -13,7 +13,9 @@
     ceilings:  measured bf16 matmul TFLOP/s and device-copy TB/s, the physical limits of both
     layers:    the split_head layer runs head_dims 48/80/96/144/160/192 (--no-split-head: padded tiles);
                the hopper.py backward (TMA loads) runs head_dims 64/96/128 on sm_90 (--no-hopper-backward);
-               the hopper.py forward runs head_dims 96/128 on sm_90 (--no-hopper-forward)
+               the hopper.py forward runs head_dims 64/96/128 on sm_90 (--no-hopper-forward); both read
+               dense batches of whole tiles up to 8k keys through host-made descriptors
+               (--no-host-descriptors: every program makes its own)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
@@ -64,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the backward on the paper path's pointer loads (the hopper.py TMA layer off)")
     p.add_argument("--no-hopper-forward", action="store_true",
                    help="run the forward on the paper path / split_head (the hopper.py TMA forward off)")
+    p.add_argument("--no-host-descriptors", action="store_true",
+                   help="the hopper.py layers make their TMA descriptors in every program, at every length")
     p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
     args = p.parse_args(argv)
     if args.sweep:  # the sweep is a tool, not part of the package (a non-editable install has no tools/)
@@ -332,7 +336,7 @@ def use_hopper_backward(on: bool) -> bool:
 
 
 def use_hopper_forward(on: bool) -> bool:
-    """Turn the Hopper forward layer (hopper.py: Algorithm 1 with TMA loads, head_dims 96/128) on (an sm_90
+    """Turn the Hopper forward layer (hopper.py: Algorithm 1 with TMA loads, head_dims 64/96/128) on (an sm_90
     GPU only) or off in this process, after the split_head layer so that it takes head_dim 96's forward;
     returns whether it is on. The bench runs it on a GPU unless --no-hopper-forward."""
     from . import hopper
@@ -340,6 +344,14 @@ def use_hopper_forward(on: bool) -> bool:
     on = on and torch.cuda.is_available() and hopper._is_sm90(torch.cuda.current_device())
     (hopper.enable if on else hopper.disable)()
     return on
+
+
+def use_host_descriptors(on: bool) -> int:
+    """The longest sequence the hopper.py layers read through host-made descriptors (0: none); returns it."""
+    from . import hopper
+
+    hopper.HOST_DESCRIPTORS_UP_TO = hopper.HOST_DESCRIPTORS_DEFAULT if on else 0
+    return hopper.HOST_DESCRIPTORS_UP_TO
 
 
 def main(argv=None, sweep: dict | None = None) -> dict:
@@ -359,12 +371,14 @@ def main(argv=None, sweep: dict | None = None) -> dict:
         "split_head": use_split_head(device.type == "cuda" and not args.no_split_head),
         "hopper_backward": use_hopper_backward(device.type == "cuda" and not args.no_hopper_backward),
         "hopper_forward": use_hopper_forward(device.type == "cuda" and not args.no_hopper_forward),
+        "host_descriptors_up_to": use_host_descriptors(not args.no_host_descriptors),
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']} | "
           f"split_head {'on' if env['split_head'] else 'off'} | "
           f"hopper backward {'on' if env['hopper_backward'] else 'off'} | "
-          f"hopper forward {'on' if env['hopper_forward'] else 'off'}")
+          f"hopper forward {'on' if env['hopper_forward'] else 'off'} | "
+          f"host descriptors up to {env['host_descriptors_up_to']} keys")
     ceil = result["ceilings"]
     print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     os.makedirs(args.out, exist_ok=True)

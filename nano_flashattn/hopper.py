@@ -22,9 +22,10 @@ what changes in the forward is how tiles move and how the loop is scheduled, eac
 
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
 LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
-`applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS = 96
-and 128, or with a config given every head_dim of 64/96/128); head_dim 96 is held as 64 + 32 parts, each
-product over the head axis two products (split_head.py's split).
+`applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS =
+64/96/128); head_dim 96 is held as 64 + 32 parts, each product over the head axis two products
+(split_head.py's split). Every program makes its own descriptors, one per (sequence, head); a dense batch of
+whole tiles up to HOST_DESCRIPTORS_UP_TO keys reads through descriptors made once on the host instead.
 `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU at hand and times them
 against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the same arithmetic.
 
@@ -32,8 +33,8 @@ against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, th
 order) with its streamed tiles loaded by TMA: Q_i and dO_i in the dK/dV kernel, K_j and V_j in the dQ
 kernel; head_dim 96 is held as 64 + 32 parts (split_head.py's split, one descriptor per part).
 `enable_backward()` registers it for the calls `backward_applies` accepts (CUDA sm_90, fp16/bf16, head_dim
-64/96/128). Nothing registers on import; `shared.model` enables the backward and the forward (head_dims 96
-and 128, where it measured faster than the paper path and split_head) on a CUDA machine.
+64/96/128). Nothing registers on import; `shared.model` enables the backward and the forward (head_dims 64,
+96 and 128, where it measured faster than the paper path and split_head) on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ from .interface import register_kernel
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 HAS_TENSOR_DESCRIPTORS = hasattr(tl, "make_tensor_descriptor")
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    HAS_HOST_DESCRIPTORS = True
+except ImportError:  # an older Triton: every program makes its own descriptors
+    HAS_HOST_DESCRIPTORS = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class HopperConfig:
     two_phase: bool = True  # masked / unmasked / masked key loops; False: one loop, every tile masked
     disallow_acc_multi_buffer: bool = False  # tl.range's knob, on the unmasked key loop
     use_tma: bool = True  # tensor-descriptor (TMA) loads and O store; False: pointer loads
+    host_descriptors: bool = True  # HOST_DESCRIPTORS_UP_TO's batches: descriptors made once on the host
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -86,14 +94,22 @@ class HopperConfig:
 # The fastest of 3-5 tile / stage variants per head_dim against the default forward (the paper path; split_head
 # at 96) at the bench's shapes (hidden 2048, 16k tokens, 4k and 16k, causal and not; H200, 2026-12-02):
 # 128 x 128 x 3 stages at 128 (1.10-1.19x the paper path), 128 x 64 x 3 at 96 (1.07-1.11x split_head's),
-# 128 x 64 x 3 at 64 (0.96-1.02x: not faster, so `enable()` leaves head_dim 64 to the paper path). 256-row
-# tiles at 16 warps ran 0.75-0.89x (hd64) and 0.82-0.90x (hd128) of these, split query halves 0.38-0.41x (hd64).
+# 128 x 64 x 3 at 64 (0.96-1.02x with per-program descriptors; with host-made ones at 4k, 1.05-1.07x, so
+# `enable()` takes head_dim 64 too). 256-row tiles at 16 warps ran 0.75-0.89x (hd64) and 0.82-0.90x (hd128)
+# of these, split query halves 0.38-0.41x (hd64).
 DEFAULT_CONFIGS: dict[int, HopperConfig] = {
     64: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     96: HopperConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     128: HopperConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
 }
-ENABLED_HEAD_DIMS = (96, 128)  # where the layer measured faster than the default forward
+ENABLED_HEAD_DIMS = (64, 96, 128)  # where the layer measured faster than the default forward
+# Descriptors made on the host, once a call (FA3's way), instead of by every program on the device (each a
+# write to global memory and a tensormap fence before its first load): dense batches whose lengths are whole
+# tiles, up to this many keys. Measured (H200, 2026-12-02, hidden 2048, 16k tokens, medians of three
+# interleaved runs): at 4k +3-7% forward, +1-3% backward (hd96 / 128); at 16k, where a program's loop is
+# four times longer, -1-5%: there the device-made ones stay.
+HOST_DESCRIPTORS_DEFAULT = 8192
+HOST_DESCRIPTORS_UP_TO = HOST_DESCRIPTORS_DEFAULT  # the bench's --no-host-descriptors sets 0
 INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 # Backward tiles by head_dim: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of
 # the dQ kernel). Measured on an H200, 2026-12-02, each of tools/flashattn_sweep.py's dK/dV and dQ
@@ -109,10 +125,13 @@ BWD_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int
 
 
 @triton.jit
-def _rows(desc, base, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [row0, row0 + BLOCK) of one sequence's (n, HEAD_DIM) slice; rows past n read 0 (what TMA does)."""
+def _rows(desc, base, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+          col=0):
+    """Rows [row0, row0 + BLOCK) of one sequence's (n, HEAD_DIM) slice; rows past n read 0 (what TMA does).
+    A host descriptor spans every sequence and head: row0 then counts from the batch's first row and `col`
+    is the head's first column."""
     if USE_TMA:
-        x = desc.load([row0, 0])
+        x = desc.load([row0, col])
     else:
         r = row0 + tl.arange(0, BLOCK)
         x = tl.load(base + r[:, None].to(tl.int64) * stride_t + tl.arange(0, HEAD_DIM)[None, :],
@@ -122,9 +141,9 @@ def _rows(desc, base, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.const
 
 @triton.jit
 def _store_rows(desc, base, x, row0, n, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, col=0):
     if USE_TMA:
-        desc.store([row0, 0], x)  # clipped at the descriptor's shape: rows past n are not written
+        desc.store([row0, col], x)  # clipped at the descriptor's shape: rows past n are not written
     else:
         r = row0 + tl.arange(0, BLOCK)
         tl.store(base + r[:, None].to(tl.int64) * stride_t + tl.arange(0, HEAD_DIM)[None, :], x,
@@ -160,14 +179,15 @@ def _step(acc, acc_b, l_i, m_i, q, q_b, k, k_b, v, v_b, offs_m, offs_n, qk_scale
 def _kv_loop(acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
              stride_kt, offs_m0, offs_m1, lo, hi, n, shift, lo_w, hi_w, qk_scale, D0: tl.constexpr,
              D1: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SPLIT_M: tl.constexpr,
-             WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+             WARP_SPECIALIZE: tl.constexpr, DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr,
+             k_row=0, k_col=0):
     """Algorithm 1, lines 6-11, over key tiles [lo, hi); a second query half (SPLIT_M) shares each K/V
-    tile."""
+    tile. k_row, k_col: the sequence's first row and the kv head's first column in a host descriptor."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE,
                             disallow_acc_multi_buffer=DISALLOW_ACC_MULTI_BUFFER):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, k_b = _load_parts(kd0, kd1, k_base, start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA)
-        v, v_b = _load_parts(vd0, vd1, v_base, start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        k, k_b = _load_parts(kd0, kd1, k_base, k_row + start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA, k_col)
+        v, v_b = _load_parts(vd0, vd1, v_base, k_row + start_n, n, stride_kt, BLOCK_N, D0, D1, USE_TMA, k_col)
         acc0, acc0b, l0, m0 = _step(acc0, acc0b, l0, m0, q0, q0b, k, k_b, v, v_b, offs_m0, offs_n, qk_scale,
                                     shift, lo_w, hi_w, n, MASKED, D1)
         if SPLIT_M:
@@ -178,17 +198,17 @@ def _kv_loop(acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd
 
 @triton.jit
 def _finish(acc, acc_b, l_i, m_i, od0, od1, o_base, LSE, offs_m, row0, q_len, stride_qt, HALF_M: tl.constexpr,
-            D0: tl.constexpr, D1: tl.constexpr, USE_TMA: tl.constexpr):
+            D0: tl.constexpr, D1: tl.constexpr, USE_TMA: tl.constexpr, q_row=0, q_col=0):
     """Algorithm 1, lines 12-15: O = acc / l, L = m + log l (natural log); a row with no key: O = 0,
     L = -inf."""
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
-    _store_rows(od0, o_base, (acc / l_i[:, None]).to(o_base.dtype.element_ty), row0, q_len, stride_qt, HALF_M,
-                D0, USE_TMA)
+    _store_rows(od0, o_base, (acc / l_i[:, None]).to(o_base.dtype.element_ty), q_row + row0, q_len, stride_qt,
+                HALF_M, D0, USE_TMA, q_col)
     if D1 > 0:
-        _store_rows(od1, o_base + D0, (acc_b / l_i[:, None]).to(o_base.dtype.element_ty), row0, q_len,
-                    stride_qt, HALF_M, D1, USE_TMA)
+        _store_rows(od1, o_base + D0, (acc_b / l_i[:, None]).to(o_base.dtype.element_ty), q_row + row0, q_len,
+                    stride_qt, HALF_M, D1, USE_TMA, q_col)
     tl.store(LSE + offs_m, lse, mask=offs_m < q_len)
 
 
@@ -199,9 +219,13 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
                        D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        VARLEN: tl.constexpr, REVERSE: tl.constexpr, SPLIT_M: tl.constexpr,
                        TWO_PHASE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                       DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr):
+                       DISALLOW_ACC_MULTI_BUFFER: tl.constexpr, USE_TMA: tl.constexpr, QD0=None, QD1=None,
+                       KD0=None, KD1=None, VD0=None, VD1=None, OD0=None, OD1=None,
+                       HOST_DESC: tl.constexpr = False):
     """One BLOCK_M query tile of one head of one sequence; grid (cdiv(max_seqlen_q, BLOCK_M), heads_q,
-    batch). The head axis is D0 (+ D1: 96 = 64 + 32, as the backward)."""
+    batch). The head axis is D0 (+ D1: 96 = 64 + 32, as the backward). HOST_DESC: Q/K/V/O through the
+    host-made descriptors QD0 ... OD1 (per head axis part, over every row and head) instead of four made on
+    the device by each program."""
     HALF_M: tl.constexpr = BLOCK_M // 2 if SPLIT_M else BLOCK_M
     h, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
@@ -216,13 +240,18 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
     kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
     k_base, v_base = K + kv_off, V + kv_off
     # one descriptor per (sequence, head, head-axis part): its shape ends where the sequence ends
-    qd0, qd1 = _descs(q_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
-    od0, od1 = _descs(o_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
-    kd0, kd1 = _descs(k_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
-    vd0, vd1 = _descs(v_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+    if HOST_DESC:  # no partial tiles (the launcher checks): a tile never crosses into the next sequence
+        qd0, qd1, od0, od1, kd0, kd1, vd0, vd1 = QD0, QD1, OD0, OD1, KD0, KD1, VD0, VD1
+        q_row, q_col, k_row, k_col = q_start, h * (D0 + D1), k_start, (h // group) * (D0 + D1)
+    else:
+        qd0, qd1 = _descs(q_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+        od0, od1 = _descs(o_base, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+        kd0, kd1 = _descs(k_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        vd0, vd1 = _descs(v_base, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        q_row, q_col, k_row, k_col = 0, 0, 0, 0
     offs_m0 = start_m + tl.arange(0, HALF_M)
     offs_m1 = offs_m0 + HALF_M
-    q0, q0b = _load_parts(qd0, qd1, q_base, start_m, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+    q0, q0b = _load_parts(qd0, qd1, q_base, q_row + start_m, q_len, stride_qt, HALF_M, D0, D1, USE_TMA, q_col)
     acc0 = tl.zeros([HALF_M, D0], tl.float32)
     acc0b = acc0
     if D1 > 0:
@@ -230,7 +259,8 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
     l0 = tl.zeros([HALF_M], tl.float32)
     m0 = tl.full([HALF_M], float("-inf"), tl.float32)
     if SPLIT_M:
-        q1, q1b = _load_parts(qd0, qd1, q_base, start_m + HALF_M, q_len, stride_qt, HALF_M, D0, D1, USE_TMA)
+        q1, q1b = _load_parts(qd0, qd1, q_base, q_row + start_m + HALF_M, q_len, stride_qt, HALF_M, D0, D1,
+                              USE_TMA, q_col)
     else:
         q1, q1b = q0, q0b  # unused
     acc1, acc1b, l1, m1 = acc0, acc0b, l0, m0
@@ -243,27 +273,28 @@ def _hopper_fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, seqlen_q, 
         acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
             acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
             stride_kt, offs_m0, offs_m1, lo, full_lo, k_len, diag, window_left, window_right, qk_scale, D0, D1,
-            BLOCK_N, True, SPLIT_M, False, False, USE_TMA)
+            BLOCK_N, True, SPLIT_M, False, False, USE_TMA, k_row, k_col)
         acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
             acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
             stride_kt, offs_m0, offs_m1, full_lo, full_hi, k_len, diag, window_left, window_right, qk_scale, D0,
-            D1, BLOCK_N, False, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+            D1, BLOCK_N, False, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA, k_row,
+            k_col)
         acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
             acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
             stride_kt, offs_m0, offs_m1, full_hi, hi, k_len, diag, window_left, window_right, qk_scale, D0, D1,
-            BLOCK_N, True, SPLIT_M, False, False, USE_TMA)
+            BLOCK_N, True, SPLIT_M, False, False, USE_TMA, k_row, k_col)
     else:  # one loop, every tile masked: Triton warp-specialises only a kernel's single, branch-free loop
         acc0, acc0b, l0, m0, acc1, acc1b, l1, m1 = _kv_loop(
             acc0, acc0b, l0, m0, acc1, acc1b, l1, m1, q0, q0b, q1, q1b, kd0, kd1, vd0, vd1, k_base, v_base,
             stride_kt, offs_m0, offs_m1, lo, hi, k_len, diag, window_left, window_right, qk_scale, D0, D1,
-            BLOCK_N, True, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA)
+            BLOCK_N, True, SPLIT_M, WARP_SPECIALIZE, DISALLOW_ACC_MULTI_BUFFER, USE_TMA, k_row, k_col)
 
     lse_base = LSE + h * stride_lse_h + q_start
     _finish(acc0, acc0b, l0, m0, od0, od1, o_base, lse_base, offs_m0, start_m, q_len, stride_qt, HALF_M, D0, D1,
-            USE_TMA)
+            USE_TMA, q_row, q_col)
     if SPLIT_M:
         _finish(acc1, acc1b, l1, m1, od0, od1, o_base, lse_base, offs_m1, start_m + HALF_M, q_len, stride_qt,
-                HALF_M, D0, D1, USE_TMA)
+                HALF_M, D0, D1, USE_TMA, q_row, q_col)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -307,7 +338,16 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
         return out, lse
     if cfg.warp_specialize and cu_seqlens_q is not None:  # packed batches keep the early exit (see kernel)
         cfg = dataclasses.replace(cfg, warp_specialize=False)
-    if cfg.use_tma and not interpret:
+    host = (cfg.use_tma and cfg.host_descriptors and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None
+            and seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
+            and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO)
+    descs = {}
+    if host:
+        block_q = cfg.block_m // 2 if cfg.split_m else cfg.block_m
+        for name, t, block in (("QD", q, block_q), ("OD", out, block_q), ("KD", k, cfg.block_n),
+                               ("VD", v, cfg.block_n)):
+            descs.update(_host_descs(name, t, d0, d1, block))
+    if cfg.use_tma and not interpret and not host:
         _ensure_allocator()
     _hopper_fwd_kernel[(cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, heads_q // k.shape[-2],
@@ -316,9 +356,20 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
         VARLEN=cu_seqlens_q is not None, REVERSE=window_right == 0, SPLIT_M=cfg.split_m,
         TWO_PHASE=cfg.two_phase,
         WARP_SPECIALIZE=cfg.warp_specialize, DISALLOW_ACC_MULTI_BUFFER=cfg.disallow_acc_multi_buffer,
-        USE_TMA=cfg.use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=cfg.use_tma, HOST_DESC=host, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **descs,
     )
     return out, lse
+
+
+def _host_descs(name: str, t: torch.Tensor, d0: int, d1: int, block: int) -> dict:
+    """{name}0 (and {name}1): per head axis part, one descriptor of `block`-row tiles over the whole
+    (rows, heads * head_dim) view of `t` (part 1's view starts d0 columns in), made once per call on the
+    host (FA3 passes its TMA descriptors as kernel parameters the same way)."""
+    flat = t.view(t.shape[0], -1)
+    descs = {name + "0": TensorDescriptor.from_tensor(flat, [block, d0])}
+    if d1:
+        descs[name + "1"] = TensorDescriptor.from_tensor(flat[:, d0:], [block, d1])
+    return descs
 
 
 # ------------------------------------------------------------------ backward (Algorithm 2) with TMA loads
@@ -336,13 +387,13 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
 
 @triton.jit
 def _load_parts(d0, d1, base, row0, n, stride_t, BLOCK: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, col=0):
     """Rows [row0, row0 + BLOCK) of one sequence's head axis parts [0, D0) and [D0, D0 + D1) (the second
     returned as the first when D1 = 0, unused)."""
-    x0 = _rows(d0, base, row0, n, stride_t, BLOCK, D0, USE_TMA)
+    x0 = _rows(d0, base, row0, n, stride_t, BLOCK, D0, USE_TMA, col)
     x1 = x0
-    if D1 > 0:
-        x1 = _rows(d1, base + D0, row0, n, stride_t, BLOCK, D1, USE_TMA)
+    if D1 > 0:  # a host descriptor of part 1 starts D0 columns in: the same `col`
+        x1 = _rows(d1, base + D0, row0, n, stride_t, BLOCK, D1, USE_TMA, col)
     return x0, x1
 
 
@@ -374,13 +425,16 @@ def _store_parts(base, x0, x1, rows, n, stride_t, D0: tl.constexpr, D1: tl.const
 @triton.jit
 def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base, do_base, lse_base,
                 delta_base, offs_n, lo, hi, q_len, shift, lo_w, hi_w, qk_scale, stride_qt, D0: tl.constexpr,
-                D1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+                D1: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, q_row=0,
+                q_col=0):
     """backward._dkdv_tiles: Algorithm 2, lines 8-17, for one key tile K_j, V_j over the query tiles
     [lo, hi)."""
     for start_m in tl.range(lo, hi, BLOCK_M):  # line 8
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q0, q1 = _load_parts(qd0, qd1, q_base, start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)  # line 9
-        do0, do1 = _load_parts(dod0, dod1, do_base, start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+        q0, q1 = _load_parts(qd0, qd1, q_base, q_row + start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA,
+                             q_col)  # line 9
+        do0, do1 = _load_parts(dod0, dod1, do_base, q_row + start_m, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA,
+                               q_col)
         if MASKED:
             lse2 = tl.load(lse_base + offs_m, mask=offs_m < q_len, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=offs_m < q_len, other=0.0)
@@ -411,9 +465,11 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, qd0, qd1, dod0, dod1, q_base
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group,
                      qk_scale, scale, window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh,
                      stride_lse_h, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, QD0=None, QD1=None,
+                     DOD0=None, DOD1=None, KD0=None, KD1=None, VD0=None, VD1=None,
+                     HOST_DESC: tl.constexpr = False):
     """backward._bwd_dkdv_kernel (Algorithm 2, lines 6-18): one key tile of one kv head of one sequence,
-    its query heads' Q and dO streamed by TMA."""
+    its query heads' Q and dO streamed by TMA (HOST_DESC: through QD0 ... DOD1, made on the host)."""
     hk, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     start_n = tl.program_id(0) * BLOCK_N
@@ -434,8 +490,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
         h = hk * group + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
         do_base = DO + q_start.to(tl.int64) * stride_qt + h * stride_qh
-        qd0, qd1 = _descs(q_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
-        dod0, dod1 = _descs(do_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+        if HOST_DESC:
+            qd0, qd1, dod0, dod1, q_row, q_col = QD0, QD1, DOD0, DOD1, q_start, h * (D0 + D1)
+        else:
+            qd0, qd1 = _descs(q_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+            dod0, dod1 = _descs(do_base, q_len, stride_qt, BLOCK_M, D0, D1, USE_TMA)
+            q_row, q_col = 0, 0
         lse_base, delta_base = LSE2 + h * stride_lse_h + q_start, Delta + h * stride_lse_h + q_start
         for run in tl.static_range(3):  # masked / unmasked / masked query runs (forward.tile_range)
             dk0, dk1, dv0, dv1 = _dkdv_tiles(
@@ -443,7 +503,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
                 delta_base,
                 offs_n, lo if run == 0 else full_lo if run == 1 else full_hi,
                 full_lo if run == 0 else full_hi if run == 1 else hi, q_len, -diag, window_right, window_left,
-                qk_scale, stride_qt, D0, D1, BLOCK_M, run != 1, USE_TMA)
+                qk_scale, stride_qt, D0, D1, BLOCK_M, run != 1, USE_TMA, q_row, q_col)
     _store_parts(DK + kv_base, dk0 * scale, dk1 * scale, offs_n, k_len, stride_kt, D0, D1)  # line 18
     _store_parts(DV + kv_base, dv0, dv1, offs_n, k_len, stride_kt, D0, D1)
 
@@ -451,13 +511,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, Delta, DK, DV, cu_seqlens_q, cu_seqlens_
 @triton.jit
 def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse2, delta, kd0, kd1, vd0, vd1, k_base, v_base, offs_m, lo, hi,
               k_len, shift, lo_w, hi_w, qk_scale, stride_kt, D0: tl.constexpr, D1: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, k_row=0, k_col=0):
     """backward._dq_tiles: Algorithm 2, line 15, dQ_i += dS_ij K_j over the key tiles [lo, hi), with P and
     dS recomputed (lines 10-14)."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k0, k1 = _load_parts(kd0, kd1, k_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
-        v0, v1 = _load_parts(vd0, vd1, v_base, start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        k0, k1 = _load_parts(kd0, kd1, k_base, k_row + start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA,
+                             k_col)
+        v0, v1 = _load_parts(vd0, vd1, v_base, k_row + start_n, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA,
+                             k_col)
         s = tl.dot(q0, tl.trans(k0))  # line 10
         if D1 > 0:
             s = tl.dot(q1, tl.trans(k1), s)
@@ -479,8 +541,10 @@ def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse2, delta, kd0, kd1, vd0, vd1, k_bas
 def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group,
                    qk_scale, scale, window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_lse_h, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
-    """backward._bwd_dq_kernel: one query tile of one head of one sequence, K and V streamed by TMA."""
+                   BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, QD0=None, QD1=None,
+                   DOD0=None, DOD1=None, KD0=None, KD1=None, VD0=None, VD1=None, HOST_DESC: tl.constexpr = False):
+    """backward._bwd_dq_kernel: one query tile of one head of one sequence, K and V streamed by TMA
+    (HOST_DESC: through KD0 ... VD1, made on the host)."""
     h, b = tl.program_id(1), tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
@@ -494,8 +558,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, seq
     lse2 = tl.load(LSE2 + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(Delta + h * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
     kv_off = k_start.to(tl.int64) * stride_kt + (h // group) * stride_kh
-    kd0, kd1 = _descs(K + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
-    vd0, vd1 = _descs(V + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+    if HOST_DESC:
+        kd0, kd1, vd0, vd1, k_row, k_col = KD0, KD1, VD0, VD1, k_start, (h // group) * (D0 + D1)
+    else:
+        kd0, kd1 = _descs(K + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        vd0, vd1 = _descs(V + kv_off, k_len, stride_kt, BLOCK_N, D0, D1, USE_TMA)
+        k_row, k_col = 0, 0
     dq0 = tl.zeros([BLOCK_M, D0], tl.float32)
     dq1 = dq0
     if D1 > 0:
@@ -508,7 +576,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, Delta, DQ, cu_seqlens_q, cu_seqlens_k, seq
             dq0, dq1, q0, q1, do0, do1, lse2, delta, kd0, kd1, vd0, vd1, K + kv_off, V + kv_off, offs_m,
             lo if run == 0 else full_lo if run == 1 else full_hi,
             full_lo if run == 0 else full_hi if run == 1 else hi, k_len, diag, window_left, window_right,
-            qk_scale, stride_kt, D0, D1, BLOCK_N, run != 1, USE_TMA)
+            qk_scale, stride_kt, D0, D1, BLOCK_N, run != 1, USE_TMA, k_row, k_col)
     _store_parts(DQ + q_off, dq0 * scale, dq1 * scale, offs_m, q_len, stride_qt, D0, D1)
 
 
@@ -530,7 +598,8 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device):
 
 
 def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale,
-                    window_left, window_right, config=None, use_tma: bool = True):
+                    window_left, window_right, config=None, use_tma: bool = True,
+                    host_descriptors: bool = True):
     """backward.attention_backward (Algorithm 2: preprocess, the dK/dV kernel, the dQ kernel, the GQA
     expansion) with the streamed tiles loaded by TMA; same arguments, same results (dq, dk, dv).
     config: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of the dQ kernel);
@@ -543,14 +612,23 @@ def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens
     if total_q == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg1, cfg2 = config or bwd_config(head_dim, q.dtype, q.device)
-    if use_tma and q.is_cuda:
-        _ensure_allocator()
     do, delta, lse2 = preprocess(do, q, out, lse)  # line 4: D = rowsum(dO o O), and L in base 2
+    # dense batches without partial tiles: the streamed tiles' descriptors made once, on the host
+    host = (use_tma and host_descriptors and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None
+            and seqlen_q % cfg1[0] == 0 and seqlen_k % cfg2[1] == 0
+            and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO)
+    descs = {}
+    if host:
+        for name, t, block in (("QD", q, cfg1[0]), ("DOD", do, cfg1[0]), ("KD", k, cfg2[1]),
+                               ("VD", v, cfg2[1])):
+            descs.update(_host_descs(name, t, d0, d1, block))
+    elif use_tma and q.is_cuda:
+        _ensure_allocator()
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
                   window_left=window_left, window_right=window_right, stride_qt=q.stride(0),
                   stride_qh=q.stride(1), stride_lse_h=lse.stride(0), D0=d0, D1=d1,
-                  VARLEN=cu_seqlens_q is not None, USE_TMA=use_tma)
+                  VARLEN=cu_seqlens_q is not None, USE_TMA=use_tma, HOST_DESC=host, **descs)
     return launch_dkdv_then_dq(_bwd_dkdv_kernel, _bwd_dq_kernel, q, k, v, dq, dk, dv, common, batch, cfg1,
                                cfg2)
 

@@ -79,7 +79,7 @@ else:
             pass
         else:
             _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
-            _hopper.enable()  # the TMA forward on sm_90 (head_dims 96/128, where it measured faster)
+            _hopper.enable()  # the TMA forward on sm_90 (head_dims 64/96/128, where it measured faster)
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

@@ -9,6 +9,8 @@ tools/flashattn_hopper_probe.py, which reports a Triton that cannot build it ins
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_flashattn_dense import _inputs, _run_and_compare
@@ -298,3 +300,35 @@ def test_gpu_enabled_backward(fa_check, dtype, d, causal):
             assert torch.equal(g, e)
     finally:
         remove()
+
+
+def _host_vs_device(d: int, dtype, device: str, batch: int, seqlen: int, heads: tuple[int, int], causal: bool,
+                    **configs):
+    """Forward and backward of a dense batch whose lengths are whole tiles, with descriptors made once on
+    the host and made by every program: the same tiles at the same places, so the same bits."""
+    q, k, v, do = (t[0] for t in _inputs(1, batch * seqlen, batch * seqlen, *heads, d, dtype, device))
+    args = dict(q=q, k=k, v=v, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, cu_seqlens_q=None,
+                cu_seqlens_k=None, scale=d**-0.5, window_left=1 << 30, window_right=0 if causal else 1 << 30)
+    fwd = configs.get("forward") or (hopper.INTERPRETER_CONFIG if device == "cpu" else hopper.DEFAULT_CONFIGS[d])
+    host = hopper_forward(block_table=None, config=fwd, **args)
+    per_program = hopper_forward(block_table=None, config=dataclasses.replace(fwd, host_descriptors=False), **args)
+    for got, want in zip(host, per_program, strict=True):
+        assert torch.equal(got, want)
+    out, lse = host
+    host = hopper_backward(do=do, out=out, lse=lse, **args)
+    per_program = hopper_backward(do=do, out=out, lse=lse, host_descriptors=False, **args)
+    for got, want in zip(host, per_program, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (96, False), (128, True)])
+def test_host_descriptors_equal_per_program_descriptors(d, causal):
+    _host_vs_device(d, torch.float16, "cpu", 2, 32, (4, 2), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="TMA descriptors need sm_90")
+@pytest.mark.parametrize("d", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_host_descriptors_equal_per_program_descriptors(d, causal):
+    _host_vs_device(d, torch.bfloat16, "cuda", 2, 1024, (8, 2), causal)
