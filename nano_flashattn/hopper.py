@@ -116,10 +116,12 @@ INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stage
 # candidates with the other kernel's tile held, at 4k and 16k, causal and not (the best worst ratio to SDPA
 # flash): 64 and 128 keep the paper path's tables (configs.BWD_CONFIGS); 96 keeps split_head's dK/dV tile
 # and takes a 64 x 64 dQ tile (1.20x SDPA flash at its worst shape, against 1.09x with split_head's). dQ
-# tiles streaming 128 K/V rows ran 0.67-0.94x of it at 96, 2 stages for both kernels 0.95-1.04x.
+# tiles streaming 128 K/V rows ran 0.67-0.94x of it at 96, 2 stages for both kernels 0.95-1.04x. With
+# host-made descriptors, 2 stages for the dQ kernel alone: 1.22-1.38x SDPA flash against 1.19-1.39x
+# (H200, 2026-12-02, docs/results/nano_flashattn_hd96_bwd_tiles.json).
 BWD_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
     64: ((32, 128, 4, 3), (64, 64, 4, 3)),
-    96: ((64, 64, 4, 3), (64, 64, 4, 3)),
+    96: ((64, 64, 4, 3), (64, 64, 4, 2)),
     128: ((64, 128, 8, 3), (128, 64, 8, 3)),
 }
 
