@@ -340,15 +340,11 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
         return out, lse
     if cfg.warp_specialize and cu_seqlens_q is not None:  # packed batches keep the early exit (see kernel)
         cfg = dataclasses.replace(cfg, warp_specialize=False)
-    host = (cfg.use_tma and cfg.host_descriptors and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None
-            and seqlen_q % cfg.block_m == 0 and seqlen_k % cfg.block_n == 0
-            and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO)
-    descs = {}
-    if host:
-        block_q = cfg.block_m // 2 if cfg.split_m else cfg.block_m
-        for name, t, block in (("QD", q, block_q), ("OD", out, block_q), ("KD", k, cfg.block_n),
-                               ("VD", v, cfg.block_n)):
-            descs.update(_host_descs(name, t, d0, d1, block))
+    block_q = cfg.block_m // 2 if cfg.split_m else cfg.block_m
+    descs = _host_descs(cfg.use_tma and cfg.host_descriptors, cu_seqlens_q, (seqlen_q, cfg.block_m),
+                        (seqlen_k, cfg.block_n), d0, d1, QD=(q, block_q), OD=(out, block_q),
+                        KD=(k, cfg.block_n), VD=(v, cfg.block_n))
+    host = bool(descs)
     if cfg.use_tma and not interpret and not host:
         _ensure_allocator()
     _hopper_fwd_kernel[(cdiv(seqlen_q, cfg.block_m), heads_q, batch)](
@@ -363,14 +359,24 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
     return out, lse
 
 
-def _host_descs(name: str, t: torch.Tensor, d0: int, d1: int, block: int) -> dict:
-    """{name}0 (and {name}1): per head axis part, one descriptor of `block`-row tiles over the whole
-    (rows, heads * head_dim) view of `t` (part 1's view starts d0 columns in), made once per call on the
-    host (FA3 passes its TMA descriptors as kernel parameters the same way)."""
-    flat = t.view(t.shape[0], -1)
-    descs = {name + "0": TensorDescriptor.from_tensor(flat, [block, d0])}
-    if d1:
-        descs[name + "1"] = TensorDescriptor.from_tensor(flat[:, d0:], [block, d1])
+def _host_descs(enabled: bool, cu_seqlens_q, q_tiles: tuple[int, int], k_tiles: tuple[int, int], d0: int,
+                d1: int, **tensors: tuple[torch.Tensor, int]) -> dict:
+    """The kernels' host-made descriptors, or {} where they do not apply: a dense batch (no cu_seqlens)
+    whose lengths are whole tiles (q_tiles, k_tiles: (seqlen, tile rows); a tile then never crosses into the
+    next sequence) of at most HOST_DESCRIPTORS_UP_TO keys. For each `NAME=(tensor, block rows)`, NAME0
+    (and NAME1): per head axis part, one descriptor over the whole (rows, heads * head_dim) view (part 1's
+    view starts d0 columns in), made once per call (FA3 passes its TMA descriptors as kernel parameters
+    the same way)."""
+    (seqlen_q, tile_q), (seqlen_k, tile_k) = q_tiles, k_tiles
+    if not (enabled and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None and seqlen_q % tile_q == 0
+            and seqlen_k % tile_k == 0 and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO):
+        return {}
+    descs = {}
+    for name, (t, block) in tensors.items():
+        flat = t.view(t.shape[0], -1)
+        descs[name + "0"] = TensorDescriptor.from_tensor(flat, [block, d0])
+        if d1:
+            descs[name + "1"] = TensorDescriptor.from_tensor(flat[:, d0:], [block, d1])
     return descs
 
 
@@ -615,16 +621,11 @@ def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg1, cfg2 = config or bwd_config(head_dim, q.dtype, q.device)
     do, delta, lse2 = preprocess(do, q, out, lse)  # line 4: D = rowsum(dO o O), and L in base 2
-    # dense batches without partial tiles: the streamed tiles' descriptors made once, on the host
-    host = (use_tma and host_descriptors and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None
-            and seqlen_q % cfg1[0] == 0 and seqlen_k % cfg2[1] == 0
-            and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO)
-    descs = {}
-    if host:
-        for name, t, block in (("QD", q, cfg1[0]), ("DOD", do, cfg1[0]), ("KD", k, cfg2[1]),
-                               ("VD", v, cfg2[1])):
-            descs.update(_host_descs(name, t, d0, d1, block))
-    elif use_tma and q.is_cuda:
+    # the streamed tiles: Q, dO in the dK/dV kernel, K, V in the dQ kernel
+    descs = _host_descs(use_tma and host_descriptors, cu_seqlens_q, (seqlen_q, cfg1[0]), (seqlen_k, cfg2[1]),
+                        d0, d1, QD=(q, cfg1[0]), DOD=(do, cfg1[0]), KD=(k, cfg2[1]), VD=(v, cfg2[1]))
+    host = bool(descs)
+    if not host and use_tma and q.is_cuda:
         _ensure_allocator()
     common = dict(Q=q, DO=do, LSE2=lse2, Delta=delta, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, qk_scale=scale * LOG2E, scale=scale,
