@@ -378,7 +378,8 @@ def main(argv=None, sweep: dict | None = None) -> dict:
           f"split_head {'on' if env['split_head'] else 'off'} | "
           f"hopper backward {'on' if env['hopper_backward'] else 'off'} | "
           f"hopper forward {'on' if env['hopper_forward'] else 'off'} | "
-          f"host descriptors up to {env['host_descriptors_up_to']} keys")
+          f"host descriptors up to {env['host_descriptors_up_to']} keys"
+          f"{' (hd64 forward: any length)' if env['host_descriptors_up_to'] else ''}")
     ceil = result["ceilings"]
     print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     os.makedirs(args.out, exist_ok=True)

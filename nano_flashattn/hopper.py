@@ -25,7 +25,8 @@ LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.registe
 `applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS =
 64/96/128); head_dim 96 is held as 64 + 32 parts, each product over the head axis two products
 (split_head.py's split). Every program makes its own descriptors, one per (sequence, head); a dense batch of
-whole tiles up to HOST_DESCRIPTORS_UP_TO keys reads through descriptors made once on the host instead.
+whole tiles up to HOST_DESCRIPTORS_UP_TO keys (head_dim 64's forward: any length) reads through descriptors
+made once on the host instead.
 `tools/flashattn_hopper_probe.py` checks which knobs this Triton compiles on the GPU at hand and times them
 against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, the same arithmetic.
 
@@ -110,6 +111,10 @@ ENABLED_HEAD_DIMS = (64, 96, 128)  # where the layer measured faster than the de
 # four times longer, -1-5%: there the device-made ones stay.
 HOST_DESCRIPTORS_DEFAULT = 8192
 HOST_DESCRIPTORS_UP_TO = HOST_DESCRIPTORS_DEFAULT  # the bench's --no-host-descriptors sets 0
+# ...except head_dim 64's forward, which reads through them at every length: at 16k +3% over the device-made
+# ones, causal and not (H200, 2026-12-02, medians of three alternating runs; hd96 -1..+1%, hd128 +1.5% in
+# that run but -1..-5% in the one above).
+HOST_DESCRIPTORS_ANY_LENGTH = (64,)
 INTERPRETER_CONFIG = HopperConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 # Backward tiles by head_dim: ((BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel, the same of
 # the dQ kernel). Measured on an H200, 2026-12-02, each of tools/flashattn_sweep.py's dK/dV and dQ
@@ -342,7 +347,8 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
         cfg = dataclasses.replace(cfg, warp_specialize=False)
     block_q = cfg.block_m // 2 if cfg.split_m else cfg.block_m
     descs = _host_descs(cfg.use_tma and cfg.host_descriptors, cu_seqlens_q, (seqlen_q, cfg.block_m),
-                        (seqlen_k, cfg.block_n), d0, d1, QD=(q, block_q), OD=(out, block_q),
+                        (seqlen_k, cfg.block_n), d0, d1, any_length=head_dim in HOST_DESCRIPTORS_ANY_LENGTH,
+                        QD=(q, block_q), OD=(out, block_q),
                         KD=(k, cfg.block_n), VD=(v, cfg.block_n))
     host = bool(descs)
     if cfg.use_tma and not interpret and not host:
@@ -360,16 +366,18 @@ def hopper_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_
 
 
 def _host_descs(enabled: bool, cu_seqlens_q, q_tiles: tuple[int, int], k_tiles: tuple[int, int], d0: int,
-                d1: int, **tensors: tuple[torch.Tensor, int]) -> dict:
+                d1: int, any_length: bool = False, **tensors: tuple[torch.Tensor, int]) -> dict:
     """The kernels' host-made descriptors, or {} where they do not apply: a dense batch (no cu_seqlens)
     whose lengths are whole tiles (q_tiles, k_tiles: (seqlen, tile rows); a tile then never crosses into the
-    next sequence) of at most HOST_DESCRIPTORS_UP_TO keys. For each `NAME=(tensor, block rows)`, NAME0
+    next sequence) of at most HOST_DESCRIPTORS_UP_TO keys (any_length: of any length, unless that bound is
+    0). For each `NAME=(tensor, block rows)`, NAME0
     (and NAME1): per head axis part, one descriptor over the whole (rows, heads * head_dim) view (part 1's
     view starts d0 columns in), made once per call (FA3 passes its TMA descriptors as kernel parameters
     the same way)."""
     (seqlen_q, tile_q), (seqlen_k, tile_k) = q_tiles, k_tiles
     if not (enabled and HAS_HOST_DESCRIPTORS and cu_seqlens_q is None and seqlen_q % tile_q == 0
-            and seqlen_k % tile_k == 0 and max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO):
+            and seqlen_k % tile_k == 0 and HOST_DESCRIPTORS_UP_TO > 0
+            and (any_length or max(seqlen_q, seqlen_k) <= HOST_DESCRIPTORS_UP_TO)):
         return {}
     descs = {}
     for name, (t, block) in tensors.items():

@@ -326,6 +326,25 @@ def test_host_descriptors_equal_per_program_descriptors(d, causal):
     _host_vs_device(d, torch.float16, "cpu", 2, 32, (4, 2), causal)
 
 
+@pytest.mark.skipif(not hopper.HAS_HOST_DESCRIPTORS, reason="this Triton has no host TensorDescriptor")
+def test_host_descriptors_apply_to_dense_whole_tiles_up_to_the_bound(monkeypatch):
+    """Where host-made descriptors apply: dense batches of whole tiles up to HOST_DESCRIPTORS_UP_TO keys, any
+    length with any_length (head_dim 64's forward), none at all when the bound is 0 (the bench's switch)."""
+    monkeypatch.setattr(hopper, "HOST_DESCRIPTORS_UP_TO", 32)
+    t = torch.zeros(64, 2, 64, dtype=torch.float16)
+
+    def made(seqlen, any_length=False, cu=None, tile=16):
+        return sorted(hopper._host_descs(True, cu, (seqlen, tile), (seqlen, tile), 64, 0, any_length=any_length,
+                                         QD=(t, tile)))
+
+    assert made(32) == ["QD0"] and made(64) == [] and made(64, any_length=True) == ["QD0"]
+    assert made(24) == [] and made(32, cu=torch.zeros(2, dtype=torch.int32)) == []  # partial tiles, varlen
+    assert hopper._host_descs(False, None, (32, 16), (32, 16), 64, 0, QD=(t, 16)) == {}
+    monkeypatch.setattr(hopper, "HOST_DESCRIPTORS_UP_TO", 0)
+    assert made(32) == [] and made(64, any_length=True) == []
+    assert hopper.HOST_DESCRIPTORS_ANY_LENGTH == (64,)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="TMA descriptors need sm_90")
 @pytest.mark.parametrize("d", hopper.HEAD_DIMS)
