@@ -15,7 +15,8 @@
                the hopper.py backward (TMA loads) runs head_dims 64/96/128 on sm_90 (--no-hopper-backward);
                the hopper.py forward runs head_dims 64/96/128 on sm_90 (--no-hopper-forward); both read
                dense batches of whole tiles up to 8k keys through host-made descriptors
-               (--no-host-descriptors: every program makes its own)
+               (--no-host-descriptors: every program makes its own); the hopper_ws.py forward (Gluon,
+               warp-specialised) runs dense head_dim 128 batches on sm_90 ahead of it (--no-gluon-forward)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
@@ -66,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the backward on the paper path's pointer loads (the hopper.py TMA layer off)")
     p.add_argument("--no-hopper-forward", action="store_true",
                    help="run the forward on the paper path / split_head (the hopper.py TMA forward off)")
+    p.add_argument("--no-gluon-forward", action="store_true",
+                   help="leave dense head_dim 128 forwards to hopper.py (the hopper_ws.py Gluon layer off)")
     p.add_argument("--no-host-descriptors", action="store_true",
                    help="the hopper.py layers make their TMA descriptors in every program, at every length")
     p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
@@ -346,6 +349,18 @@ def use_hopper_forward(on: bool) -> bool:
     return on
 
 
+def use_gluon_forward(on: bool) -> bool:
+    """Turn the warp-specialised Gluon forward (hopper_ws.py: dense head_dim 128 batches) on (an sm_90 GPU with
+    Gluon only) or off in this process, after the hopper.py forward so that it is tried first; returns whether
+    it is on. The bench runs it on a GPU unless --no-gluon-forward."""
+    from . import hopper, hopper_ws
+
+    on = (on and hopper_ws.HAS_GLUON and torch.cuda.is_available()
+          and hopper._is_sm90(torch.cuda.current_device()))
+    (hopper_ws.enable if on else hopper_ws.disable)()
+    return on
+
+
 def use_host_descriptors(on: bool) -> int:
     """The longest sequence the hopper.py layers read through host-made descriptors (0: none); returns it."""
     from . import hopper
@@ -371,6 +386,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
         "split_head": use_split_head(device.type == "cuda" and not args.no_split_head),
         "hopper_backward": use_hopper_backward(device.type == "cuda" and not args.no_hopper_backward),
         "hopper_forward": use_hopper_forward(device.type == "cuda" and not args.no_hopper_forward),
+        "gluon_forward": use_gluon_forward(device.type == "cuda" and not args.no_gluon_forward),
         "host_descriptors_up_to": use_host_descriptors(not args.no_host_descriptors),
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
@@ -378,6 +394,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
           f"split_head {'on' if env['split_head'] else 'off'} | "
           f"hopper backward {'on' if env['hopper_backward'] else 'off'} | "
           f"hopper forward {'on' if env['hopper_forward'] else 'off'} | "
+          f"gluon forward {'on' if env['gluon_forward'] else 'off'} | "
           f"host descriptors up to {env['host_descriptors_up_to']} keys"
           f"{' (hd64 forward: any length)' if env['host_descriptors_up_to'] else ''}")
     ceil = result["ceilings"]

@@ -1,0 +1,307 @@
+"""Warp-specialised Hopper forward in Gluon — a performance layer: FlashAttention-2's Algorithm 1 with
+FlashAttention-3's scheduling (Shah et al. 2024, arXiv 2407.08608, §3.1 and §3.2), for dense batches at
+head_dim 128 on sm_90.
+
+`hopper.py` writes the forward in Triton, where `tl.dot` leaves the order of the tensor-core instructions and
+the division of warps to the compiler; on Triton 3.6 that schedule stays at 0.89-0.95x cuDNN. Gluon
+(`triton.experimental.gluon`, Triton's lower-level dialect) exposes what FA3 is built from, and this layer
+uses it:
+
+* producer / consumer warp specialisation (FA3 §3.1): a producer warp (`_loader`) issues the TMA loads of
+  Q and of every K and V tile into `STAGES`-deep rings in shared memory, each slot guarded by a "ready"
+  mbarrier (the bytes landed) and an "empty" one (both consumers are done with it); two consumer
+  warpgroups (`_consumer`, 64 query rows each) run the GEMMs and the softmax. `gl.warp_specialize` gives
+  each its own warps and register budget (setmaxnreg: 232 for a consumer, 40 for the producer).
+* two consumer warpgroups that are separate partitions, each at its own pace: no CTA-wide barrier ties
+  them, so one's softmax runs while the other's GEMMs hold the tensor cores (what FA3's ping-pong
+  scheduling enforces with named barriers; here it arises from the two independent instruction streams).
+* intra-warpgroup overlap (FA3 §3.2, Algorithm 2): in each consumer, S_j = Q K_j^T is issued, then
+  O += P_{j-1} V_{j-1} behind it (`warpgroup_mma(..., is_async=True)`); the consumer waits for S_j alone
+  (`warpgroup_mma_wait(1)`), computes softmax(S_j) while the P V product runs, then waits for O and
+  rescales it.
+
+The mathematics is the paper path's: online softmax in base 2 with log2(e) folded into the scale, the causal
+mask on the diagonal tile only, the natural-log LSE (heads_q, total_q) the backward reads. `ws_forward` takes
+and returns what `forward.attention_forward` does; `enable()` registers it for the calls `applies` accepts
+(CUDA sm_90, fp16/bf16, head_dim 128, no varlen or paged K/V, seqlen_q == seqlen_k a multiple of 128, no
+window but the causal one, no explicit tile config) ahead of `hopper.py`'s forward, which keeps every other
+call. `tools/flashattn_gluon_probe.py` times it against cuDNN, `hopper.py` and a one-partition variant.
+Gluon has no interpreter: the CPU tests check the dispatch, the GPU tests the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .checks import cdiv
+from .forward import LN2_C, LOG2E
+from .interface import register_kernel
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # a Triton without Gluon's Hopper module: the layer never applies
+    HAS_GLUON = False
+
+HEAD_DIM = 128
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_N = 128  # key rows per K / V tile
+STAGES = 2  # K / V tiles in flight per ring (3 ran 1-5% slower in the one-partition probe)
+REGS = (232, 40)  # setmaxnreg of the second consumer warpgroup and of the producer warp
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, qk_scale):
+        """FA2 Algorithm 1, lines 9-10 for one S tile: P = exp2(S·scale − m_new), the rescale alpha, the new
+        row max and row sum (base 2, log2(e) folded into qk_scale)."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _mask_diagonal(s, offs_m, n0, s_layout: gl.constexpr):
+        """The causal mask on the diagonal tile: key n is visible to query m when n <= m."""
+        offs_n = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        return gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
+                  start_m, n_tiles, lse_off, qk_scale, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+        """One consumer warpgroup: query rows [start_m + 64·HALF, +64) against every K/V tile the producer
+        lands (FA3 §3.2's schedule), then O / l to global memory by TMA and the LSE."""
+        M: gl.constexpr = 64
+        dtype: gl.constexpr = q_smem.dtype
+        NUM_STAGES: gl.constexpr = k_smem.shape[0]
+        TILE_N: gl.constexpr = k_smem.shape[1]
+        D: gl.constexpr = k_smem.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, TILE_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q = q_smem.index(HALF)
+        offs_m = start_m + HALF * M + gl.arange(0, M, layout=row_s)
+        m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([M], gl.float32, layout=row_s)
+        s_zero = gl.zeros([M, TILE_N], gl.float32, layout=s_layout)
+        o = gl.zeros([M, D], gl.float32, layout=o_layout)
+        # S_0 and its softmax: the pipeline's first stage
+        mbarrier.wait(q_bar.index(HALF), 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                                                      is_async=True),))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if CAUSAL and n_tiles == 1:
+            s = _mask_diagonal(s, offs_m, 0, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)  # P stays in registers as the A operand of P V
+        for j in range(1, n_tiles):
+            slot = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)  # O += P_{j-1} V_{j-1}, behind S_j
+            s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j has landed; the P V product may still run
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if CAUSAL and j == n_tiles - 1:
+                s = _mask_diagonal(s, offs_m, j * TILE_N, s_layout)
+            p, alpha, m_new, l_i = _softmax_tile(s, m_i, l_i, qk_scale)  # under the P V product
+            o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]  # FA2 line 10's rescale, once O has landed
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+        o = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_smem.index(last), o, is_async=True),))
+        mbarrier.arrive(v_empty.index(last), count=1)
+        o = o / gl.convert_layout(l_i, row_o)[:, None]  # line 12: normalise once
+        gl.store(LSE + lse_off + offs_m, (m_i + gl.log2(l_i)) * LN2_C)  # line 13, natural log
+        q.store(o.to(dtype))  # this half's Q is no longer read: its buffer stages O for the TMA store
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row0 + start_m + HALF * M, q_col], q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_causal_0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
+                           q_col, start_m, n_tiles, lse_off, qk_scale):
+        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
+                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=True, HALF=0)
+
+    @gluon.jit
+    def _consumer_causal_1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
+                           q_col, start_m, n_tiles, lse_off, qk_scale):
+        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
+                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=True, HALF=1)
+
+    @gluon.jit
+    def _consumer_full_0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
+                         q_col, start_m, n_tiles, lse_off, qk_scale):
+        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
+                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=False, HALF=0)
+
+    @gluon.jit
+    def _consumer_full_1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
+                         q_col, start_m, n_tiles, lse_off, qk_scale):
+        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
+                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=False, HALF=1)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, row0,
+                q_col, kv_col, start_m, n_tiles):
+        """The producer warp (FA3 §3.1): Q's two halves, then K_j and V_j into ring slot j % STAGES once both
+        consumers have released it (the empty barrier's previous phase)."""
+        NUM_STAGES: gl.constexpr = k_smem.shape[0]
+        TILE_N: gl.constexpr = k_smem.shape[1]
+        D: gl.constexpr = k_smem.shape[2]
+        tile_bytes: gl.constexpr = TILE_N * D * 2
+        for half in gl.static_range(2):
+            mbarrier.expect(q_bar.index(half), 64 * D * 2)
+            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + half * 64, q_col], q_bar.index(half),
+                                            q_smem.index(half))
+        for j in range(n_tiles):
+            slot = j % NUM_STAGES
+            refill = j >= NUM_STAGES
+            mbarrier.wait(k_empty.index(slot), ((j // NUM_STAGES) - 1) & 1, pred=refill)
+            mbarrier.expect(k_ready.index(slot), tile_bytes)
+            tma.async_copy_global_to_shared(k_desc, [row0 + j * TILE_N, kv_col], k_ready.index(slot),
+                                            k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), ((j // NUM_STAGES) - 1) & 1, pred=refill)
+            mbarrier.expect(v_ready.index(slot), tile_bytes)
+            tma.async_copy_global_to_shared(v_desc, [row0 + j * TILE_N, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+
+    @gluon.jit
+    def _ws_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, group, stride_lse_h, qk_scale,
+                       CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """One program per (128-row query tile, query head, sequence), as FA2 §3.2's grid; the shared memory
+        and the barriers are made here, then the partitions fork."""
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        TILE_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # heaviest query tiles first (FA2 §3.2)
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        row0 = b * seqlen
+        start_m = pid_m * 128
+        n_tiles = gl.cdiv(start_m + 128, TILE_N) if CAUSAL else gl.cdiv(seqlen, TILE_N)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, TILE_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+        rings = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
+        lse_off = h.to(gl.int64) * stride_lse_h + row0
+        # Gluon builds tuples with +, not * unpacking
+        args = rings + (o_desc, LSE, row0, h * D, start_m, n_tiles, lse_off, qk_scale)  # noqa: RUF005
+        loader = (q_desc, k_desc, v_desc) + rings + (row0, h * D, (h // group) * D, start_m, n_tiles)  # noqa: RUF005
+        if CAUSAL:  # a partition's constexprs are fixed by the function it runs
+            gl.warp_specialize([(_consumer_causal_0, args), (_consumer_causal_1, args), (_loader, loader)], [4, 1],
+                               [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([(_consumer_full_0, args), (_consumer_full_1, args), (_loader, loader)], [4, 1],
+                               [CONSUMER_REGS, LOADER_REGS])
+
+
+def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale, window_left,
+               window_right, config=None):
+    """FA2 Algorithm 1 with FA3's warp specialisation; the arguments and results of
+    `forward.attention_forward` for the calls `applies` accepts (out, and the natural-log LSE as
+    (heads_q, total_q) fp32)."""
+    if not applies(q, k, v, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, block_table=block_table, window_left=window_left,
+                   window_right=window_right, config=config):
+        raise ValueError(f"ws_forward: q {tuple(q.shape)} {q.dtype} on {q.device}: takes dense sm_90 fp16/bf16 "
+                         "batches at head_dim 128 with seqlen_q == seqlen_k a multiple of 128 and no window but "
+                         "the causal one (hopper_ws.applies)")
+    total, heads_q, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(heads_q, total, dtype=torch.float32, device=q.device)
+    if total == 0:
+        return out, lse
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([64, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gdt)
+    q_desc = TensorDescriptor.from_tensor(q.view(total, -1), [64, d], q_layout)
+    o_desc = TensorDescriptor.from_tensor(out.view(total, -1), [64, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(k.shape[0], -1), [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(v.shape[0], -1), [BLOCK_N, d], kv_layout)
+    _ws_fwd_kernel[(cdiv(seqlen_q, BLOCK_M), heads_q, batch)](
+        q_desc, k_desc, v_desc, o_desc, lse, seqlen_q, heads_q // k.shape[1], lse.stride(0), scale * LOG2E,
+        CAUSAL=window_right == 0, NUM_STAGES=STAGES, CONSUMER_REGS=REGS[0], LOADER_REGS=REGS[1], num_warps=4)
+    return out, lse
+
+
+def applies(q, k, v, **arguments) -> bool:
+    """The calls `ws_forward` takes: a Triton with Gluon's Hopper module, CUDA sm_90, rows TMA can read
+    (`hopper._tma_ready`), and what `takes` accepts."""
+    from .hopper import _is_sm90, _tma_ready
+
+    return (HAS_GLUON and q.is_cuda and takes(q, k, v, **arguments)
+            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
+
+
+def takes(q, k, v, batch=1, seqlen_q=0, seqlen_k=0, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+          window_left=0, window_right=0, config=None, **arguments) -> bool:
+    """The shapes the kernel is written for: fp16/bf16 q/k/v of one dtype, head_dim 128, a dense batch (no
+    cu_seqlens, no block table) with seqlen_q == seqlen_k a multiple of 128, no window but the causal one, no
+    explicit tile config (the Triton layers' sweeps pass one)."""
+    return (config is None and block_table is None and cu_seqlens_q is None and cu_seqlens_k is None
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] == HEAD_DIM
+            and seqlen_q == seqlen_k and seqlen_q % BLOCK_M == 0
+            and q.shape[0] == batch * seqlen_q and k.shape[0] == batch * seqlen_k
+            and window_left >= seqlen_k and (window_right == 0 or window_right >= seqlen_k))
+
+
+_REMOVE: list[Callable[[], None]] = []
+
+
+def enable() -> Callable[[], None]:
+    """Register `ws_forward` as the "forward" kernel for the calls `applies` accepts, ahead of every layer
+    registered before it (enable it after `hopper.enable()`). Returns the function that removes it."""
+    disable()
+    _REMOVE.append(register_kernel("forward", ws_forward, applies))
+    return disable
+
+
+def disable() -> None:
+    while _REMOVE:
+        _REMOVE.pop()()
+
+
+def enabled() -> bool:
+    return bool(_REMOVE)

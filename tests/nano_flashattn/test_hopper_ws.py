@@ -1,0 +1,91 @@
+"""The warp-specialised Gluon forward (nano_flashattn.hopper_ws): which calls it takes and how it registers
+(CPU: Gluon has no interpreter), and its outputs against the fp64 reference with FlashAttention's error rule
+on an sm_90 GPU, with the paper path's backward reading its LSE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_flashattn_dense import _run_and_compare
+
+import nano_flashattn as fa
+from nano_flashattn import hopper_ws
+from nano_flashattn.checks import NO_WINDOW
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _args(batch=2, seqlen=256, heads=(4, 2), d=128, dtype=torch.bfloat16, causal=True, **changes):
+    q = torch.zeros(batch * seqlen, heads[0], d, dtype=dtype)
+    k = torch.zeros(batch * seqlen, heads[1], d, dtype=dtype)
+    args = dict(q=q, k=k, v=k.clone(), batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, cu_seqlens_q=None,
+                cu_seqlens_k=None, block_table=None, window_left=NO_WINDOW, window_right=0 if causal else NO_WINDOW)
+    return {**args, **changes}
+
+
+def test_takes_dense_head_dim_128_batches_of_whole_tiles():
+    assert hopper_ws.takes(**_args()) and hopper_ws.takes(**_args(causal=False, dtype=torch.float16))
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    refused = [
+        _args(d=64), _args(dtype=torch.float32), _args(seqlen=200), _args(seqlen_k=512),
+        _args(cu_seqlens_q=cu, cu_seqlens_k=cu), _args(block_table=torch.zeros(2, 1, dtype=torch.int32)),
+        _args(window_left=64), _args(causal=False, window_right=5), _args(config=(128, 128, 8, 3)),
+    ]
+    assert not any(hopper_ws.takes(**a) for a in refused)
+
+
+def test_never_applies_on_a_cpu_and_refuses_what_it_does_not_take():
+    assert not hopper_ws.applies(**_args())
+    with pytest.raises(ValueError, match=r"^ws_forward: q \(512, 4, 128\) torch.bfloat16 on cpu: takes dense sm_90"):
+        hopper_ws.ws_forward(scale=1.0, **_args())
+
+
+def test_enable_registers_ahead_and_disable_removes():
+    layers = fa.interface._LAYERS["forward"]
+    try:
+        remove = hopper_ws.enable()
+        assert hopper_ws.enabled() and layers[0][0] is hopper_ws.ws_forward
+        hopper_ws.enable()  # again: one registration
+        assert sum(launch is hopper_ws.ws_forward for launch, _ in layers) == 1
+        remove()
+        assert not hopper_ws.enabled() and all(launch is not hopper_ws.ws_forward for launch, _ in layers)
+    finally:
+        hopper_ws.disable()
+
+
+def test_bench_switch():
+    from nano_flashattn import bench
+
+    assert bench.parse_args(["--no-gluon-forward"]).no_gluon_forward
+    assert bench.use_gluon_forward(True) is _sm90() and bench.use_gluon_forward(False) is False
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The layer, enabled for this test; counts its kernel's launches."""
+    counts = {"ws": 0}
+    kernel = hopper_ws._ws_fwd_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            counts["ws"] += 1
+            return kernel[grid]
+
+    monkeypatch.setattr(hopper_ws, "_ws_fwd_kernel", Counted())
+    hopper_ws.enable()
+    yield counts
+    hopper_ws.disable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_sm90() and hopper_ws.HAS_GLUON), reason="wgmma, TMA and Gluon need sm_90")
+@pytest.mark.parametrize("b,s,hq,hk,dtype,causal", [
+    (2, 256, 4, 4, torch.bfloat16, True), (2, 384, 8, 2, torch.bfloat16, False), (1, 1024, 4, 1, torch.bfloat16, True),
+    (1, 128, 2, 2, torch.bfloat16, True), (2, 512, 4, 2, torch.float16, False), (1, 2048, 2, 2, torch.float16, True)])
+def test_gpu_forward_and_the_backward_on_its_lse(fa_check, launches, b, s, hq, hk, dtype, causal):
+    """Out and LSE against fp64 (one K/V tile, several, GQA and MQA, both dtypes), then the paper path's
+    backward, which reads this forward's LSE."""
+    _run_and_compare(fa_check, b, s, s, hq, hk, 128, dtype, causal, (-1, -1), device="cuda")
+    assert launches["ws"] == 1
