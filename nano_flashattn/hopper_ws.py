@@ -31,6 +31,7 @@ Gluon has no interpreter: the CPU tests check the dispatch, the GPU tests the nu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -55,7 +56,8 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper module: the layer never applies
     HAS_GLUON = False
 
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)  # the kernel is written for any power-of-two head_dim; these two are tested
+ENABLED_HEAD_DIMS = (128,)  # where it measured faster than hopper.py's forward (H200, 2026-12-02)
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # key rows per K / V tile
 STAGES = 2  # K / V tiles in flight per ring (3 ran 1-5% slower in the one-partition probe)
@@ -245,8 +247,8 @@ def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, b
                    cu_seqlens_k=cu_seqlens_k, block_table=block_table, window_left=window_left,
                    window_right=window_right, config=config):
         raise ValueError(f"ws_forward: q {tuple(q.shape)} {q.dtype} on {q.device}: takes dense sm_90 fp16/bf16 "
-                         "batches at head_dim 128 with seqlen_q == seqlen_k a multiple of 128 and no window but "
-                         "the causal one (hopper_ws.applies)")
+                         f"batches at head_dim {HEAD_DIMS} with seqlen_q == seqlen_k a multiple of 128 and no "
+                         "window but the causal one (hopper_ws.applies)")
     total, heads_q, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(heads_q, total, dtype=torch.float32, device=q.device)
@@ -267,7 +269,7 @@ def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, b
 
 def applies(q, k, v, **arguments) -> bool:
     """The calls `ws_forward` takes: a Triton with Gluon's Hopper module, CUDA sm_90, rows TMA can read
-    (`hopper._tma_ready`), and what `takes` accepts."""
+    (`hopper._tma_ready`), and what `takes` accepts (`head_dims`: of HEAD_DIMS)."""
     from .hopper import _is_sm90, _tma_ready
 
     return (HAS_GLUON and q.is_cuda and takes(q, k, v, **arguments)
@@ -276,12 +278,13 @@ def applies(q, k, v, **arguments) -> bool:
 
 
 def takes(q, k, v, batch=1, seqlen_q=0, seqlen_k=0, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
-          window_left=0, window_right=0, config=None, **arguments) -> bool:
-    """The shapes the kernel is written for: fp16/bf16 q/k/v of one dtype, head_dim 128, a dense batch (no
+          window_left=0, window_right=0, config=None, head_dims=HEAD_DIMS, **arguments) -> bool:
+    """The shapes the kernel is written for: fp16/bf16 q/k/v of one dtype, a head_dim of head_dims (64, 128), a
+    dense batch (no
     cu_seqlens, no block table) with seqlen_q == seqlen_k a multiple of 128, no window but the causal one, no
     explicit tile config (the Triton layers' sweeps pass one)."""
     return (config is None and block_table is None and cu_seqlens_q is None and cu_seqlens_k is None
-            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] == HEAD_DIM
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in head_dims
             and seqlen_q == seqlen_k and seqlen_q % BLOCK_M == 0
             and q.shape[0] == batch * seqlen_q and k.shape[0] == batch * seqlen_k
             and window_left >= seqlen_k and (window_right == 0 or window_right >= seqlen_k))
@@ -290,11 +293,14 @@ def takes(q, k, v, batch=1, seqlen_q=0, seqlen_k=0, cu_seqlens_q=None, cu_seqlen
 _REMOVE: list[Callable[[], None]] = []
 
 
-def enable() -> Callable[[], None]:
-    """Register `ws_forward` as the "forward" kernel for the calls `applies` accepts, ahead of every layer
-    registered before it (enable it after `hopper.enable()`). Returns the function that removes it."""
+def enable(head_dims: tuple[int, ...] = ENABLED_HEAD_DIMS) -> Callable[[], None]:
+    """Register `ws_forward` as the "forward" kernel for the calls `applies` accepts at `head_dims`, ahead of
+    every layer registered before it (enable it after `hopper.enable()`). Returns the function that removes
+    it; enabling again replaces the earlier registration."""
+    if not set(head_dims) <= set(HEAD_DIMS):
+        raise ValueError(f"head_dims must be of {HEAD_DIMS}, got {head_dims!r}")
     disable()
-    _REMOVE.append(register_kernel("forward", ws_forward, applies))
+    _REMOVE.append(register_kernel("forward", ws_forward, functools.partial(applies, head_dims=tuple(head_dims))))
     return disable
 
 

@@ -28,8 +28,9 @@ def _args(batch=2, seqlen=256, heads=(4, 2), d=128, dtype=torch.bfloat16, causal
 def test_takes_dense_head_dim_128_batches_of_whole_tiles():
     assert hopper_ws.takes(**_args()) and hopper_ws.takes(**_args(causal=False, dtype=torch.float16))
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    assert hopper_ws.takes(**_args(d=64)) and not hopper_ws.takes(**_args(d=64), head_dims=(128,))
     refused = [
-        _args(d=64), _args(dtype=torch.float32), _args(seqlen=200), _args(seqlen_k=512),
+        _args(d=96), _args(d=256), _args(dtype=torch.float32), _args(seqlen=200), _args(seqlen_k=512),
         _args(cu_seqlens_q=cu, cu_seqlens_k=cu), _args(block_table=torch.zeros(2, 1, dtype=torch.int32)),
         _args(window_left=64), _args(causal=False, window_right=5), _args(config=(128, 128, 8, 3)),
     ]
@@ -40,6 +41,8 @@ def test_never_applies_on_a_cpu_and_refuses_what_it_does_not_take():
     assert not hopper_ws.applies(**_args())
     with pytest.raises(ValueError, match=r"^ws_forward: q \(512, 4, 128\) torch.bfloat16 on cpu: takes dense sm_90"):
         hopper_ws.ws_forward(scale=1.0, **_args())
+    with pytest.raises(ValueError, match=r"^head_dims must be of \(64, 128\), got \(96,\)"):
+        hopper_ws.enable(head_dims=(96,))
 
 
 def test_enable_registers_ahead_and_disable_removes():
@@ -74,18 +77,19 @@ def launches(monkeypatch):
             return kernel[grid]
 
     monkeypatch.setattr(hopper_ws, "_ws_fwd_kernel", Counted())
-    hopper_ws.enable()
+    hopper_ws.enable(head_dims=hopper_ws.HEAD_DIMS)
     yield counts
     hopper_ws.disable()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (_sm90() and hopper_ws.HAS_GLUON), reason="wgmma, TMA and Gluon need sm_90")
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("b,s,hq,hk,dtype,causal", [
     (2, 256, 4, 4, torch.bfloat16, True), (2, 384, 8, 2, torch.bfloat16, False), (1, 1024, 4, 1, torch.bfloat16, True),
     (1, 128, 2, 2, torch.bfloat16, True), (2, 512, 4, 2, torch.float16, False), (1, 2048, 2, 2, torch.float16, True)])
-def test_gpu_forward_and_the_backward_on_its_lse(fa_check, launches, b, s, hq, hk, dtype, causal):
+def test_gpu_forward_and_the_backward_on_its_lse(fa_check, launches, d, b, s, hq, hk, dtype, causal):
     """Out and LSE against fp64 (one K/V tile, several, GQA and MQA, both dtypes), then the paper path's
     backward, which reads this forward's LSE."""
-    _run_and_compare(fa_check, b, s, s, hq, hk, 128, dtype, causal, (-1, -1), device="cuda")
+    _run_and_compare(fa_check, b, s, s, hq, hk, d, dtype, causal, (-1, -1), device="cuda")
     assert launches["ws"] == 1
