@@ -83,12 +83,13 @@ if HAS_GLUON:
         return gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
-                  start_m, n_tiles, lse_off, qk_scale, CAUSAL: gl.constexpr, HALF: gl.constexpr):
-        """One consumer warpgroup: query rows [start_m + 64·HALF, +64) against every K/V tile the producer
-        lands (FA3 §3.2's schedule), then O / l to global memory by TMA and the LSE."""
+    def _consumer(q, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, o_row, q_col, m0,
+                  n_tiles, diag_tile, lse_off, qk_scale):
+        """One consumer warpgroup: the 64 query rows from m0 (its half of the program's tile: Q in `q`, landed
+        on `q_bar`) against every K/V tile the producer lands (FA3 §3.2's schedule), then O / l to global
+        memory by TMA at row o_row, and the LSE. Tile `diag_tile` (n_tiles when not causal: none) is masked."""
         M: gl.constexpr = 64
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = q.dtype
         NUM_STAGES: gl.constexpr = k_smem.shape[0]
         TILE_N: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
@@ -99,19 +100,18 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(HALF)
-        offs_m = start_m + HALF * M + gl.arange(0, M, layout=row_s)
+        offs_m = m0 + gl.arange(0, M, layout=row_s)
         m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([M], gl.float32, layout=row_s)
         s_zero = gl.zeros([M, TILE_N], gl.float32, layout=s_layout)
         o = gl.zeros([M, D], gl.float32, layout=o_layout)
         # S_0 and its softmax: the pipeline's first stage
-        mbarrier.wait(q_bar.index(HALF), 0)
+        mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                                                       is_async=True),))
         mbarrier.arrive(k_empty.index(0), count=1)
-        if CAUSAL and n_tiles == 1:
+        if diag_tile == 0:
             s = _mask_diagonal(s, offs_m, 0, s_layout)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)  # P stays in registers as the A operand of P V
@@ -124,7 +124,7 @@ if HAS_GLUON:
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)  # O += P_{j-1} V_{j-1}, behind S_j
             s = warpgroup_mma_wait(1, deps=(s_tok,))  # S_j has landed; the P V product may still run
             mbarrier.arrive(k_empty.index(slot), count=1)
-            if CAUSAL and j == n_tiles - 1:
+            if j == diag_tile:
                 s = _mask_diagonal(s, offs_m, j * TILE_N, s_layout)
             p, alpha, m_new, l_i = _softmax_tile(s, m_i, l_i, qk_scale)  # under the P V product
             o, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
@@ -140,35 +140,11 @@ if HAS_GLUON:
         gl.store(LSE + lse_off + offs_m, (m_i + gl.log2(l_i)) * LN2_C)  # line 13, natural log
         q.store(o.to(dtype))  # this half's Q is no longer read: its buffer stages O for the TMA store
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [row0 + start_m + HALF * M, q_col], q)
+        tma.async_copy_shared_to_global(o_desc, [o_row, q_col], q)
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer_causal_0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
-                           q_col, start_m, n_tiles, lse_off, qk_scale):
-        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
-                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=True, HALF=0)
-
-    @gluon.jit
-    def _consumer_causal_1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
-                           q_col, start_m, n_tiles, lse_off, qk_scale):
-        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
-                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=True, HALF=1)
-
-    @gluon.jit
-    def _consumer_full_0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
-                         q_col, start_m, n_tiles, lse_off, qk_scale):
-        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
-                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=False, HALF=0)
-
-    @gluon.jit
-    def _consumer_full_1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0,
-                         q_col, start_m, n_tiles, lse_off, qk_scale):
-        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, o_desc, LSE, row0, q_col,
-                  start_m, n_tiles, lse_off, qk_scale, CAUSAL=False, HALF=1)
-
-    @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, row0,
+    def _loader(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, row0,
                 q_col, kv_col, start_m, n_tiles):
         """The producer warp (FA3 §3.1): Q's two halves, then K_j and V_j into ring slot j % STAGES once both
         consumers have released it (the empty barrier's previous phase)."""
@@ -225,18 +201,17 @@ if HAS_GLUON:
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
-        rings = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
         lse_off = h.to(gl.int64) * stride_lse_h + row0
-        # Gluon builds tuples with +, not * unpacking
-        args = rings + (o_desc, LSE, row0, h * D, start_m, n_tiles, lse_off, qk_scale)  # noqa: RUF005
-        loader = (q_desc, k_desc, v_desc) + rings + (row0, h * D, (h // group) * D, start_m, n_tiles)  # noqa: RUF005
-        if CAUSAL:  # a partition's constexprs are fixed by the function it runs
-            gl.warp_specialize([(_consumer_causal_0, args), (_consumer_causal_1, args), (_loader, loader)], [4, 1],
-                               [CONSUMER_REGS, LOADER_REGS])
-        else:
-            gl.warp_specialize([(_consumer_full_0, args), (_consumer_full_1, args), (_loader, loader)], [4, 1],
-                               [CONSUMER_REGS, LOADER_REGS])
-
+        diag_tile = n_tiles - 1 if CAUSAL else n_tiles  # the masked K/V tile: none when not causal
+        # the two consumers differ only in their half: its Q buffer and barrier, its first row
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), q_bar.index(0), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
+                         LSE, row0 + start_m, h * D, start_m, n_tiles, diag_tile, lse_off, qk_scale)),
+            (_consumer, (q_smem.index(1), q_bar.index(1), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o_desc,
+                         LSE, row0 + start_m + 64, h * D, start_m + 64, n_tiles, diag_tile, lse_off, qk_scale)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                       row0, h * D, (h // group) * D, start_m, n_tiles)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale, window_left,
                window_right, config=None):
