@@ -20,6 +20,9 @@ what changes in the forward is how tiles move and how the loop is scheduled, eac
   BLOCK_M / 2 halves that share each K/V tile, so the softmax of one half can overlap the other's GEMMs.
 * the K/V pipeline depth (`num_stages`) and multi-buffering of the accumulator.
 
+`hopper_ws.py` takes dense head_dim 128 forwards ahead of this one (FA3's warp specialisation in Gluon, which
+Triton's `tl.range(warp_specialize=True)` above cannot express for this loop).
+
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
 LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
 `applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS =
