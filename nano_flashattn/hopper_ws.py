@@ -52,6 +52,9 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.9 renamed them
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     HAS_GLUON = True
 except ImportError:  # a Triton without Gluon's Hopper module: the layer never applies
     HAS_GLUON = False
@@ -140,7 +143,7 @@ if HAS_GLUON:
         gl.store(LSE + lse_off + offs_m, (m_i + gl.log2(l_i)) * LN2_C)  # line 13, natural log
         q.store(o.to(dtype))  # this half's Q is no longer read: its buffer stages O for the TMA store
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [o_row, q_col], q)
+        _tma_store(o_desc, [o_row, q_col], q)
         tma.store_wait(0)
 
     @gluon.jit
@@ -154,18 +157,18 @@ if HAS_GLUON:
         tile_bytes: gl.constexpr = TILE_N * D * 2
         for half in gl.static_range(2):
             mbarrier.expect(q_bar.index(half), 64 * D * 2)
-            tma.async_copy_global_to_shared(q_desc, [row0 + start_m + half * 64, q_col], q_bar.index(half),
+            _tma_load(q_desc, [row0 + start_m + half * 64, q_col], q_bar.index(half),
                                             q_smem.index(half))
         for j in range(n_tiles):
             slot = j % NUM_STAGES
             refill = j >= NUM_STAGES
             mbarrier.wait(k_empty.index(slot), ((j // NUM_STAGES) - 1) & 1, pred=refill)
             mbarrier.expect(k_ready.index(slot), tile_bytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + j * TILE_N, kv_col], k_ready.index(slot),
+            _tma_load(k_desc, [row0 + j * TILE_N, kv_col], k_ready.index(slot),
                                             k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), ((j // NUM_STAGES) - 1) & 1, pred=refill)
             mbarrier.expect(v_ready.index(slot), tile_bytes)
-            tma.async_copy_global_to_shared(v_desc, [row0 + j * TILE_N, kv_col], v_ready.index(slot),
+            _tma_load(v_desc, [row0 + j * TILE_N, kv_col], v_ready.index(slot),
                                             v_smem.index(slot))
 
     @gluon.jit

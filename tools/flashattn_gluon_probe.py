@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from nano_flashattn import hopper_ws
-from nano_flashattn.hopper_ws import _mask_diagonal, _softmax_tile
+from nano_flashattn.hopper_ws import _mask_diagonal, _softmax_tile, _tma_load, _tma_store
 
 LOG2E = math.log2(math.e)
 
@@ -91,13 +91,13 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, heads, qk_sca
 
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * 2
     mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * 2)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, col], q_bar, q_smem)
+    _tma_load(q_desc, [row0 + start_m, col], q_bar, q_smem)
     for i in gl.static_range(STAGES):  # fill the rings
         ok = i < n_tiles
         mbarrier.expect(k_bar.index(i), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col], k_bar.index(i), k_smem.index(i), pred=ok)
+        _tma_load(k_desc, [row0 + i * BLOCK_N, col], k_bar.index(i), k_smem.index(i), pred=ok)
         mbarrier.expect(v_bar.index(i), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col], v_bar.index(i), v_smem.index(i), pred=ok)
+        _tma_load(v_desc, [row0 + i * BLOCK_N, col], v_bar.index(i), v_smem.index(i), pred=ok)
 
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -112,7 +112,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, heads, qk_sca
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     ok = n_tiles > STAGES
     mbarrier.expect(k_bar.index(0), kv_bytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0 + STAGES * BLOCK_N, col], k_bar.index(0), k_smem.index(0),
+    _tma_load(k_desc, [row0 + STAGES * BLOCK_N, col], k_bar.index(0), k_smem.index(0),
                                     pred=ok)
     if CAUSAL and n_tiles == 1:
         s = _mask_diagonal(s, offs_m, 0, s_layout)
@@ -130,7 +130,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, heads, qk_sca
         nxt = j + STAGES
         ok = nxt < n_tiles
         mbarrier.expect(k_bar.index(slot), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(k_desc, [row0 + nxt * BLOCK_N, col], k_bar.index(slot),
+        _tma_load(k_desc, [row0 + nxt * BLOCK_N, col], k_bar.index(slot),
                                         k_smem.index(slot), pred=ok)
         if CAUSAL and j == n_tiles - 1:
             s = _mask_diagonal(s, offs_m, j * BLOCK_N, s_layout)
@@ -139,7 +139,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, heads, qk_sca
         nv = j - 1 + STAGES
         ok = nv < n_tiles
         mbarrier.expect(v_bar.index(prev), kv_bytes, pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [row0 + nv * BLOCK_N, col], v_bar.index(prev), v_smem.index(prev),
+        _tma_load(v_desc, [row0 + nv * BLOCK_N, col], v_bar.index(prev), v_smem.index(prev),
                                         pred=ok)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
@@ -153,7 +153,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, seqlen, heads, qk_sca
     gl.store(LSE + (b * heads + h) * seqlen + offs_m, (m_i + gl.log2(l_i)) / LOG2E_C)
     q_smem.store(o.to(dtype))  # Q is no longer read: its buffer stages the O tile for the TMA store
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0 + start_m, col], q_smem)
+    _tma_store(o_desc, [row0 + start_m, col], q_smem)
     tma.store_wait(0)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):

@@ -65,6 +65,31 @@ def test_bench_switch():
     assert bench.use_gluon_forward(True) is _sm90() and bench.use_gluon_forward(False) is False
 
 
+@pytest.mark.skipif(not hopper_ws.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
+def test_kernel_compiles_for_sm90_with_this_triton(d, causal, monkeypatch):
+    """Gluon's API moves between Triton releases (3.6's TMA copy names are gone in 3.9): the kernel is compiled
+    for sm_90 with the installed Triton, no GPU needed, down to PTX with its wgmma and the register split."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+
+    signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "LSE": "*fp32",
+                 "seqlen": "i32", "group": "i32", "stride_lse_h": "i32", "qk_scale": "fp32"}
+    constants = {"CAUSAL": causal, "NUM_STAGES": hopper_ws.STAGES, "CONSUMER_REGS": hopper_ws.REGS[0],
+                 "LOADER_REGS": hopper_ws.REGS[1], "num_warps": 4}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    kernel = triton_compile(GluonASTSource(hopper_ws._ws_fwd_kernel, signature, constexprs=constants, attrs={}),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The layer, enabled for this test; counts its kernel's launches."""
