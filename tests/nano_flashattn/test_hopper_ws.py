@@ -4,6 +4,11 @@ on an sm_90 GPU, with the paper path's backward reading its LSE."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_flashattn_dense import _run_and_compare
@@ -11,6 +16,8 @@ from test_flashattn_dense import _run_and_compare
 import nano_flashattn as fa
 from nano_flashattn import hopper_ws
 from nano_flashattn.checks import NO_WINDOW
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sm90() -> bool:
@@ -65,29 +72,42 @@ def test_bench_switch():
     assert bench.use_gluon_forward(True) is _sm90() and bench.use_gluon_forward(False) is False
 
 
+_COMPILE = """
+import sys
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from nano_flashattn import hopper_ws
+
+d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+def desc(rows):
+    return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "LSE": "*fp32",
+             "seqlen": "i32", "group": "i32", "stride_lse_h": "i32", "qk_scale": "fp32"}
+constants = {"CAUSAL": causal, "NUM_STAGES": hopper_ws.STAGES, "CONSUMER_REGS": hopper_ws.REGS[0],
+             "LOADER_REGS": hopper_ws.REGS[1], "num_warps": 4}
+signature.update(dict.fromkeys(constants, "constexpr"))
+kernel = triton_compile(GluonASTSource(hopper_ws._ws_fwd_kernel, signature, constexprs=constants, attrs={}),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = kernel.asm["ptx"]
+assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx, "missing instructions"
+print("compiled")
+"""
+
+
 @pytest.mark.skipif(not hopper_ws.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
-def test_kernel_compiles_for_sm90_with_this_triton(d, causal, monkeypatch):
+def test_kernel_compiles_for_sm90_with_this_triton(d, causal, tmp_path):
     """Gluon's API moves between Triton releases (3.6's TMA copy names are gone in 3.9): the kernel is compiled
-    for sm_90 with the installed Triton, no GPU needed, down to PTX with its wgmma and the register split."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(rows):
-        return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
-
-    signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "LSE": "*fp32",
-                 "seqlen": "i32", "group": "i32", "stride_lse_h": "i32", "qk_scale": "fp32"}
-    constants = {"CAUSAL": causal, "NUM_STAGES": hopper_ws.STAGES, "CONSUMER_REGS": hopper_ws.REGS[0],
-                 "LOADER_REGS": hopper_ws.REGS[1], "num_warps": 4}
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    kernel = triton_compile(GluonASTSource(hopper_ws._ws_fwd_kernel, signature, constexprs=constants, attrs={}),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx
+    for sm_90 with the installed Triton, no GPU needed, down to PTX with its wgmma and the register split. In a
+    process of its own: this one imported Triton under TRITON_INTERPRET=1, and an empty cache, so that the
+    compiler runs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(int(causal))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.fixture
