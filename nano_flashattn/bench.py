@@ -16,7 +16,8 @@
                the hopper.py forward runs head_dims 64/96/128 on sm_90 (--no-hopper-forward); both read
                dense batches of whole tiles up to 8k keys through host-made descriptors
                (--no-host-descriptors: every program makes its own); the hopper_ws.py forward (Gluon,
-               warp-specialised) runs dense head_dim 128 batches on sm_90 ahead of it (--no-gluon-forward)
+               warp-specialised) runs dense head_dim 128 batches on sm_90 ahead of it (--no-gluon-forward),
+               its backward dense head_dim 64/128 batches ahead of hopper.py's (--no-gluon-backward)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run the forward on the paper path / split_head (the hopper.py TMA forward off)")
     p.add_argument("--no-gluon-forward", action="store_true",
                    help="leave dense head_dim 128 forwards to hopper.py (the hopper_ws.py Gluon layer off)")
+    p.add_argument("--no-gluon-backward", action="store_true",
+                   help="leave dense head_dim 64/128 backwards to hopper.py (the hopper_ws.py Gluon backward off)")
     p.add_argument("--no-host-descriptors", action="store_true",
                    help="the hopper.py layers make their TMA descriptors in every program, at every length")
     p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
@@ -361,6 +364,18 @@ def use_gluon_forward(on: bool) -> bool:
     return on
 
 
+def use_gluon_backward(on: bool) -> bool:
+    """Turn the warp-specialised Gluon backward (hopper_ws.py: dense head_dim 64/128 batches) on (an sm_90 GPU
+    with Gluon only) or off in this process, after the hopper.py backward so that it is tried first; returns
+    whether it is on. The bench runs it on a GPU unless --no-gluon-backward."""
+    from . import hopper, hopper_ws
+
+    on = (on and hopper_ws.HAS_GLUON and torch.cuda.is_available()
+          and hopper._is_sm90(torch.cuda.current_device()))
+    (hopper_ws.enable_backward if on else hopper_ws.disable_backward)()
+    return on
+
+
 def use_host_descriptors(on: bool) -> int:
     """The longest sequence the hopper.py layers read through host-made descriptors (0: none); returns it."""
     from . import hopper
@@ -387,6 +402,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
         "hopper_backward": use_hopper_backward(device.type == "cuda" and not args.no_hopper_backward),
         "hopper_forward": use_hopper_forward(device.type == "cuda" and not args.no_hopper_forward),
         "gluon_forward": use_gluon_forward(device.type == "cuda" and not args.no_gluon_forward),
+        "gluon_backward": use_gluon_backward(device.type == "cuda" and not args.no_gluon_backward),
         "host_descriptors_up_to": use_host_descriptors(not args.no_host_descriptors),
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
@@ -395,6 +411,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
           f"hopper backward {'on' if env['hopper_backward'] else 'off'} | "
           f"hopper forward {'on' if env['hopper_forward'] else 'off'} | "
           f"gluon forward {'on' if env['gluon_forward'] else 'off'} | "
+          f"gluon backward {'on' if env['gluon_backward'] else 'off'} | "
           f"host descriptors up to {env['host_descriptors_up_to']} keys"
           f"{' (hd64 forward: any length)' if env['host_descriptors_up_to'] else ''}")
     ceil = result["ceilings"]

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from .backward import preprocess
 from .checks import cdiv
 from .forward import LN2_C, LOG2E
 from .interface import register_kernel
@@ -56,6 +57,19 @@ try:
     # Triton 3.6 names the TMA copies async_copy_global_to_shared / _shared_to_global; 3.9 renamed them
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the partition's warps (3.9: gl.barrier)
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)  # Triton 3.9; 3.6 builds the op unnamed:
+    if _tma_reduce_add is None:
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """global[coord:] += shared src by TMA (cp.reduce.async.bulk.tensor .add)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
     HAS_GLUON = True
 except ImportError:  # a Triton without Gluon's Hopper module: the layer never applies
     HAS_GLUON = False
@@ -67,6 +81,12 @@ BLOCK_N = 128  # key rows per K / V tile
 STAGES = 2  # K / V tiles in flight per ring (3 ran 1-5% slower in the one-partition probe)
 REGS = (232, 40)  # setmaxnreg of the second consumer warpgroup and of the producer warp
 DTYPES = (torch.float16, torch.bfloat16)
+BWD_HEAD_DIMS = (64, 128)  # the backward: the same two head_dims
+BWD_BLOCK_M = 64  # query rows per backward step (its K/V tile: BLOCK_N rows)
+# (Q / dO tiles in flight, dQ's GEMM issued before dK's so that dQ's reduction overlaps dK's GEMM), the best
+# of stages 2 / 3 x both orders on an H200 (2026-12-02)
+BWD_CONFIGS = {64: (3, True), 128: (2, False)}
+BWD_LOADER_REGS = 40  # the producer warp's registers; the two consumer warpgroups take the rest
 
 
 if HAS_GLUON:
@@ -217,6 +237,156 @@ if HAS_GLUON:
                        row0, h * D, (h // group) * D, start_m, n_tiles)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
+    @gluon.jit
+    def _bwd_loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, kv_bar, q_smem, do_smem, q_ready, do_ready,
+                    empty, q_row0, kv_row, kv_col, q_col0, m_first, n_steps, per_head):
+        """The backward's producer warp: K_j and V_j once, then Q_i and dO_i of every (query head of the group,
+        query tile) step into ring slot step % STAGES once the consumers have released it."""
+        NUM_STAGES: gl.constexpr = q_smem.shape[0]
+        M: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        TILE_N: gl.constexpr = k_smem.shape[0]
+        mbarrier.expect(kv_bar, 2 * TILE_N * D * 2)
+        _tma_load(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+        _tma_load(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+        for step in range(n_steps):
+            slot = step % NUM_STAGES
+            row = q_row0 + (m_first + step % per_head) * M
+            col = q_col0 + (step // per_head) * D
+            mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) - 1) & 1, pred=step >= NUM_STAGES)
+            mbarrier.expect(q_ready.index(slot), M * D * 2)
+            _tma_load(q_desc, [row, col], q_ready.index(slot), q_smem.index(slot))
+            mbarrier.expect(do_ready.index(slot), M * D * 2)
+            _tma_load(do_desc, [row, col], do_ready.index(slot), do_smem.index(slot))
+
+    @gluon.jit
+    def _bwd_consumer(k_smem, v_smem, kv_bar, q_smem, do_smem, q_ready, do_ready, empty, ds_smem, dq_smem, dq_desc,
+                      dk_desc, dv_desc, LSE2, Delta, q_row0, kv_row, kv_col, qh0, n0, m_first, n_steps, per_head,
+                      stride_lse_h, qk_scale, scale, CAUSAL: gl.constexpr, DQ_FIRST: gl.constexpr):
+        """Two consumer warpgroups (one partition of 8 warps, 64 key rows each): FA2 Algorithm 2, lines 8-16, for
+        K_j, V_j against every query tile the producer lands, five GEMMs per step. dQ_i's share (line 15) leaves
+        through shared memory as a TMA reduction (FA3 §3.3: cp.reduce.async.bulk adds it into the fp32 dQ in
+        L2, no atomics from the warps); dK_j, dV_j stay in registers and leave by TMA at the end."""
+        NUM_STAGES: gl.constexpr = q_smem.shape[0]
+        M: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        TILE_N: gl.constexpr = k_smem.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        # S^T and dP^T (keys x queries) and dK, dV (keys x head_dim): the warpgroups split the key rows;
+        # dQ (queries x head_dim): they split the head_dim columns, each reading all of dS
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, D, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, D // 2, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        offs_key = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, st_layout))
+        offs_q = gl.arange(0, M, layout=gl.SliceLayout(0, st_layout))
+        zero_st = gl.zeros([TILE_N, M], gl.float32, layout=st_layout)
+        zero_dq = gl.zeros([M, D], gl.float32, layout=dq_layout)
+        dk = gl.zeros([TILE_N, D], gl.float32, layout=kv_layout)
+        dv = gl.zeros([TILE_N, D], gl.float32, layout=kv_layout)
+        mbarrier.wait(kv_bar, 0)
+        for step in range(n_steps):
+            slot = step % NUM_STAGES
+            phase = (step // NUM_STAGES) & 1
+            m0 = (m_first + step % per_head) * M
+            qh = qh0 + step // per_head
+            q_tile = q_smem.index(slot)
+            do_tile = do_smem.index(slot)
+            mbarrier.wait(q_ready.index(slot), phase)
+            st_tok = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # S^T
+            lse_at = qh.to(gl.int64) * stride_lse_h + q_row0 + m0
+            lse2 = gl.load(LSE2 + lse_at + offs_q)
+            delta = gl.load(Delta + lse_at + offs_q)
+            mbarrier.wait(do_ready.index(slot), phase)
+            dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T
+            st = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T = K_j Q_i^T (line 10, transposed)
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # line 11: P^T, from the forward's L (base 2)
+            if CAUSAL:
+                if m0 < n0 + TILE_N:  # a tile on the diagonal: key n is visible to query m when n <= m
+                    pt = gl.where(offs_key[:, None] <= (m0 + offs_q)[None, :], pt, 0.0)
+            pt_lo = pt.to(dtype)
+            dv_tok = warpgroup_mma(gl.convert_layout(pt_lo, a_layout), do_tile, dv, is_async=True)  # line 12
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
+            ds_lo = (pt * (dpt - delta[None, :])).to(dtype)  # line 14: dS = P o (dP - D)
+            ds_op = gl.convert_layout(ds_lo, a_layout)
+            if not DQ_FIRST:
+                dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # line 16
+            ds_buf = ds_smem.index(step % 2)
+            ds_buf.store(ds_lo)  # dQ's A operand: each warpgroup reads both halves
+            fence_async_shared()
+            tma.store_wait(0)  # the previous step's dQ reduction has read dq_smem
+            _barrier()  # both halves written; both warpgroups are past the previous step
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), pred=step > 0)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+            if DQ_FIRST:
+                dk_tok = warpgroup_mma(ds_op, q_tile, dk, is_async=True)  # line 16, under dQ's way out
+                dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
+            else:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            dq_smem.store(dq * scale)  # line 15: dQ_i += dS_ij K_j, summed over key tiles in L2
+            fence_async_shared()
+            _barrier()
+            _tma_reduce_add(dq_desc, [q_row0 + m0, qh * D], dq_smem)
+            if DQ_FIRST:
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk_tok, ds_op))
+        tma.store_wait(0)
+        _barrier()  # both warpgroups are done reading K_j and V_j: their buffers stage dK_j and dV_j
+        k_smem.store((dk * scale).to(dtype))
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
+        _barrier()
+        _tma_store(dk_desc, [kv_row, kv_col], k_smem)
+        _tma_store(dv_desc, [kv_row, kv_col], v_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _ws_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, dk_desc, dv_desc, LSE2, Delta, seqlen, heads_k, group,
+                       stride_lse_h, qk_scale, scale, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, num_warps: gl.constexpr):
+        """One program per (128-row key tile, K/V head, sequence), FA2 Algorithm 2's outer loop; the query heads
+        of a GQA group run one after another in it, so dK_j and dV_j are summed in registers."""
+        M: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        TILE_N: gl.constexpr = k_desc.block_type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        # the key tile is the slow grid axis: every (head, sequence)'s tile 0 starts first, the longest work
+        # of a causal mask (LPT order, FA2 §3.2), the short tiles fill the last wave
+        hk = gl.program_id(0) % heads_k
+        row0 = (gl.program_id(0) // heads_k) * seqlen
+        n0 = gl.program_id(1) * TILE_N
+        m_first = n0 // M if CAUSAL else 0  # causal: query tiles above the diagonal see none of these keys
+        per_head = seqlen // M - m_first
+        k_smem = gl.allocate_shared_memory(dtype, [TILE_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [TILE_N, D], k_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, M, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, M, D], q_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, TILE_N, M],
+                                            gl.NVMMASharedLayout.get_default_for([TILE_N, M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [M, D], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        kv_row = row0 + n0
+        n_steps = group * per_head
+        gl.warp_specialize([
+            (_bwd_consumer, (k_smem, v_smem, kv_bar, q_smem, do_smem, q_ready, do_ready, empty, ds_smem, dq_smem,
+                             dq_desc, dk_desc, dv_desc, LSE2, Delta, row0, kv_row, hk * D, hk * group, n0, m_first,
+                             n_steps, per_head, stride_lse_h, qk_scale, scale, CAUSAL, DQ_FIRST)),
+            (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, kv_bar, q_smem, do_smem, q_ready,
+                           do_ready, empty, row0, kv_row, hk * D, hk * group * D, m_first, n_steps, per_head)),
+        ], [1], [LOADER_REGS])
+
+
 def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale, window_left,
                window_right, config=None):
     """FA2 Algorithm 1 with FA3's warp specialisation; the arguments and results of
@@ -246,6 +416,45 @@ def ws_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, b
     return out, lse
 
 
+def ws_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                window_right, config=None):
+    """FA2 Algorithm 2 with FA3's warp specialisation and dQ summed by TMA reductions (5 GEMMs per pair of
+    tiles, not the paper path's 7); the arguments and results (dq, dk, dv) of `backward.attention_backward`
+    for the calls `backward_applies` accepts. config: (Q / dO stages 2 or 3, dQ's GEMM first), default
+    BWD_CONFIGS."""
+    if not backward_applies(q, k, v, do, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window_left=window_left,
+                            window_right=window_right):
+        raise ValueError(f"ws_backward: q {tuple(q.shape)} {q.dtype} on {q.device}: takes dense sm_90 fp16/bf16 "
+                         f"batches at head_dim {BWD_HEAD_DIMS} with seqlen_q == seqlen_k a multiple of 128, no "
+                         "window but the causal one, and dO of q's dtype (hopper_ws.backward_applies)")
+    if config is not None and not (isinstance(config, tuple) and len(config) == 2 and config[0] in (2, 3)
+                                   and isinstance(config[1], bool)):
+        raise ValueError(f"config must be (stages 2 or 3, dq_first bool) or None, got {config!r}")
+    total, heads_q, d = q.shape
+    heads_k = k.shape[1]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # line 15's sums, over key tiles
+    if total == 0:
+        return dq_acc.to(q.dtype), dk.zero_(), dv.zero_()
+    do, delta, lse2 = preprocess(do, q, out, lse)  # line 4: D = rowsum(dO o O), and L in base 2
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gdt)
+    q_desc = TensorDescriptor.from_tensor(q.view(total, -1), [BWD_BLOCK_M, d], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do.view(total, -1), [BWD_BLOCK_M, d], q_layout)
+    k_desc, v_desc, dk_desc, dv_desc = (TensorDescriptor.from_tensor(t.view(t.shape[0], -1), [BLOCK_N, d], kv_layout)
+                                        for t in (k, v, dk, dv))
+    dq_desc = TensorDescriptor.from_tensor(dq_acc.view(total, -1), [BWD_BLOCK_M, d],
+                                           gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, d], gl.float32))
+    stages, dq_first = config or BWD_CONFIGS[d]
+    _ws_bwd_kernel[(heads_k * batch, cdiv(seqlen_k, BLOCK_N))](
+        q_desc, do_desc, k_desc, v_desc, dq_desc, dk_desc, dv_desc, lse2, delta, seqlen_q, heads_k,
+        heads_q // heads_k, lse.stride(0), scale * LOG2E, scale, CAUSAL=window_right == 0, NUM_STAGES=stages,
+        LOADER_REGS=BWD_LOADER_REGS, DQ_FIRST=dq_first, num_warps=8)
+    return dq_acc.to(q.dtype), dk, dv
+
+
 def applies(q, k, v, **arguments) -> bool:
     """The calls `ws_forward` takes: a Triton with Gluon's Hopper module, CUDA sm_90, rows TMA can read
     (`hopper._tma_ready`), and what `takes` accepts (`head_dims`: of HEAD_DIMS)."""
@@ -269,7 +478,13 @@ def takes(q, k, v, batch=1, seqlen_q=0, seqlen_k=0, cu_seqlens_q=None, cu_seqlen
             and window_left >= seqlen_k and (window_right == 0 or window_right >= seqlen_k))
 
 
+def backward_applies(q, k, v, do, **arguments) -> bool:
+    """The calls `ws_backward` takes: those `applies` accepts at BWD_HEAD_DIMS, with dO of q's dtype."""
+    return do.dtype == q.dtype and applies(q, k, v, head_dims=BWD_HEAD_DIMS, **arguments)
+
+
 _REMOVE: list[Callable[[], None]] = []
+_REMOVE_BACKWARD: list[Callable[[], None]] = []
 
 
 def enable(head_dims: tuple[int, ...] = ENABLED_HEAD_DIMS) -> Callable[[], None]:
@@ -290,3 +505,21 @@ def disable() -> None:
 
 def enabled() -> bool:
     return bool(_REMOVE)
+
+
+def enable_backward() -> Callable[[], None]:
+    """Register `ws_backward` as the "backward" kernel for the calls `backward_applies` accepts, ahead of every
+    layer registered before it (enable it after `hopper.enable_backward()`). Returns the function that
+    removes it; enabling again replaces the earlier registration."""
+    disable_backward()
+    _REMOVE_BACKWARD.append(register_kernel("backward", ws_backward, backward_applies))
+    return disable_backward
+
+
+def disable_backward() -> None:
+    while _REMOVE_BACKWARD:
+        _REMOVE_BACKWARD.pop()()
+
+
+def backward_enabled() -> bool:
+    return bool(_REMOVE_BACKWARD)

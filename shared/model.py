@@ -80,12 +80,13 @@ else:
         else:
             _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
             _hopper.enable()  # the TMA forward on sm_90 (head_dims 64/96/128, where it measured faster)
-            try:  # ahead of it: the warp-specialised Gluon forward, dense head_dim 128 batches
+            try:  # ahead of them: the warp-specialised Gluon forward (dense head_dim 128 batches)
                 from nano_flashattn import hopper_ws as _hopper_ws
             except ImportError:  # pragma: no cover - depends on what is installed
                 pass
             else:
                 _hopper_ws.enable()
+                _hopper_ws.enable_backward()  # and its backward, dense head_dim 64/128 batches
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

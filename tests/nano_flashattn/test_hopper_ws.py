@@ -65,11 +65,34 @@ def test_enable_registers_ahead_and_disable_removes():
         hopper_ws.disable()
 
 
+def test_backward_takes_what_the_forward_takes_with_do_of_its_dtype():
+    args = _args(d=64)
+    assert not hopper_ws.backward_applies(do=args["q"], **args)  # a CPU tensor: never
+    with pytest.raises(ValueError, match=r"^ws_backward: q \(512, 4, 64\) torch.bfloat16 on cpu: takes dense sm_90"):
+        hopper_ws.ws_backward(do=args.pop("q"), q=torch.zeros(512, 4, 64, dtype=torch.bfloat16), out=None, lse=None,
+                              scale=1.0, **{k: v for k, v in args.items() if k != "block_table"})
+
+
+def test_enable_backward_registers_ahead_and_disable_removes():
+    layers = fa.interface._LAYERS["backward"]
+    try:
+        remove = hopper_ws.enable_backward()
+        assert hopper_ws.backward_enabled() and layers[0][0] is hopper_ws.ws_backward
+        hopper_ws.enable_backward()
+        assert sum(launch is hopper_ws.ws_backward for launch, _ in layers) == 1
+        remove()
+        assert not hopper_ws.backward_enabled() and all(launch is not hopper_ws.ws_backward for launch, _ in layers)
+    finally:
+        hopper_ws.disable_backward()
+
+
 def test_bench_switch():
     from nano_flashattn import bench
 
     assert bench.parse_args(["--no-gluon-forward"]).no_gluon_forward
+    assert bench.parse_args(["--no-gluon-backward"]).no_gluon_backward
     assert bench.use_gluon_forward(True) is _sm90() and bench.use_gluon_forward(False) is False
+    assert bench.use_gluon_backward(True) is _sm90() and bench.use_gluon_backward(False) is False
 
 
 _COMPILE = """
@@ -80,51 +103,71 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from nano_flashattn import hopper_ws
 
-d, causal = int(sys.argv[1]), sys.argv[2] == "1"
-def desc(rows):
-    return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
-signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "LSE": "*fp32",
-             "seqlen": "i32", "group": "i32", "stride_lse_h": "i32", "qk_scale": "fp32"}
-constants = {"CAUSAL": causal, "NUM_STAGES": hopper_ws.STAGES, "CONSUMER_REGS": hopper_ws.REGS[0],
-             "LOADER_REGS": hopper_ws.REGS[1], "num_warps": 4}
+d, causal, which = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+def desc(rows, dtype=gl.bfloat16, name="bf16"):
+    return f"tensordesc<{name}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], dtype)!r}>"
+if which == "forward":
+    kernel = hopper_ws._ws_fwd_kernel
+    signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "LSE": "*fp32",
+                 "seqlen": "i32", "group": "i32", "stride_lse_h": "i32", "qk_scale": "fp32"}
+    constants = {"CAUSAL": causal, "NUM_STAGES": hopper_ws.STAGES, "CONSUMER_REGS": hopper_ws.REGS[0],
+                 "LOADER_REGS": hopper_ws.REGS[1], "num_warps": 4}
+else:
+    kernel = hopper_ws._ws_bwd_kernel
+    signature = {"q_desc": desc(64), "do_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128),
+                 "dq_desc": desc(64, gl.float32, "fp32"), "dk_desc": desc(128), "dv_desc": desc(128),
+                 "LSE2": "*fp32", "Delta": "*fp32", "seqlen": "i32", "heads_k": "i32", "group": "i32",
+                 "stride_lse_h": "i32", "qk_scale": "fp32", "scale": "fp32"}
+    stages, dq_first = hopper_ws.BWD_CONFIGS[d]
+    constants = {"CAUSAL": causal, "NUM_STAGES": stages, "LOADER_REGS": hopper_ws.BWD_LOADER_REGS,
+                 "DQ_FIRST": dq_first, "num_warps": 8}
 signature.update(dict.fromkeys(constants, "constexpr"))
-kernel = triton_compile(GluonASTSource(hopper_ws._ws_fwd_kernel, signature, constexprs=constants, attrs={}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = kernel.asm["ptx"]
+compiled = triton_compile(GluonASTSource(kernel, signature, constexprs=constants, attrs={}),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": constants["num_warps"]})
+ptx = compiled.asm["ptx"]
 assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx, "missing instructions"
+assert which == "forward" or "cp.reduce.async.bulk.tensor" in ptx, "the backward's dQ reduction is missing"
 print("compiled")
 """
 
 
 @pytest.mark.skipif(not hopper_ws.HAS_GLUON, reason="this Triton has no Gluon Hopper module")
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, True)])
-def test_kernel_compiles_for_sm90_with_this_triton(d, causal, tmp_path):
-    """Gluon's API moves between Triton releases (3.6's TMA copy names are gone in 3.9): the kernel is compiled
-    for sm_90 with the installed Triton, no GPU needed, down to PTX with its wgmma and the register split. In a
-    process of its own: this one imported Triton under TRITON_INTERPRET=1, and an empty cache, so that the
-    compiler runs."""
+@pytest.mark.parametrize("which,d,causal", [("forward", 128, False), ("forward", 64, True), ("backward", 128, True),
+                                            ("backward", 64, False)])
+def test_kernel_compiles_for_sm90_with_this_triton(which, d, causal, tmp_path):
+    """Gluon's API moves between Triton releases (3.6's TMA copy names are gone in 3.9): each kernel is compiled
+    for sm_90 with the installed Triton, no GPU needed, down to PTX with its wgmma, the register split and
+    (backward) the TMA reduction. In a process of its own: this one imported Triton under TRITON_INTERPRET=1,
+    and an empty cache, so that the compiler runs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(int(causal))], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(d), str(int(causal)), which], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The layer, enabled for this test; counts its kernel's launches."""
-    counts = {"ws": 0}
-    kernel = hopper_ws._ws_fwd_kernel
+@pytest.fixture(params=[False, True], ids=["paper_backward", "ws_backward"])
+def launches(request, monkeypatch):
+    """The forward layer, and with the "ws_backward" id the backward layer too, enabled for this test; counts
+    their kernels' launches."""
+    counts = {"forward": 0, "backward": 0, "ws_backward": request.param}
 
-    class Counted:
-        def __getitem__(self, grid):
-            counts["ws"] += 1
-            return kernel[grid]
+    def counted(kernel, key):
+        class Counted:
+            def __getitem__(self, grid):
+                counts[key] += 1
+                return kernel[grid]
 
-    monkeypatch.setattr(hopper_ws, "_ws_fwd_kernel", Counted())
+        return Counted()
+
+    monkeypatch.setattr(hopper_ws, "_ws_fwd_kernel", counted(hopper_ws._ws_fwd_kernel, "forward"))
+    monkeypatch.setattr(hopper_ws, "_ws_bwd_kernel", counted(hopper_ws._ws_bwd_kernel, "backward"))
     hopper_ws.enable(head_dims=hopper_ws.HEAD_DIMS)
+    if request.param:
+        hopper_ws.enable_backward()
     yield counts
     hopper_ws.disable()
+    hopper_ws.disable_backward()
 
 
 @pytest.mark.gpu
@@ -133,8 +176,9 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("b,s,hq,hk,dtype,causal", [
     (2, 256, 4, 4, torch.bfloat16, True), (2, 384, 8, 2, torch.bfloat16, False), (1, 1024, 4, 1, torch.bfloat16, True),
     (1, 128, 2, 2, torch.bfloat16, True), (2, 512, 4, 2, torch.float16, False), (1, 2048, 2, 2, torch.float16, True)])
-def test_gpu_forward_and_the_backward_on_its_lse(fa_check, launches, d, b, s, hq, hk, dtype, causal):
-    """Out and LSE against fp64 (one K/V tile, several, GQA and MQA, both dtypes), then the paper path's
-    backward, which reads this forward's LSE."""
+def test_gpu_forward_and_backward(fa_check, launches, d, b, s, hq, hk, dtype, causal):
+    """Out, LSE and dQ, dK, dV against fp64 (one K/V tile, several, GQA and MQA, both dtypes): the forward with
+    the paper path's backward reading its LSE, and with the warp-specialised backward (dQ summed in fp32 by
+    TMA reductions; dK, dV over a GQA group in one program)."""
     _run_and_compare(fa_check, b, s, s, hq, hk, d, dtype, causal, (-1, -1), device="cuda")
-    assert launches["ws"] == 1
+    assert launches["forward"] == 1 and launches["backward"] == int(launches["ws_backward"])
