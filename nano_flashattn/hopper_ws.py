@@ -304,9 +304,8 @@ if HAS_GLUON:
             dpt_tok = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_st, use_acc=False, is_async=True)  # dP^T
             st = warpgroup_mma_wait(1, deps=(st_tok,))  # S^T = K_j Q_i^T (line 10, transposed)
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # line 11: P^T, from the forward's L (base 2)
-            if CAUSAL:
-                if m0 < n0 + TILE_N:  # a tile on the diagonal: key n is visible to query m when n <= m
-                    pt = gl.where(offs_key[:, None] <= (m0 + offs_q)[None, :], pt, 0.0)
+            if CAUSAL and m0 < n0 + TILE_N:  # a tile on the diagonal: key n is visible to query m when n <= m
+                pt = gl.where(offs_key[:, None] <= (m0 + offs_q)[None, :], pt, 0.0)
             pt_lo = pt.to(dtype)
             dv_tok = warpgroup_mma(gl.convert_layout(pt_lo, a_layout), do_tile, dv, is_async=True)  # line 12
             dpt = warpgroup_mma_wait(1, deps=(dpt_tok,))
