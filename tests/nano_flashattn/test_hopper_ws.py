@@ -116,7 +116,7 @@ else:
     kernel = hopper_ws._ws_bwd_kernel
     signature = {"q_desc": desc(64), "do_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128),
                  "dq_desc": desc(64, gl.float32, "fp32"), "dk_desc": desc(128), "dv_desc": desc(128),
-                 "LSE2": "*fp32", "Delta": "*fp32", "seqlen": "i32", "heads_k": "i32", "group": "i32",
+                 "LSE2": "*fp32", "Delta": "*fp32", "seqlen": "i32", "group": "i32",
                  "stride_lse_h": "i32", "qk_scale": "fp32", "scale": "fp32"}
     stages, dq_first = hopper_ws.BWD_CONFIGS[d]
     constants = {"CAUSAL": causal, "NUM_STAGES": stages, "LOADER_REGS": hopper_ws.BWD_LOADER_REGS,
