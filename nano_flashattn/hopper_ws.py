@@ -98,6 +98,10 @@ BWD_BLOCK_M = 64  # query rows per backward step (its K/V tile: BLOCK_N rows)
 # (Q / dO tiles in flight, dQ's GEMM issued before dK's so that dQ's reduction overlaps dK's GEMM), the best
 # of stages 2 / 3 x both orders on an H200 (2026-12-02)
 BWD_CONFIGS = {64: (3, True), 128: (2, False)}
+# causal masks up to 4k keys at head_dim 128 (where it was measured): the grid walks groups of 4 (head, sequence) units, each group's key tiles
+# heaviest first, so the short tiles fill the last wave (+3% at 4k, H200, 2026-12-02); at 16k it ran 3%
+# slower (4 heads' Q, dO and fp32 dQ in flight instead of one head's), and not causal it buys nothing
+BWD_HEAD_GROUP, BWD_HEAD_GROUP_UP_TO = 4, 4096
 BWD_LOADER_REGS = 40  # the producer warp's registers; the two consumer warpgroups take the rest
 
 
@@ -356,7 +360,8 @@ if HAS_GLUON:
     @gluon.jit
     def _ws_bwd_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, dk_desc, dv_desc, LSE2, Delta, seqlen, group,
                        stride_lse_h, qk_scale, scale, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, num_warps: gl.constexpr):
+                       LOADER_REGS: gl.constexpr, DQ_FIRST: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                       num_warps: gl.constexpr):
         """One program per (128-row key tile, K/V head, sequence), FA2 Algorithm 2's outer loop; the query heads
         of a GQA group run one after another in it, so dK_j and dV_j are summed in registers."""
         M: gl.constexpr = q_desc.block_type.shape[0]
@@ -365,9 +370,21 @@ if HAS_GLUON:
         dtype: gl.constexpr = q_desc.dtype
         # the key tile is the fast grid axis: the programs running together share a few heads, whose Q, dO and
         # fp32 dQ stay in L2 (heads as the fast axis, a longest-first order for causal masks, ran 5-20% slower)
-        hk = gl.program_id(1)
-        row0 = gl.program_id(2) * seqlen
-        n0 = gl.program_id(0) * TILE_N
+        if HEAD_GROUP == 0:  # (key tile, K/V head, sequence)
+            hk = gl.program_id(1)
+            row0 = gl.program_id(2) * seqlen
+            n0 = gl.program_id(0) * TILE_N
+        else:  # groups of HEAD_GROUP (head, sequence) units; within one, key tiles heaviest first for all units
+            n_tiles = gl.num_programs(0)
+            units = gl.num_programs(1) * gl.num_programs(2)
+            pid = gl.program_id(0) + n_tiles * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+            base = (pid // (HEAD_GROUP * n_tiles)) * HEAD_GROUP
+            size = gl.minimum(units - base, HEAD_GROUP)
+            r = pid - base * n_tiles
+            unit = base + r % size
+            hk = unit % gl.num_programs(1)
+            row0 = (unit // gl.num_programs(1)) * seqlen
+            n0 = (r // size) * TILE_N
         m_first = n0 // M if CAUSAL else 0  # causal: query tiles above the diagonal see none of these keys
         per_head = seqlen // M - m_first
         k_smem = gl.allocate_shared_memory(dtype, [TILE_N, D], k_desc.layout)
@@ -431,17 +448,18 @@ def ws_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, 
                 window_right, config=None):
     """FA2 Algorithm 2 with FA3's warp specialisation and dQ summed by TMA reductions (5 GEMMs per pair of
     tiles, not the paper path's 7); the arguments and results (dq, dk, dv) of `backward.attention_backward`
-    for the calls `backward_applies` accepts. config: (Q / dO stages 2 or 3, dQ's GEMM first), default
-    BWD_CONFIGS."""
+    for the calls `backward_applies` accepts. config: (Q / dO stages 2 or 3, dQ's GEMM first[, head group]),
+    default BWD_CONFIGS and BWD_HEAD_GROUP's rule."""
+    if config is not None and not (isinstance(config, tuple) and len(config) in (2, 3) and config[0] in (2, 3)
+                                   and isinstance(config[1], bool)
+                                   and (len(config) == 2 or (isinstance(config[2], int) and config[2] >= 0))):
+        raise ValueError(f"config must be (stages 2 or 3, dq_first bool[, head_group int]) or None, got {config!r}")
     if not backward_applies(q, k, v, do, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window_left=window_left,
                             window_right=window_right):
         raise ValueError(f"ws_backward: q {tuple(q.shape)} {q.dtype} on {q.device}: takes dense sm_90 fp16/bf16 "
                          f"batches at head_dim {BWD_HEAD_DIMS} with seqlen_q == seqlen_k a multiple of 128, no "
                          "window but the causal one, and dO of q's dtype (hopper_ws.backward_applies)")
-    if config is not None and not (isinstance(config, tuple) and len(config) == 2 and config[0] in (2, 3)
-                                   and isinstance(config[1], bool)):
-        raise ValueError(f"config must be (stages 2 or 3, dq_first bool) or None, got {config!r}")
     total, heads_q, d = q.shape
     heads_k = k.shape[1]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -458,11 +476,14 @@ def ws_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, 
                                         for t in (k, v, dk, dv))
     dq_desc = TensorDescriptor.from_tensor(dq_acc.view(total, -1), [BWD_BLOCK_M, d],
                                            gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, d], gl.float32))
-    stages, dq_first = config or BWD_CONFIGS[d]
+    stages, dq_first = (config or BWD_CONFIGS[d])[:2]
+    causal = window_right == 0
+    head_group = (config[2] if config is not None and len(config) > 2
+                  else BWD_HEAD_GROUP if causal and seqlen_k <= BWD_HEAD_GROUP_UP_TO and d == 128 else 0)
     _ws_bwd_kernel[(cdiv(seqlen_k, BLOCK_N), heads_k, batch)](
         q_desc, do_desc, k_desc, v_desc, dq_desc, dk_desc, dv_desc, lse2, delta, seqlen_q, heads_q // heads_k,
-        lse.stride(0), scale * LOG2E, scale, CAUSAL=window_right == 0, NUM_STAGES=stages,
-        LOADER_REGS=BWD_LOADER_REGS, DQ_FIRST=dq_first, num_warps=8)
+        lse.stride(0), scale * LOG2E, scale, CAUSAL=causal, NUM_STAGES=stages,
+        LOADER_REGS=BWD_LOADER_REGS, DQ_FIRST=dq_first, HEAD_GROUP=head_group, num_warps=8)
     return dq_acc.to(q.dtype), dk, dv
 
 

@@ -71,6 +71,9 @@ def test_backward_takes_what_the_forward_takes_with_do_of_its_dtype():
     with pytest.raises(ValueError, match=r"^ws_backward: q \(512, 4, 64\) torch.bfloat16 on cpu: takes dense sm_90"):
         hopper_ws.ws_backward(do=args.pop("q"), q=torch.zeros(512, 4, 64, dtype=torch.bfloat16), out=None, lse=None,
                               scale=1.0, **{k: v for k, v in args.items() if k != "block_table"})
+    with pytest.raises(ValueError, match=r"^config must be \(stages 2 or 3, dq_first bool\[, head_group int\]\)"):
+        hopper_ws.ws_backward(do=args["k"], q=args["k"], out=None, lse=None, scale=1.0, config=(4, True),
+                              **{k: v for k, v in args.items() if k != "block_table"})
 
 
 def test_enable_backward_registers_ahead_and_disable_removes():
@@ -120,7 +123,7 @@ else:
                  "stride_lse_h": "i32", "qk_scale": "fp32", "scale": "fp32"}
     stages, dq_first = hopper_ws.BWD_CONFIGS[d]
     constants = {"CAUSAL": causal, "NUM_STAGES": stages, "LOADER_REGS": hopper_ws.BWD_LOADER_REGS,
-                 "DQ_FIRST": dq_first, "num_warps": 8}
+                 "DQ_FIRST": dq_first, "HEAD_GROUP": hopper_ws.BWD_HEAD_GROUP if causal else 0, "num_warps": 8}
 signature.update(dict.fromkeys(constants, "constexpr"))
 compiled = triton_compile(GluonASTSource(kernel, signature, constexprs=constants, attrs={}),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": constants["num_warps"]})
