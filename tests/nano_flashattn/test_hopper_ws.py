@@ -52,17 +52,21 @@ def test_never_applies_on_a_cpu_and_refuses_what_it_does_not_take():
         hopper_ws.enable(head_dims=(96,))
 
 
-def test_enable_registers_ahead_and_disable_removes():
-    layers = fa.interface._LAYERS["forward"]
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_enable_registers_ahead_and_disable_removes(kind):
+    names = ("enable", "disable", "enabled") if kind == "forward" else ("enable_backward", "disable_backward",
+                                                                      "backward_enabled")
+    enable, disable, enabled = (getattr(hopper_ws, name) for name in names)
+    launch_fn, layers = getattr(hopper_ws, f"ws_{kind}"), fa.interface._LAYERS[kind]
     try:
-        remove = hopper_ws.enable()
-        assert hopper_ws.enabled() and layers[0][0] is hopper_ws.ws_forward
-        hopper_ws.enable()  # again: one registration
-        assert sum(launch is hopper_ws.ws_forward for launch, _ in layers) == 1
+        remove = enable()
+        assert enabled() and layers[0][0] is launch_fn
+        enable()  # again: one registration
+        assert sum(launch is launch_fn for launch, _ in layers) == 1
         remove()
-        assert not hopper_ws.enabled() and all(launch is not hopper_ws.ws_forward for launch, _ in layers)
+        assert not enabled() and all(launch is not launch_fn for launch, _ in layers)
     finally:
-        hopper_ws.disable()
+        disable()
 
 
 def test_backward_takes_what_the_forward_takes_with_do_of_its_dtype():
@@ -74,19 +78,6 @@ def test_backward_takes_what_the_forward_takes_with_do_of_its_dtype():
     with pytest.raises(ValueError, match=r"^config must be \(stages 2 or 3, dq_first bool\[, head_group int\]\)"):
         hopper_ws.ws_backward(do=args["k"], q=args["k"], out=None, lse=None, scale=1.0, config=(4, True),
                               **{k: v for k, v in args.items() if k != "block_table"})
-
-
-def test_enable_backward_registers_ahead_and_disable_removes():
-    layers = fa.interface._LAYERS["backward"]
-    try:
-        remove = hopper_ws.enable_backward()
-        assert hopper_ws.backward_enabled() and layers[0][0] is hopper_ws.ws_backward
-        hopper_ws.enable_backward()
-        assert sum(launch is hopper_ws.ws_backward for launch, _ in layers) == 1
-        remove()
-        assert not hopper_ws.backward_enabled() and all(launch is not hopper_ws.ws_backward for launch, _ in layers)
-    finally:
-        hopper_ws.disable_backward()
 
 
 def test_bench_switch():
