@@ -36,7 +36,9 @@ S^T = K_j Q_i^T and dP^T = V_j dO_i^T issued together, P^T (line 11) computed un
 and dK_j += dS^T Q_i from registers, dQ_i = dS K_j from shared memory. dK_j and dV_j stay in registers;
 dQ_i's share (line 15) is staged in shared memory and added into an fp32 dQ by a TMA reduction
 (cp.reduce.async.bulk.tensor .add, executed in L2): five GEMMs against the two-kernel backward's seven, no
-atomics from the warps (which measured 372-408 TFLOP/s at hd128 against 398-516 for the reduction).
+atomics from the warps (which measured 372-408 TFLOP/s at hd128 against 398-516 for the reduction). The
+key tiles' shares of dQ arrive in any order, so dQ is not bit-reproducible run to run (flash-attn's default,
+deterministic=False); `disable_backward()` gives the deterministic two-kernel backward back.
 `enable_backward()` registers it ahead of `hopper.py`'s backward for the calls `backward_applies` accepts (the
 forward's shapes at head_dim 64 / 128, dO of q's dtype). Gluon has no interpreter: the CPU tests check the
 dispatch and compile both kernels for sm_90, the GPU tests the numbers.
