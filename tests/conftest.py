@@ -24,13 +24,18 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` is what runs
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    # tests/e2e/test_forkability.py: its forks start now, in the background, and its tests run last
+    forks = [item for item in items if getattr(item, "originalname", None) == "test_package_forks_with_what_it_stands_on"]
+    if forks:
+        items[:] = [item for item in items if item not in forks] + forks
+        forks[0].module.start_forks([item.callspec.params["package"] for item in forks])
 
 
 def pytest_configure(config):

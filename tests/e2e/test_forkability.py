@@ -6,17 +6,20 @@ this repository is switched off) import every module of the package, check that 
 rule is importable, and run the package's tests there. Collection imports every test module, so a test
 that needs a sibling outside the rule fails here too. The tests marked `slow` (multi-process runs and CLI
 smoke runs, ~4-35 s each) are collected but not run in the fork: running them twice would double CI time;
-they run from the repository in the same suite. The forks run two at a time.
+they run from the repository in the same suite. The forks run one at a time in the background from the end of
+collection (tests/conftest.py starts them and runs these tests last), beside the rest of the suite.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,15 +74,32 @@ def _test_bytes(package: str) -> int:
     return sum(f.stat().st_size for f in (ROOT / "tests" / package).rglob("*.py"))
 
 
+_STARTED: dict[str, Future] = {}
+
+
+def start_forks(packages: list[str]) -> None:
+    """Start the forks of `packages` in the background, one at a time, the largest test directories first:
+    tests/conftest.py calls this once the session's tests are collected and moves these tests to the end,
+    so the forks (single-threaded processes) run on the core the rest of the suite leaves idle instead of
+    after it."""
+    root = Path(tempfile.mkdtemp(prefix="forks_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    pool = ThreadPoolExecutor(max_workers=1)
+    for package in sorted(set(packages), key=_test_bytes, reverse=True):
+        (root / package).mkdir()
+        _STARTED[package] = pool.submit(_fork, package, root / package)
+    pool.shutdown(wait=False)
+
+
 @pytest.fixture(scope="module")
-def forks(request, tmp_path_factory):
-    """The selected packages' forks, run two at a time (each fork is one single-threaded process and this
-    test only waits on it: two keep a 2-core CI machine busy), the largest test directories first."""
+def forks(request):
+    """The selected packages' forks: those start_forks began, or (this file run without tests/conftest.py's
+    hook) started now."""
     selected = [item.callspec.params["package"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_package_forks_with_what_it_stands_on"]
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        yield {package: pool.submit(_fork, package, tmp_path_factory.mktemp(f"fork_{package}"))
-               for package in sorted(selected, key=_test_bytes, reverse=True)}
+    if not all(package in _STARTED for package in selected):
+        start_forks([package for package in selected if package not in _STARTED])
+    return _STARTED
 
 
 @pytest.mark.parametrize("package", sorted(STANDS_ON))
