@@ -79,7 +79,7 @@ _STARTED: dict[str, Future] = {}
 
 def start_forks(packages: list[str]) -> None:
     """Start the forks of `packages` in the background, one at a time, the largest test directories first:
-    tests/conftest.py calls this once the session's tests are collected and moves these tests to the end,
+    tests/conftest.py calls this once pytest has collected the tests and moves these tests to the end,
     so the forks (single-threaded processes) run on the core the rest of the suite leaves idle instead of
     after it."""
     root = Path(tempfile.mkdtemp(prefix="forks_"))
