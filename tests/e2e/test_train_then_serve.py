@@ -8,6 +8,9 @@ saved checkpoint must
   * be served greedily by nano_vllm, nano_sglang and nano_distserve — its two colocated replicas (plain,
     and with chunked prefill) and its 1 prefill + 1 decode processes, each driven open-loop as its bench
     drives them — each output equal to shared.model's own step-by-step greedy decoding of the checkpoint.
+
+The spawned ranks import this module to find their function: transformers is imported only by the test
+that uses it, so that each rank does not pay for it.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ from shared.checkpoint import load_model
 from shared.dist import run_distributed
 from shared.model import greedy_generate
 
-transformers = pytest.importorskip("transformers")
-
-STEPS = 40
-# The mean of the last 5 losses must fall below this, from ~8.3 at step 0. (Measured: ~7.0 after 40 steps,
-# ~6.8 after 80 — the tiny model nears the corpus' unigram entropy; an untrained model stays at ~8.3.)
+STEPS = 25
+# The mean of the last 5 losses must fall below this, from ~8.3 at step 0. (Measured: 7.03 after 25 steps,
+# ~7.0 after 40, ~6.8 after 80 — the tiny model nears the corpus' unigram entropy; an untrained model stays
+# at ~8.3.)
 LOSS_BOUND = 7.3
 COMMON = ["model=tiny", f"train.steps={STEPS}", "train.seq_len=64", "train.global_batch_size=8",
           "train.micro_batch_size=2", "train.warmup_steps=3", "train.lr=3e-3"]
 PROMPTS = [[5, 17, 99], list(range(100, 137)), [42] * 20]
 MAX_TOKENS = 12
+# the colocated replicas of nano_distserve's bench: the whole prompt per step, or 16-token chunks
+COLOCATED = {"plain": {}, "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)}
 
 
 def _hydra(entry, overrides: list[str]) -> None:
@@ -81,6 +85,7 @@ def _oracle(ckpt: Path) -> list[list[int]]:
 
 
 def test_checkpoint_loads_in_transformers_with_the_same_logits(trained):
+    transformers = pytest.importorskip("transformers")
     _, ckpt, _ = trained
     ours = load_model(ckpt, dtype=torch.float32).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -89,8 +94,22 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(trained):
         torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_every_engine_serves_it_greedily_like_the_model(trained):
+def _disaggregated_then_colocated(cfg, requests, rounds) -> dict:
+    """Both of nano_distserve's systems in one pair of spawned processes (spawning costs seconds): 1 prefill
+    + 1 decode instance, then each rank one of two colocated replicas (requests dealt round-robin), plain and
+    then chunked. A rank returns its replicas' outputs as (request index, tokens) lists, which
+    `run_disaggregated` concatenates over the ranks."""
     from nano_distserve.bench import colocated_replica
+    from nano_distserve.disagg import instance_main
+
+    result = instance_main(cfg, requests, rounds)
+    for name, extra in COLOCATED.items():
+        replica = colocated_replica({**cfg.engine, **extra}, requests, rounds)
+        result[f"colocated {name}"] = sorted(replica["outputs"][0].items())
+    return result
+
+
+def test_every_engine_serves_it_greedily_like_the_model(trained):
     from nano_distserve.disagg import DisaggConfig, run_disaggregated
     from nano_sglang.engine import SGLEngine
     from nano_vllm import LLM, SamplingParams
@@ -105,15 +124,12 @@ def test_every_engine_serves_it_greedily_like_the_model(trained):
            "nano_sglang": [o.token_ids for o in SGLEngine(EngineConfig(model=str(ckpt), **engine)).generate(
                PROMPTS, sp)]}
     requests = [Request(p, sp) for p in PROMPTS]
-    arrivals = [0.0] * len(PROMPTS)
-    res = run_disaggregated(DisaggConfig(engine={"model": str(ckpt), **engine}), requests, arrivals, timeout_s=300)
+    res = run_disaggregated(DisaggConfig(engine={"model": str(ckpt), **engine}), requests, [0.0] * len(PROMPTS),
+                            timeout_s=300, main=_disaggregated_then_colocated)
     got["nano_distserve 1P+1D"] = [c.output_token_ids for c in res["completions"]]
-    # two colocated replicas (requests dealt round-robin), the whole prompt per step or 16-token chunks
-    chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
-    for name, extra in (("plain", {}), ("chunked", chunked)):
-        replicas = run_distributed(colocated_replica, 2, {"model": str(ckpt), **engine, **extra}, requests,
-                                   [arrivals], timeout_s=300)
-        outputs = {i: toks for r in replicas for i, toks in r["outputs"][0].items()}
-        got[f"nano_distserve colocated {name}"] = [outputs[i] for i in range(len(PROMPTS))]
+    for name in COLOCATED:
+        served = res[f"colocated {name}"]
+        assert sorted(i for i, _ in served) == list(range(len(PROMPTS))), name  # each request by one replica
+        got[f"nano_distserve colocated {name}"] = [toks for _, toks in sorted(served)]
     for name, outs in got.items():
         assert outs == want, name
