@@ -31,14 +31,19 @@ def test_timeline_sees_every_step(qwen3_ckpt, overlap):
     assert ("sample" in vars(llm.engine.model_runner)) is False  # the paper path's sampler again
 
 
-@pytest.mark.slow  # a performance layer's interpreter sweep (~13 s): run once, not again in the fork test
+@pytest.mark.slow  # a performance layer's interpreter sweep (~5 s): run once, not again in the fork test
 def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
+    """Every code path of the bench, not its numbers: each timing is one call (the interpreter runs a launch
+    in ~0.1 s per few dozen programs, so the sweep's tiles are the larger ones of its grid)."""
     from nano_vllm import bench_gemv
     from nano_vllm.gemv import GemvConfig
     from shared.accounting import Ceilings
 
-    monkeypatch.setattr(bench_gemv, "SWEEP_M1", [GemvConfig(16, 64, 1), GemvConfig(8, 32, 2)])
-    monkeypatch.setattr(bench_gemv, "SWEEP_DOT", [GemvConfig(16, 32, 2)])
+    benchmark = bench_gemv.benchmark
+    monkeypatch.setattr(bench_gemv, "benchmark", lambda fn, *a, **kw: benchmark(fn, *a, **{**kw, "warmup": 0,
+                                                                                             "repeats": 1}))
+    monkeypatch.setattr(bench_gemv, "SWEEP_M1", [GemvConfig(16, 64, 1), GemvConfig(32, 64, 2)])
+    monkeypatch.setattr(bench_gemv, "SWEEP_DOT", [GemvConfig(32, 64, 2)])
     monkeypatch.setattr(bench_gemv, "REFINE", [(1, 1), (2, 3)])
     cfg = OmegaConf.create({"gemv_model": "tiny", "gemv_rows": [1, 3], "gemv_sweep": True, "gemv_compile": None,
                             "gemv_compile_rows": [1]})
