@@ -104,7 +104,10 @@ BWD_CONFIGS = {64: (3, True), 128: (2, False)}
 # heaviest first, so the short tiles fill the last wave (+3% at 4k, H200, 2026-12-02); at 16k it ran 3%
 # slower (4 heads' Q, dO and fp32 dQ in flight instead of one head's), and not causal it buys nothing
 BWD_HEAD_GROUP, BWD_HEAD_GROUP_UP_TO = 4, 4096
-BWD_LOADER_REGS = 40  # the producer warp's registers; the two consumer warpgroups take the rest
+# the producer warp's registers; the two consumer warpgroups take the rest. At 40, ptxas (Triton 3.6, sm_90a)
+# serialised the causal hd128 consumer's wgmmas for lack of registers (warning C7512: a wait after every
+# instruction); at 24 they stay asynchronous: causal 4k / 16k 391 / 476 -> 429 / 518 TFLOP/s (H100, 2026-12-06)
+BWD_LOADER_REGS = 24
 
 
 if HAS_GLUON:
