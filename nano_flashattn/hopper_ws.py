@@ -37,6 +37,8 @@ and dK_j += dS^T Q_i from registers, dQ_i = dS K_j from shared memory. dK_j and 
 dQ_i's share (line 15) is staged in shared memory and added into an fp32 dQ by a TMA reduction
 (cp.reduce.async.bulk.tensor .add, executed in L2): five GEMMs against the two-kernel backward's seven, no
 atomics from the warps (which measured 372-408 TFLOP/s at hd128 against 398-516 for the reduction). The
+consumers hold dK_j, dV_j, S^T and dP^T in registers at once; the producer warp is left 24 registers
+(BWD_LOADER_REGS) so that ptxas keeps their wgmmas asynchronous. The
 key tiles' shares of dQ arrive in any order, so dQ is not bit-reproducible run to run (flash-attn's default,
 deterministic=False); `disable_backward()` gives the deterministic two-kernel backward back.
 `enable_backward()` registers it ahead of `hopper.py`'s backward for the calls `backward_applies` accepts (the
