@@ -58,10 +58,16 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_train")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "nano_megatron.train", *COMMON, "train.steps=3",
-                           f"hydra.run.dir={tmp / 'single'}"], env=env, cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_distributed(_two_rank_job, 2, str(tmp), timeout_s=240.0)
+    # the single-threaded one-process run goes on beside the 2-rank job, whose ranks often wait on each other
+    with subprocess.Popen([sys.executable, "-m", "nano_megatron.train", *COMMON, "train.steps=3",
+                           f"hydra.run.dir={tmp / 'single'}"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as single:
+        try:
+            run_distributed(_two_rank_job, 2, str(tmp), timeout_s=240.0)
+            _, stderr = single.communicate(timeout=240)
+        finally:
+            single.kill()  # no-op once it has exited
+        assert single.returncode == 0, stderr[-3000:]
     return tmp
 
 
