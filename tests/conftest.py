@@ -50,3 +50,36 @@ def pytest_configure(config):
     dupes = sorted(n for n, c in names.items() if c > 1)
     if dupes:
         raise pytest.UsageError(f"test file basenames must be unique across tests/: {dupes}")
+
+
+@pytest.fixture
+def run_in_copy(tmp_path):
+    """Run a Python script in a copy of some of the project's packages with some of their files deleted,
+    the editable install out of the way, and return the finished process.
+
+    An editable install's import finder resolves a module the copy lacks from the checkout, which would hide
+    exactly the failure a deletion test looks for; so the script runs under `python -S` (no site
+    initialisation: no .pth file, no finder) with the copy first on PYTHONPATH and the site-packages after
+    it. `delete` names files relative to the copy's root (`nano_vllm/layers/gemv.py`); each must exist."""
+    import shutil
+    import site
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(packages, delete, script, timeout=600):
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "outputs")
+        for name in packages:
+            shutil.copytree(root / name, tmp_path / name, ignore=ignore)
+        for rel in delete:
+            path = tmp_path / rel
+            assert path.is_file(), f"{rel} does not exist: the deletion test lists a file the package lacks"
+            path.unlink()
+        paths = [str(tmp_path), *site.getsitepackages()]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
