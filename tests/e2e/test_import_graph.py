@@ -90,7 +90,7 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
     """Every project module `path` imports anywhere in its body, with the packages that hold them."""
     rel = path.relative_to(root)
-    package = list(rel.parent.parts) if path.name != "__init__.py" or True else []
+    package = list(rel.parent.parts)  # the package a relative import starts from
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
