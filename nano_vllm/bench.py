@@ -12,7 +12,7 @@ the prefill at the measured matmul peak, plus every decode step at max(bytes / b
 where a step reads the bytes it actually reads — every matmul weight once, one gathered embedding row per
 sequence, the K/V of every key — all sequences decoding together (so it ignores what batching limits add).
 Bandwidth and peak are the device copy and bf16 matmul measured once at process start, before the engine
-takes the memory (`shared.accounting.Ceilings`), reported beside the datasheet values.
+takes the memory (`shared.bench.measure_ceilings`), reported beside the datasheet values.
 
 The engine runs with the performance layers the config's `engine:` keys turn on (overlapped scheduling,
 fused projections, fused sampling, the GEMV; nano_vllm.performance) and the kernel warm-up.
@@ -51,8 +51,8 @@ from nano_vllm.metrics import summarize
 from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args, with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.step_timing import StepTimer
-from shared.accounting import Ceilings, serving_roofline
-from shared.bench import KernelCompiles, print_table, release_memory, write_json
+from shared.accounting import serving_roofline
+from shared.bench import KernelCompiles, measure_ceilings, print_table, release_memory, write_json
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
@@ -191,7 +191,7 @@ def run(cfg: DictConfig) -> dict:
     quick = (not cuda) if cfg.quick is None else bool(cfg.quick)
     device = "cuda" if cuda else "cpu"
     # The ceilings first, on an empty device: every fraction below is of this one measurement.
-    ceilings = Ceilings.measure(device)
+    ceilings = measure_ceilings(device)
     print(ceilings.describe(), flush=True)
     if cfg.gemv:
         from nano_vllm.bench_gemv import run_gemv

@@ -241,7 +241,6 @@ DATASHEETS: dict[str, tuple[float, float]] = {
 }
 MFU_MEASURED, MFU_DATASHEET = "MFU % (measured peak)", "MFU % (datasheet peak)"
 MBU_MEASURED, MBU_DATASHEET = "% of copy bandwidth (measured)", "% of HBM bandwidth (datasheet)"
-_MEASURED: dict[str, Ceilings] = {}
 
 
 def datasheet_for(device_name: str) -> tuple[float, float] | None:
@@ -253,33 +252,14 @@ def datasheet_for(device_name: str) -> tuple[float, float] | None:
 class Ceilings:
     """The limits a bench's numbers are fractions of: the measured device copy (bytes read + written per
     second, 1 GiB on CUDA) and bf16 matmul (8192³ on CUDA), taken once per process by
-    shared.bench.measure_copy_bandwidth / measure_matmul_flops, next to the datasheet values (None for a
-    device DATASHEETS does not list). Measure at process start, before an engine takes the memory."""
+    `shared.bench.measure_ceilings`, next to the datasheet values (None for a device DATASHEETS does not
+    list). Measure at process start, before an engine takes the memory."""
 
     device: str
     copy_bytes_per_s: float
     matmul_flops_per_s: float
     datasheet_bytes_per_s: float | None = None
     datasheet_flops_per_s: float | None = None
-
-    @classmethod
-    def measure(cls, device: str = "cuda", refresh: bool = False) -> Ceilings:
-        """This process's ceilings for `device`: measured on the first call, the same object afterwards
-        (every number of a run is a fraction of the same measurement) unless `refresh`."""
-        import torch
-
-        from shared.bench import measure_copy_bandwidth, measure_matmul_flops
-
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device, measured once
-            dev = torch.device("cuda", torch.cuda.current_device())
-        key = str(dev)
-        if key not in _MEASURED or refresh:
-            name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-            sheet = datasheet_for(name) if dev.type == "cuda" else None
-            _MEASURED[key] = cls(name, measure_copy_bandwidth(dev), measure_matmul_flops(dev),
-                                 *(sheet or (None, None)))
-        return _MEASURED[key]
 
     def as_dict(self) -> dict:
         """The JSON record every bench writes under "ceilings" (units in the names)."""

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shared.accounting import Ceilings, datasheet_for
+
 
 def _device_of(device: str | torch.device | None, args: tuple, kwargs: dict) -> torch.device:
     if device is not None:
@@ -202,6 +204,25 @@ def measure_matmul_flops(
     c = torch.empty(n, n, device=dev, dtype=dtype)
     seconds = benchmark(torch.mm, a, b, out=c, device=dev, flush_l2=False, warmup=3, repeats=10)
     return 2 * n**3 / seconds
+
+
+_CEILINGS: dict[str, Ceilings] = {}
+
+
+def measure_ceilings(device: str | torch.device = "cuda", refresh: bool = False) -> Ceilings:
+    """This process's `shared.accounting.Ceilings` for `device`: the copy bandwidth and the matmul peak,
+    measured on the first call, the same object afterwards (every number of a run is a fraction of the same
+    measurement) unless `refresh`. Call it at process start, before an engine takes the memory."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device, measured once
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
+    if key not in _CEILINGS or refresh:
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        sheet = datasheet_for(name) if dev.type == "cuda" else None
+        _CEILINGS[key] = Ceilings(name, measure_copy_bandwidth(dev), measure_matmul_flops(dev),
+                                  *(sheet or (None, None)))
+    return _CEILINGS[key]
 
 
 def _fmt(v: Any) -> str:

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-import shared.accounting as accounting
 from shared.accounting import (
     MBU_DATASHEET,
     MBU_MEASURED,
@@ -205,19 +204,21 @@ def test_ceilings_are_measured_once_per_process(monkeypatch):
     import shared.bench
 
     calls = []
-    monkeypatch.setattr(accounting, "_MEASURED", {})
+    monkeypatch.setattr(shared.bench, "_CEILINGS", {})
     monkeypatch.setattr(shared.bench, "measure_copy_bandwidth", lambda dev: calls.append("copy") or 2e10)
     monkeypatch.setattr(shared.bench, "measure_matmul_flops", lambda dev: calls.append("mm") or 3e11)
-    first = Ceilings.measure("cpu")
-    assert first is Ceilings.measure("cpu") and calls == ["copy", "mm"]
+    first = shared.bench.measure_ceilings("cpu")
+    assert first is shared.bench.measure_ceilings("cpu") and calls == ["copy", "mm"]
     assert (first.copy_bytes_per_s, first.matmul_flops_per_s) == (2e10, 3e11)
     assert first.datasheet_flops_per_s is None
-    assert Ceilings.measure("cpu", refresh=True) is not first and len(calls) == 4
+    assert shared.bench.measure_ceilings("cpu", refresh=True) is not first and len(calls) == 4
 
 
 def test_ceilings_measure_through_shared_bench_on_cpu(monkeypatch):
-    monkeypatch.setattr(accounting, "_MEASURED", {})
-    c = Ceilings.measure("cpu")
+    import shared.bench
+
+    monkeypatch.setattr(shared.bench, "_CEILINGS", {})
+    c = shared.bench.measure_ceilings("cpu")
     assert c.device == "cpu" and c.copy_bytes_per_s > 0 and c.matmul_flops_per_s > 0
 
 
