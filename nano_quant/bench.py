@@ -45,7 +45,7 @@ from shared.bench import (
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
-from . import gemv, kernels, repacked
+from .layers import gemv, kernels, repacked
 from .linear import awq_dequantize_torch
 from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise

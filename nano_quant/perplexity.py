@@ -25,8 +25,8 @@ from shared.data import corpus_tokens, sequential_batches
 from shared.hydra_utils import hydra_run_dir
 from shared.model import CausalLM
 
-from . import kernels  # noqa: F401  (registers the Triton kernels for CUDA tensors)
 from .checkpoint import load_quantized_model, quantization_config_of
+from .layers import kernels  # noqa: F401  (registers the Triton kernels for CUDA tensors)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,10 +31,10 @@ import triton.language as tl
 from shared.kernels import pdl_args, pdl_prologue, pdl_release, silu_and_mul, use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
+from ..linear import WQLinear_GEMM
+from ..quant import unpack_awq
 from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
 from .kernels import AWQ_LARGE_M
-from .linear import WQLinear_GEMM
-from .quant import unpack_awq
 
 # `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words, each holding eight values of K of one
 # output column (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program that owns a few

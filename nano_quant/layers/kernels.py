@@ -31,9 +31,9 @@ import triton.language as tl
 from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
-from . import linear
+from .. import linear
+from ..quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
 from .gemv import awq_gemv_triton, num_sms, split_k_partials, split_k_reduce
-from .quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
 
 # Adding then subtracting 1.5·2^23 rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (as
 # torch.round), with plain IEEE adds: portable to every Triton version and to its interpreter.
