@@ -3,14 +3,15 @@ against torch's own tensor parallelism, same model, same data, same run.
 
 Systems (each a full training step: forward, backward, gradient reduction, clipping, AdamW on fp32
 master weights of a bf16 model — LocalEngine's recipe):
-  tp          MegatronEngine, tp = N, with the backward overlap layer (`parallel.tp_comm_overlap=true`)
+  tp          MegatronEngine, tp = N, with the backward overlap layer where it applies (tp > 1, GPUs:
+              `parallel.tp_comm_overlap` left to its default) and no other layer
   tp_sp       the same with sequence parallelism
   tp[_sp][_serial][_graph][_pairs]   tp / tp_sp with options, in any combination: `_serial` leaves the
               backward overlap out (the paper path's f and g alone); `_graph` captures the whole step once
-              in a CUDA graph and replays it (`parallel.cuda_graph=true`); `_pairs` runs micro-batches two at
-              a time on two streams (`parallel.overlap_micro_batches=true`)
+              in a CUDA graph and replays it (`parallel.cuda_graph=true`); `_pairs` runs micro-batches two
+              at a time on two streams (`parallel.overlap_micro_batches=true`)
   dtensor_tp, dtensor_tp_sp, dtensor_tp_sp_compile   torch DTensor `parallelize_module`, tp = N: plain,
-              with SequenceParallel, and that under torch.compile (nano_megatron/bench_peers.py)
+              with SequenceParallel, and that under torch.compile (nano_megatron/tools/bench_peers.py)
   pp_1f1b     MegatronEngine, pp = N, 1F1B over `pp_micro_batches` micro-batches
   pp_gpipe    the same with GPipe
 A 1-GPU baseline's tp rows (tp, tp_graph, ...) are the same single-GPU model; scaling efficiency is
@@ -21,7 +22,9 @@ in the same process; on GPUs the share of a step's wall time the GPU was running
 profiled step; well under 100% means the host's launches are the bottleneck), peak memory, and for the
 pipeline rows the measured bubble: 1 − (time spent in forward/backward kernels) / (step time of the
 slowest stage), per stage, next to (p−1)/(m+p−1).
-`baseline_json` (a 1-GPU run's bench.json) adds scaling efficiency. Writes bench.json to the run dir.
+`baseline_json` (a 1-GPU run's bench.json) adds scaling efficiency. Writes bench.json to the run dir,
+each row naming the performance layers it ran. `performance_layers=false` runs every row on the paper
+path (the `_graph` and `_pairs` rows then raise: they ask for a layer).
 On CPU, `quick=true` (or `--quick`) is a smoke run with a tiny model: gloo numbers mean nothing.
 
     torchrun --nproc-per-node 1 -m nano_megatron.bench systems=[tp,tp_graph_pairs] train.micro_batch_size=8
@@ -42,11 +45,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from nano_megatron.bench_peers import DTENSOR_SYSTEMS, DTensorTP
-from nano_megatron.bench_profile import busy_seconds, device_activity_seconds, timed_schedule
-from nano_megatron.build import build_engine
+from nano_flashattn.registry import performance_layers
+from nano_megatron.build import LayerConfig, build_engine, layer_names, split_layer_switches
 from nano_megatron.engine import ParallelConfig
 from nano_megatron.schedules import bubble_fraction_formula
+from nano_megatron.tools.bench_peers import DTENSOR_SYSTEMS, DTensorTP
+from nano_megatron.tools.bench_profile import busy_seconds, device_activity_seconds, timed_schedule
 from shared.accounting import flops_per_token, param_count
 from shared.bench import (
     DATASHEET_BF16_TFLOPS,
@@ -67,12 +71,15 @@ TP_OPTIONS = {"sp": "sequence_parallel", "serial": "tp_comm_overlap", "graph": "
 
 
 def tp_parallel_config(system: str, world: int) -> dict | None:
-    """ParallelConfig fields of a tp[_option...] system name (None: not such a name)."""
+    """ParallelConfig and LayerConfig fields of a tp[_option...] system name (None: not such a name):
+    the layers a name lists are required, the backward overlap is left to its default unless `_serial`
+    turns it off, and every other layer is off, so a row measures what its name says."""
     base, *options = system.split("_")
     if base != "tp" or len(set(options)) != len(options) or not set(options) <= set(TP_OPTIONS):
         return None
-    fields = {TP_OPTIONS[o]: True for o in options if o != "serial"}
-    return {"tp": world, **fields, "tp_comm_overlap": "serial" not in options}
+    return {"tp": world, "sequence_parallel": "sp" in options, "cuda_graph": "graph" in options,
+            "overlap_micro_batches": "pairs" in options,
+            "tp_comm_overlap": False if "serial" in options else None}
 
 
 def _sync(device: torch.device) -> None:
@@ -91,8 +98,8 @@ def _batches(mcfg: ModelConfig, cfg: TrainConfig, count: int, dp_rank: int, dp: 
     return out
 
 
-def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictConfig, device: torch.device,
-                 peaks: dict[str, float]) -> dict:
+def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictConfig,
+                 device: torch.device, peaks: dict[str, float]) -> dict:
     """One system's row: median step time over `bench.steps` after `bench.warmup`, MFU against each of
     `peaks` ({label: FLOP/s per GPU}), and the GPU-side measurements (see the module docstring)."""
     world = dist.get_world_size()
@@ -106,7 +113,10 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
     else:
         p = tp_parallel_config(system, world) or {"pp_1f1b": dict(pp=world),
                                                   "pp_gpipe": dict(pp=world, schedule="gpipe")}[system]
-        engine = build_engine(mcfg, ParallelConfig(**p), cfg, device=device)
+        p, switches = split_layer_switches(p)
+        switches = {"cuda_graph": False, "overlap_micro_batches": False, **switches}  # pp rows: no layer
+        layers = LayerConfig(**switches, performance_layers=bool(bench.performance_layers))
+        engine = build_engine(mcfg, ParallelConfig(**p), cfg, device=device, layers=layers)
     # a graphed engine warms up and captures in its first calls: untimed
     warmup = max(int(bench.warmup), getattr(engine, "GRAPH_WARMUP_STEPS", -1) + 1)
     # on the device before the clock starts: a pageable host-to-device copy would stall the host mid-step
@@ -149,6 +159,8 @@ def bench_system(system: str, mcfg: ModelConfig, cfg: TrainConfig, bench: DictCo
             print(f"GPU busy time not measured: {type(e).__name__}: {e}", flush=True)
     tokens = cfg.global_batch_size * cfg.seq_len
     row = {"system": system, "GPUs": world, "ms/step": seconds * 1e3, "tokens/s": tokens / seconds}
+    if system not in DTENSOR_SYSTEMS:
+        row["layers"] = "+".join(layer_names(engine)) or "none"
     for label, peak in peaks.items():
         row[f"MFU % ({label})"] = 100 * flops_per_token(mcfg, cfg.seq_len) * tokens / seconds / (peak * world)
     if device.type == "cuda":  # every rank joins the reduction; -1 marks a rank that could not measure
@@ -215,7 +227,9 @@ def run(cfg: DictConfig) -> dict:
         peaks["measured matmul"] = matmul
         rows = []
         for s in systems:  # each row as soon as it is measured: a later failure keeps the earlier ones
-            rows.append(bench_system(s, mcfg, tcfg, bench, env.device, peaks))
+            # the peers too run shared.model's paper-path kernels under performance_layers=false
+            with performance_layers(bool(cfg.performance_layers)):
+                rows.append(bench_system(s, mcfg, tcfg, bench, env.device, peaks))
             if env.rank == 0:
                 print(f"measured {rows[-1]}", flush=True)
         if cfg.baseline_json:
@@ -229,7 +243,8 @@ def run(cfg: DictConfig) -> dict:
         record = {"bench": "nano_megatron", "model": {"params": param_count(mcfg), **mcfg.to_hf()},
                   "world_size": env.world_size, "backend": env.backend, "quick": quick,
                   "seq_len": tcfg.seq_len, "global_batch_size": tcfg.global_batch_size,
-                  "dtype": tcfg.dtype, "matmul_TFLOPs_measured": matmul / 1e12,
+                  "dtype": tcfg.dtype, "performance_layers": bool(cfg.performance_layers),
+                  "matmul_TFLOPs_measured": matmul / 1e12,
                   "peak_TFLOPs_datasheet": datasheet / 1e12 if datasheet else None, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name(env.device) if cuda else "cpu", "rows": rows}
         if env.rank == 0:

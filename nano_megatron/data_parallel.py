@@ -41,8 +41,8 @@ class _Bucket:
 class BucketedGradReducer:
     """Owns the gradients of `params` (as views of flat per-bucket buffers) and sums them over `group`."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, bucket_mb: float = 25.0
-                 ) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                 bucket_mb: float = 25.0) -> None:
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.buckets: list[_Bucket] = []
@@ -68,7 +68,8 @@ class BucketedGradReducer:
         self.zero_grad()
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset:offset + p.numel()].view_as(p))
@@ -98,8 +99,9 @@ class BucketedGradReducer:
         bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
         # Launch every bucket that is complete, in bucket order.
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
-            self._launch(self.buckets[self._next_launch])
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
             self._next_launch += 1
             self.launched_by_hooks += 1
 
@@ -116,7 +118,9 @@ class BucketedGradReducer:
             self._next_launch += 1
         for b in self.buckets:
             b.work.wait()
-            if any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(b.params, b.views)):
-                raise RuntimeError("a gradient was replaced instead of accumulated into its bucket view; "
-                                   "do not set .grad to None between zero_grad() and finish()")
+            views = zip(b.params, b.views)
+            if any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in views):
+                raise RuntimeError("a gradient was replaced instead of accumulated into its "
+                                   "bucket view; do not set .grad to None between zero_grad() "
+                                   "and finish()")
         self._armed = False

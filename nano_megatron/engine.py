@@ -25,20 +25,29 @@ from nano_megatron.data_parallel import BucketedGradReducer
 from nano_megatron.grid import GridShape, ParallelGrid
 from nano_megatron.pipeline_parallel import PipelineSchedule, split_into_stage, stage_forward
 from nano_megatron.schedules import SCHEDULES
-from nano_megatron.tensor_parallel import TPShard, apply_tensor_parallel, vocab_parallel_cross_entropy
+from nano_megatron.tensor_parallel import (
+    TPShard,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
 from shared.config import ModelConfig
 from shared.dist import all_gather_single
 from shared.model import CausalLM, build_model
-from shared.train import MixedPrecisionAdamW, StepResult, TrainConfig, check_batch_sizes, check_seq_len
+from shared.train import (
+    MixedPrecisionAdamW,
+    StepResult,
+    TrainConfig,
+    check_batch_sizes,
+    check_seq_len,
+)
 
-# The ParallelConfig switches of the performance layers. The engine below runs none of them: each is a
-# subclass in its own module, and `nano_megatron.build.build_engine` composes the ones a config asks for.
-LAYER_FLAGS = ("tp_comm_overlap", "cuda_graph", "overlap_micro_batches")
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, targets) of each micro-batch
 
 
 @dataclass
 class ParallelConfig:
-    """Hydra's `parallel.*` group."""
+    """Hydra's `parallel.*` group: the grid and the papers' options (the performance-layer switches of
+    the same group are `build.LayerConfig`'s)."""
 
     tp: int = 1
     pp: int = 1
@@ -47,28 +56,22 @@ class ParallelConfig:
     schedule: str = "1f1b"  # "gpipe" | "1f1b"
     activation_checkpointing: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size
-    # performance layers, off by default (build_engine): each block's backward tp collective overlapped with
-    # its dW GEMMs (nano_megatron/overlap.py); the whole step captured in one CUDA graph and replayed
-    # (nano_megatron/cudagraph.py; CUDA, pp = dp = 1); micro-batches in pairs on two CUDA streams whose tp
-    # collectives overlap each other's GEMMs (nano_megatron/micro_batch_pairs.py; pp = 1)
-    tp_comm_overlap: bool = False
-    cuda_graph: bool = False
-    overlap_micro_batches: bool = False
 
 
-def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig, world_size: int) -> None:
+def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig,
+             world_size: int) -> None:
     """Every configuration error, raised as ValueError identically on every rank before any collective."""
     shape = GridShape(parallel.tp, parallel.pp, parallel.dp)
     shape.check_world_size(world_size)
     tp, pp = parallel.tp, parallel.pp
     mc = model_config
     if mc.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads ({mc.num_attention_heads}) is not divisible by tp={tp}: "
-                         "tensor parallelism gives every rank whole attention heads")
+        raise ValueError(f"num_attention_heads ({mc.num_attention_heads}) is not divisible by "
+                         f"tp={tp}: tensor parallelism gives every rank whole attention heads")
     if mc.num_key_value_heads % tp:
-        raise ValueError(f"num_key_value_heads ({mc.num_key_value_heads}) is not divisible by tp={tp}: "
-                         "every rank needs whole kv heads (replicating kv heads when tp exceeds them "
-                         "is not implemented)")
+        raise ValueError(f"num_key_value_heads ({mc.num_key_value_heads}) is not divisible by "
+                         f"tp={tp}: every rank needs whole kv heads (replicating kv heads when tp "
+                         "exceeds them is not implemented)")
     if mc.intermediate_size % tp:
         raise ValueError(f"intermediate_size ({mc.intermediate_size}) is not divisible by tp={tp}")
     if mc.num_hidden_layers % pp:
@@ -79,7 +82,8 @@ def validate(model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConf
     if parallel.sequence_parallel and cfg.seq_len % tp:
         raise ValueError(f"sequence parallelism needs seq_len ({cfg.seq_len}) divisible by tp={tp}")
     if parallel.schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {parallel.schedule!r}; choose from {SCHEDULES}")
+        raise ValueError(f"unknown pipeline schedule {parallel.schedule!r}; "
+                         f"choose from {SCHEDULES}")
     if parallel.bucket_mb <= 0:
         raise ValueError(f"parallel.bucket_mb must be > 0, got {parallel.bucket_mb}")
 
@@ -98,22 +102,18 @@ class MegatronEngine:
     `build_model(model_config, seed=cfg.seed)`, the same weights on every rank (and as LocalEngine).
     """
 
-    layer_flag: str | None = None  # the LAYER_FLAGS entry a performance-layer subclass implements
-    pipeline_schedule = PipelineSchedule  # the runtime of the schedules (the bench times a subclass)
+    # the runtime of the schedules (the bench times a subclass)
+    pipeline_schedule = PipelineSchedule
 
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig,
                  device: torch.device | str | None = None, model: CausalLM | None = None) -> None:
         validate(model_config, parallel, cfg, dist.get_world_size())
-        implemented = {getattr(c, "layer_flag", None) for c in type(self).__mro__}
-        for flag in LAYER_FLAGS:
-            if getattr(parallel, flag) and flag not in implemented:
-                raise ValueError(f"parallel.{flag} is a performance layer: build the engine with "
-                                 "nano_megatron.build_engine, which adds it to MegatronEngine")
         self.model_config, self.parallel, self.cfg = model_config, parallel, cfg
         self.device = torch.device(device) if device is not None else default_device()
         self.grid = grid = ParallelGrid(GridShape(parallel.tp, parallel.pp, parallel.dp))
         self.dp_rank, self.dp_world_size = grid.dp_rank, grid.dp
-        model = model if model is not None else build_model(model_config, self.device, seed=cfg.seed)
+        if model is None:
+            model = build_model(model_config, self.device, seed=cfg.seed)
         model = model.to(self.device)
         self.shards: dict[str, TPShard] = self._parallelize(model)
         self.model = model
@@ -124,7 +124,8 @@ class MegatronEngine:
         self.opt = MixedPrecisionAdamW([p for _, p in named], cfg, **self._optimizer_options())
         if cfg.dtype == "bf16":
             model.to(torch.bfloat16)
-        self.params, self.master, self.optimizer = self.opt.params, self.opt.master, self.opt.optimizer
+        self.params, self.master = self.opt.params, self.opt.master
+        self.optimizer = self.opt.optimizer
         self.tied_copy = (model_config.tie_word_embeddings and grid.pp > 1
                           and (grid.is_first_stage or grid.is_last_stage))
         self.reducer = BucketedGradReducer(self.params, grid.dp_group, parallel.bucket_mb)
@@ -145,19 +146,19 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ one step
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ce = vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.model_config.vocab_size,
-                                          self.grid.tp_group)
+        ce = vocab_parallel_cross_entropy(logits, targets, self.vocab_start,
+                                          self.model_config.vocab_size, self.grid.tp_group)
         return ce.sum() / self._num_tokens
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return stage_forward(self.model, x, self._seq_len, self.parallel.activation_checkpointing)
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def forward_backward(self, micro_batches: MicroBatches) -> float:
         """Gradients of the global-batch mean loss, fully reduced (dp, tied copies, tp-partial);
         returns that loss (the same value on every rank)."""
         return float(self._forward_backward(micro_batches))
 
-    def _forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _forward_backward(self, micro_batches: MicroBatches) -> torch.Tensor:
         """`forward_backward` with the loss left on the device (no host synchronisation)."""
         g = self.grid
         mb, seq = micro_batches[0][0].shape
@@ -180,12 +181,13 @@ class MegatronEngine:
             for t, f in zip(partial, flat.split([t.numel() for t in partial])):
                 t.copy_(f.view_as(t))
         # the loss lives on the last stage; tp ranks hold copies, dp ranks hold parts
-        loss = loss.float() if (g.is_last_stage and g.tp_rank == 0) else torch.zeros((), device=self.device)
+        holds_loss = g.is_last_stage and g.tp_rank == 0
+        loss = loss.float() if holds_loss else torch.zeros((), device=self.device)
         dist.all_reduce(loss)
         return loss
 
     def _run_micro_batches(self, schedule: PipelineSchedule,
-                           micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                           micro_batches: MicroBatches) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches in the pipeline schedule's order, the dp
         reduction armed before the last backward pass; the summed loss (on the last stage)."""
         return schedule.run(micro_batches, before_last_backward=self.reducer.arm)
@@ -213,11 +215,11 @@ class MegatronEngine:
             dist.all_reduce(total, group=g.pp_group)
         return total.sqrt()
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+    def train_step(self, micro_batches: MicroBatches, lr: float) -> StepResult:
         loss, norm = self._step(micro_batches, lr)
         return StepResult(loss=float(loss), grad_norm=float(norm))
 
-    def _step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float | None
+    def _step(self, micro_batches: MicroBatches, lr: float | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step — elementwise AdamW, so sharded AdamW equals unsharded AdamW — on the fp32
         master weights; returns (loss, grad norm) as device tensors. `lr=None`: AdamW keeps its own
@@ -294,8 +296,9 @@ class MegatronEngine:
     def load_resume_state(self, directory: Path) -> None:
         path = self._resume_file(directory)
         if not path.is_file():
-            raise FileNotFoundError(f"no resume shard {str(path)!r}: was the run saved with tp={self.grid.tp}, "
-                                    f"pp={self.grid.pp}? (resharding a resume checkpoint is not supported)")
+            raise FileNotFoundError(f"no resume shard {str(path)!r}: was the run saved with "
+                                    f"tp={self.grid.tp}, pp={self.grid.pp}? (resharding a resume "
+                                    "checkpoint is not supported)")
         state = torch.load(path, map_location=self.device, weights_only=True)
         saved = state["grid"]
         if (saved["tp"], saved["pp"]) != (self.grid.tp, self.grid.pp):

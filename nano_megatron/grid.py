@@ -114,11 +114,15 @@ class ParallelGrid:
 
     @property
     def prev_rank(self) -> int | None:
-        return None if self.is_first_stage else self.shape.rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank)
+        if self.is_first_stage:
+            return None
+        return self.shape.rank_of(self.dp_rank, self.pp_rank - 1, self.tp_rank)
 
     @property
     def next_rank(self) -> int | None:
-        return None if self.is_last_stage else self.shape.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank)
+        if self.is_last_stage:
+            return None
+        return self.shape.rank_of(self.dp_rank, self.pp_rank + 1, self.tp_rank)
 
     def stage_leader(self, pp_rank: int) -> int:
         """Global rank of (dp 0, pp_rank, tp 0): the rank that sends that stage's weights to rank 0."""
@@ -132,5 +136,5 @@ class ParallelGrid:
         self._groups.clear()
 
     def __repr__(self) -> str:
-        return (f"ParallelGrid(rank={self.rank}, dp={self.dp_rank}/{self.dp}, pp={self.pp_rank}/{self.pp}, "
-                f"tp={self.tp_rank}/{self.tp})")
+        return (f"ParallelGrid(rank={self.rank}, dp={self.dp_rank}/{self.dp}, "
+                f"pp={self.pp_rank}/{self.pp}, tp={self.tp_rank}/{self.tp})")

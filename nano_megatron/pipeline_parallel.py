@@ -81,7 +81,8 @@ class PipelineSchedule:
     global token count. `boundary_shape` is the (2, b, s_local, h) activation exchanged between stages.
     """
 
-    def __init__(self, grid: ParallelGrid, schedule: str, forward_fn: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, grid: ParallelGrid, schedule: str,
+                 forward_fn: Callable[[torch.Tensor], torch.Tensor],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  boundary_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         schedule_actions(schedule, 1, 1, 0)  # validates the name
@@ -117,8 +118,10 @@ class PipelineSchedule:
         actions = schedule_actions(self.schedule, g.pp, len(micro_batches), g.pp_rank)
         last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
         self.micro_batches = micro_batches
-        self.inputs: dict[int, torch.Tensor] = {}  # micro-batch -> received activation (needs its grad)
-        self.outputs: dict[int, torch.Tensor] = {}  # micro-batch -> stage output, or loss on the last stage
+        # micro-batch -> received activation (needs its grad)
+        self.inputs: dict[int, torch.Tensor] = {}
+        # micro-batch -> stage output, or loss on the last stage
+        self.outputs: dict[int, torch.Tensor] = {}
         self.loss_sum = torch.zeros((), device=self.device)
         sends: list[dist.P2POp] = []
         for k, a in enumerate(actions):
@@ -134,9 +137,10 @@ class PipelineSchedule:
         """Forward of micro-batch `a.micro` (its input received from the previous stage, unless this is
         the first); returns the send of its output to the next stage (none on the last: the loss)."""
         g, i = self.grid, a.micro
-        x = self.micro_batches[i][0].to(self.device) if g.is_first_stage else received.requires_grad_()
-        if not g.is_first_stage:
-            self.inputs[i] = x
+        if g.is_first_stage:
+            x = self.micro_batches[i][0].to(self.device)
+        else:
+            x = self.inputs[i] = received.requires_grad_()
         out = self.forward_fn(x)
         if g.is_last_stage:
             self.outputs[i] = self.loss_fn(out, self.micro_batches[i][1].to(self.device))
@@ -149,5 +153,8 @@ class PipelineSchedule:
         """Backward of micro-batch `a.micro` from the gradient received from the next stage (from the loss
         on the last); returns the send of its input's gradient to the previous stage."""
         g = self.grid
-        torch.autograd.backward(self.outputs.pop(a.micro), grad_tensors=None if g.is_last_stage else received)
-        return [] if g.is_first_stage else [dist.P2POp(dist.isend, self.inputs.pop(a.micro).grad, g.prev_rank)]
+        grad = None if g.is_last_stage else received
+        torch.autograd.backward(self.outputs.pop(a.micro), grad_tensors=grad)
+        if g.is_first_stage:
+            return []
+        return [dist.P2POp(dist.isend, self.inputs.pop(a.micro).grad, g.prev_rank)]

@@ -11,8 +11,8 @@ the order the GPUs run.
   alternates one forward and one backward, then drains the remaining backwards. Same bubble as GPipe
   but at most p−s micro-batches are in flight, so activation memory is bounded by p, not m.
 * Interleaved 1F1B (2104.04473 §2.2.2, Figure 4 bottom) gives each device v model chunks and shrinks
-  the bubble to (p−1)/(v·m+p−1); `interleaved_1f1b` generates its order for the simulator only (the
-  runtime does not execute it; see README "Not done").
+  the bubble to (p−1)/(v·m+p−1). The runtime does not execute it, so its action list lives beside the
+  one program that replays it, `tools/simulator.py`; the bubble formula here covers it.
 """
 
 from __future__ import annotations
@@ -55,34 +55,6 @@ def one_f_one_b(num_stages: int, num_micro: int, stage: int) -> list[Action]:
     for i in range(num_micro - warmup):
         actions += [Action("F", warmup + i), Action("B", i)]
     actions += [Action("B", i) for i in range(num_micro - warmup, num_micro)]
-    return actions
-
-
-def interleaved_1f1b(num_stages: int, num_micro: int, stage: int, num_chunks: int) -> list[Action]:
-    """Interleaved 1F1B (2104.04473 §2.2.2): device `stage` holds chunks c = 0..v−1, i.e. virtual stages
-    c·p + stage. Micro-batches go through in groups of p; forwards visit chunk 0 for a group, then
-    chunk 1, …; backwards visit chunks in reverse. Warm-up is (p−stage−1)·2 + (v−1)·p forwards
-    (Megatron's `forward_backward_pipelining_with_interleaving`). Needs m divisible by p."""
-    _check(num_stages, num_micro, stage)
-    p, v, m = num_stages, num_chunks, num_micro
-    if v < 1 or m % p:
-        raise ValueError(f"interleaved 1F1B needs num_chunks >= 1 and num_micro % num_stages == 0, "
-                         f"got v={v}, m={m}, p={p}")
-    total = m * v
-
-    def fwd(k: int) -> Action:  # k-th forward of this device
-        group, within = divmod(k, p * v)
-        return Action("F", group * p + within % p, within // p)
-
-    def bwd(k: int) -> Action:
-        group, within = divmod(k, p * v)
-        return Action("B", group * p + within % p, v - 1 - within // p)
-
-    warmup = total if m == p else min(total, (p - stage - 1) * 2 + (v - 1) * p)
-    actions = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [fwd(warmup + k), bwd(k)]
-    actions += [bwd(k) for k in range(total - warmup, total)]
     return actions
 
 

@@ -33,7 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nano_megatron.grid import ParallelGrid
-from nano_megatron.sequence_parallel import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
+from nano_megatron.sequence_parallel import (
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
 from shared.model import CausalLM
 
 
@@ -79,13 +82,15 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- layers
-def _shard(full: torch.Tensor, dim: int, rank: int, size: int, padded: int | None = None) -> torch.Tensor:
-    """Rank's contiguous block of `full` along `dim`, after zero-padding that dim to `padded` rows."""
+def _shard(full: torch.Tensor, dim: int, grid: ParallelGrid, padded: int | None = None
+           ) -> torch.Tensor:
+    """This tp rank's contiguous block of `full` along `dim`, after zero-padding that dim to `padded`
+    rows."""
     if padded is not None and padded > full.shape[dim]:
         pad_shape = list(full.shape)
         pad_shape[dim] = padded - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.chunk(size, dim=dim)[rank].clone()
+    return full.chunk(grid.tp, dim=dim)[grid.tp_rank].clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -96,13 +101,14 @@ class ColumnParallelLinear(nn.Module):
     all-reduce instead of issuing three (two).
     """
 
-    def __init__(self, linear: nn.Linear, grid: ParallelGrid, padded_out: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, grid: ParallelGrid, padded_out: int | None = None
+                 ) -> None:
         super().__init__()
         self.in_features, self.full_out = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, grid.tp_rank, grid.tp, padded_out))
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, grid, padded_out))
         self.bias = None
         if linear.bias is not None:
-            self.bias = nn.Parameter(_shard(linear.bias.detach(), 0, grid.tp_rank, grid.tp, padded_out))
+            self.bias = nn.Parameter(_shard(linear.bias.detach(), 0, grid, padded_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -116,10 +122,11 @@ class RowParallelLinear(nn.Module):
     for the norm that follows. The bias (replicated) is added once, after the reduction.
     """
 
-    def __init__(self, linear: nn.Linear, grid: ParallelGrid, sequence_parallel: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, grid: ParallelGrid, sequence_parallel: bool = False
+                 ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = grid.tp_group, sequence_parallel
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, grid.tp_rank, grid.tp))
+        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, grid))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +148,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = grid.tp_group, sequence_parallel
         self.num_embeddings = embedding.num_embeddings
-        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, grid.tp_rank, grid.tp, padded_vocab))
+        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, grid, padded_vocab))
         self.vocab_start = grid.tp_rank * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -201,8 +208,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
                                  vocab_size: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Per-token cross-entropy (fp32, shape = targets.shape) from this rank's logits[..., v_local],
     whose first column is vocabulary id `vocab_start`; ids ≥ `vocab_size` are padding."""
-    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            vocab_start, vocab_size, group)
+    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]),
+                                            targets.reshape(-1), vocab_start, vocab_size, group)
     return flat.view(targets.shape)
 
 
@@ -241,7 +248,8 @@ def _prepare_input(module: nn.Module, grid: ParallelGrid, sequence_parallel: boo
 
 def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel: bool = False
                           ) -> dict[str, TPShard]:
-    """Shard shared.model in place over `grid.tp_group` (§3, Figure 3); returns how each parameter is sharded.
+    """Shard shared.model in place over `grid.tp_group` (§3, Figure 3); returns how each parameter is
+    sharded.
 
     Works on a pipeline stage too (missing embedding / head / layers are skipped). With tied
     embeddings the LM head keeps sharing the (vocab-parallel) embedding weight.
@@ -258,14 +266,16 @@ def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel
         attn, mlp = layer.self_attn, layer.mlp
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), grid))
-            info[f"{p}self_attn.{name}.weight"] = TPShard(0, getattr(cfg, "kv_size" if name != "q_proj" else "q_size"))
+            size = cfg.q_size if name == "q_proj" else cfg.kv_size
+            info[f"{p}self_attn.{name}.weight"] = TPShard(0, size)
             if cfg.attention_bias:
                 info[f"{p}self_attn.{name}.bias"] = info[f"{p}self_attn.{name}.weight"]
         attn.o_proj = RowParallelLinear(attn.o_proj, grid, sp)
         info[f"{p}self_attn.o_proj.weight"] = TPShard(1, cfg.q_size)
         _prepare_input(attn, grid, sp)
         if attn.q_norm is not None:  # one weight shared by all heads; each rank sees only its heads
-            info[f"{p}self_attn.q_norm.weight"] = info[f"{p}self_attn.k_norm.weight"] = TPShard(partial_grad=tp > 1)
+            for name in ("q_norm", "k_norm"):
+                info[f"{p}self_attn.{name}.weight"] = TPShard(partial_grad=tp > 1)
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, grid)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj, grid)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, grid, sp)
@@ -276,7 +286,8 @@ def apply_tensor_parallel(model: CausalLM, grid: ParallelGrid, sequence_parallel
         for norm in ("input_layernorm", "post_attention_layernorm"):
             info[f"{p}{norm}.weight"] = TPShard(partial_grad=sp and tp > 1)
     if model.model.embed_tokens is not None:
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, grid, padded_vocab, sp)
+        embedding = model.model.embed_tokens
+        model.model.embed_tokens = VocabParallelEmbedding(embedding, grid, padded_vocab, sp)
         info["model.embed_tokens.weight"] = TPShard(0, cfg.vocab_size)
     if model.model.norm is not None:
         info["model.norm.weight"] = TPShard(partial_grad=sp and tp > 1)

@@ -4,8 +4,10 @@
     torchrun --nproc-per-node 4 -m nano_megatron.train parallel.tp=2 parallel.pp=2 model=tiny
 
 A Hydra app (configs in nano_megatron/configs): `parallel.*` is the grid (dp defaults to
-world / (tp·pp)), `model=` a model file (any ModelConfig field overridable: model.num_hidden_layers=2),
-`train.*` the loop (shared.train.TrainConfig, which owns data, LR schedule, logging and checkpoints).
+world / (tp·pp)) and the performance-layer switches (nano_megatron/build.py; `performance_layers=false`
+runs the paper path alone), `model=` a model file (any ModelConfig field overridable:
+model.num_hidden_layers=2), `train.*` the loop (shared.train.TrainConfig, which owns data, LR schedule,
+logging and checkpoints).
 gloo on CPU, NCCL on GPU. The run directory gets Hydra's config, `metrics.jsonl` and `checkpoint/`
 (HF format, loadable by transformers and nano_vllm, plus `resume/` with one shard per (pp, tp):
 resume with `train.resume_from=<run>/checkpoint` and the same tp and pp).
@@ -18,8 +20,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from nano_megatron.build import build_engine
-from nano_megatron.engine import LAYER_FLAGS, ParallelConfig
+from nano_megatron.build import REGISTRY, LayerConfig, build_engine, layer_names, split_layer_switches
+from nano_megatron.engine import ParallelConfig
 from nano_megatron.schedules import bubble_fraction_formula
 from shared.accounting import param_count
 from shared.dist import destroy_distributed, init_distributed, log0
@@ -27,13 +29,18 @@ from shared.hydra_utils import hydra_run_dir, model_config_from, peak_flops_from
 from shared.train import TrainConfig, train
 
 
-def parallel_config_from(node: DictConfig | dict, world_size: int) -> ParallelConfig:
-    """`parallel.*` with dp = world / (tp·pp) when not given (validated later, on every rank)."""
-    values = dict(node)
+def parallel_config_from(node: DictConfig | dict, world_size: int, performance_layers: bool = True
+                         ) -> tuple[ParallelConfig, LayerConfig]:
+    """`parallel.*` with dp = world / (tp·pp) when not given (validated later, on every rank), and the
+    performance-layer switches of the same group."""
+    values, switches = split_layer_switches(dict(node))
     tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
     if values.get("dp") is None:
         values["dp"] = max(1, world_size // (tp * pp))
-    return to_dataclass(ParallelConfig, values)
+    if performance_layers is not True:  # the top-level switch; `parallel.performance_layers` works too
+        switches["performance_layers"] = performance_layers
+    layers = to_dataclass(LayerConfig, switches)
+    return to_dataclass(ParallelConfig, values), layers
 
 
 def run(cfg: DictConfig) -> list[dict]:
@@ -45,14 +52,18 @@ def run(cfg: DictConfig) -> list[dict]:
         out_dir = hydra_run_dir()
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
-        pcfg = parallel_config_from(cfg.parallel, env.world_size)
-        engine = build_engine(mcfg, pcfg, tcfg, device=env.device)  # with the layers pcfg switches on
+        pcfg, layers = parallel_config_from(cfg.parallel, env.world_size,
+                                            cfg.get("performance_layers", True))
+        engine = build_engine(mcfg, pcfg, tcfg, device=env.device, layers=layers)
         m = tcfg.global_batch_size // (tcfg.micro_batch_size * pcfg.dp)
-        log0(f"nano_megatron: tp={pcfg.tp} pp={pcfg.pp} dp={pcfg.dp} ({env.world_size} rank(s), {env.backend})"
-               f", sequence_parallel={pcfg.sequence_parallel}, {pcfg.schedule} over {m} micro-batch(es)"
-               + (f" (bubble (p-1)/(m+p-1) = {bubble_fraction_formula(pcfg.pp, m):.1%})" if pcfg.pp > 1 else "")
-               + f"; {param_count(mcfg) / 1e6:.1f}M parameters; performance layers "
-               + (", ".join(f for f in LAYER_FLAGS if getattr(pcfg, f)) or "none") + f"; out_dir {out_dir}")
+        bubble = bubble_fraction_formula(pcfg.pp, m)
+        names = ", ".join(layer_names(engine)) or ("none" if layers.performance_layers else "off")
+        missing = f" (missing: {', '.join(REGISTRY.missing)})" if REGISTRY.missing else ""
+        log0(f"nano_megatron: tp={pcfg.tp} pp={pcfg.pp} dp={pcfg.dp} ({env.world_size} rank(s), "
+             f"{env.backend}), sequence_parallel={pcfg.sequence_parallel}, {pcfg.schedule} over {m} "
+             f"micro-batch(es)" + (f" (bubble (p-1)/(m+p-1) = {bubble:.1%})" if pcfg.pp > 1 else "")
+             + f"; {param_count(mcfg) / 1e6:.1f}M parameters; performance layers "
+             + names + missing + f"; out_dir {out_dir}")
         peak_flops = peak_flops_from(cfg, env.device)
         return train(engine, tcfg, is_main=env.rank == 0, peak_flops=peak_flops)
     finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nano_megatron.build import build_engine
+from nano_megatron.build import LayerConfig, build_engine, split_layer_switches
 from nano_megatron.engine import MegatronEngine, ParallelConfig
 from shared.config import ModelConfig
 from shared.train import LocalEngine, TrainConfig, micro_batches_of
@@ -60,10 +60,16 @@ def reference_run(case: dict, steps: int = 5) -> tuple[list[float], dict[str, to
     return losses, engine.consolidated_state_dict()
 
 
+NO_LAYERS = dict(tp_comm_overlap=False, cuda_graph=False, overlap_micro_batches=False)
+
+
 def make_engine(case: dict) -> MegatronEngine:
-    """The engine a case's `parallel` asks for, performance layers included (as the trainer builds it)."""
+    """The engine a case's `parallel` asks for, with exactly the performance layers it names (the others
+    off, so that what runs does not depend on the machine), built as the trainer builds it."""
     mc, cfg = model_config(**case.get("model", {})), train_config(**case.get("train", {}))
-    return build_engine(mc, ParallelConfig(**case["parallel"]), cfg)
+    parallel, switches = split_layer_switches(case["parallel"])
+    layers = LayerConfig(**{**NO_LAYERS, **switches})
+    return build_engine(mc, ParallelConfig(**parallel), cfg, layers=layers)
 
 
 def parallel_run(case: dict, steps: int = 5) -> tuple[list[float], dict[str, torch.Tensor] | None]:

@@ -1,11 +1,12 @@
-"""nano_megatron.bench_profile on CPU: the interval arithmetic behind "GPU busy %" and the idle-gap report,
+"""nano_megatron.tools.bench_profile on CPU: the interval arithmetic behind "GPU busy %" and the idle-gap report,
 and the timed pipeline schedule behind the measured bubble (no timing is asserted)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from nano_megatron.bench_profile import (
+from nano_megatron.schedules import Action
+from nano_megatron.tools.bench_profile import (
     TimedPipelineSchedule,
     busy_seconds,
     device_activity_seconds,
@@ -14,7 +15,6 @@ from nano_megatron.bench_profile import (
     timed_schedule,
     union_seconds,
 )
-from nano_megatron.schedules import Action
 
 
 def _ev(a, b, name="kernel"):

@@ -23,9 +23,9 @@ VARIANTS = {"eager": {}, "graph": dict(cuda_graph=True),
 
 
 def _run(tp: int, options: dict, dtype: str) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    # with the backward overlap layer, as the bench's tp rows
-    engine = make_engine(dict(parallel=dict(tp=tp, sequence_parallel=tp > 1, tp_comm_overlap=True, **options),
-                              train=dict(dtype=dtype)))
+    # with the backward overlap layer where it applies (tp > 1), as the bench's tp rows
+    parallel = dict(tp=tp, sequence_parallel=tp > 1, tp_comm_overlap=tp > 1, **options)
+    engine = make_engine(dict(parallel=parallel, train=dict(dtype=dtype)))
     cfg, losses = engine.cfg, []
     for i, (x, y) in enumerate(global_batches(cfg, 5)):  # a changing learning rate: read at replay
         lr = cfg.lr * (1 - 0.15 * i)

@@ -58,7 +58,7 @@ TWO_RANK_CASES = {
     "pp2-1f1b": dict(parallel=dict(pp=2)),
     "pp2-gpipe": dict(parallel=dict(pp=2, schedule="gpipe")),
     "dp2": dict(parallel=dict(dp=2, bucket_mb=0.01)),  # several buckets
-    # the overlap layer (each block's backward collective under its dW GEMMs, nano_megatron/overlap.py),
+    # the overlap layer (each block's backward collective under its dW GEMMs, nano_megatron/layers/overlap.py),
     # with SP and under activation checkpointing (the saved weights come back from recomputation)
     "tp2-ckpt-overlap": dict(parallel=dict(tp=2, activation_checkpointing=True, tp_comm_overlap=True)),
     "tp2-sp-overlap": dict(parallel=dict(tp=2, sequence_parallel=True, tp_comm_overlap=True)),
@@ -208,9 +208,9 @@ def _dtensor_vs_ours(steps: int = 3) -> dict:
 
 
 def _dtensor_peers(steps: int = 3) -> dict[bool, list[float]]:
-    """The bench's DTensor peer (nano_megatron.bench_peers), without and with SequenceParallel: its
+    """The bench's DTensor peer (nano_megatron.tools.bench_peers), without and with SequenceParallel: its
     gradient norms per step (a function of every gradient of the model)."""
-    from nano_megatron.bench_peers import DTensorTP
+    from nano_megatron.tools.bench_peers import DTensorTP
 
     mc, cfg = model_config(tie_word_embeddings=False, qk_norm=False), train_config(micro_batch_size=2)
     out = {}

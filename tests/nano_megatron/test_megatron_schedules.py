@@ -11,12 +11,11 @@ from nano_megatron.schedules import (
     Action,
     bubble_fraction_formula,
     gpipe,
-    interleaved_1f1b,
     one_f_one_b,
     schedule_actions,
 )
-from nano_megatron.simulator import main as simulator_main
-from nano_megatron.simulator import simulate
+from nano_megatron.tools.simulator import interleaved_1f1b, simulate
+from nano_megatron.tools.simulator import main as simulator_main
 
 PM = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 

@@ -59,9 +59,10 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # the single-threaded one-process run goes on beside the 2-rank job, whose ranks often wait on each other
+    # (the reference run takes the paper path alone: on a CPU no layer applies anyway)
     with subprocess.Popen([sys.executable, "-m", "nano_megatron.train", *COMMON, "train.steps=3",
-                           f"hydra.run.dir={tmp / 'single'}"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as single:
+                           "performance_layers=false", f"hydra.run.dir={tmp / 'single'}"], env=env,
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as single:
         try:
             run_distributed(_two_rank_job, 2, str(tmp), timeout_s=240.0)
             _, stderr = single.communicate(timeout=240)
@@ -82,6 +83,7 @@ def test_single_process_run_writes_metrics_and_hf_checkpoint(runs):
     assert (runs / "single" / ".hydra" / "config.yaml").is_file()  # the run keeps its config
     log = (runs / "single" / "train.log").read_text()  # Hydra's log file holds the run's report
     assert "nano_megatron: tp=1 pp=1 dp=1" in log and "step      3 | loss" in log
+    assert "; performance layers off;" in log
     assert f"checkpoint of step 3: {(runs / 'single' / 'checkpoint').resolve()}" in log
     model = load_model(runs / "single" / "checkpoint")
     assert model.config.num_hidden_layers == 2
@@ -124,6 +126,9 @@ def test_bench_quick_runs_every_system(runs):
     systems = [r["system"] for r in record["rows"]]
     assert systems == ["tp", "tp_sp", "dtensor_tp", "dtensor_tp_sp", "pp_1f1b", "pp_gpipe"]
     assert all(r["tokens/s"] > 0 and r["MFU % (measured matmul)"] > 0 for r in record["rows"])
+    # on a CPU no layer applies; the JSON says which ran
+    assert [r.get("layers") for r in record["rows"]] == ["none", "none", None, None, "none", "none"]
+    assert record["performance_layers"] is True
     assert record["peak_TFLOPs_datasheet"] is None  # gloo on a CPU: no datasheet peak, no such column
     pp = record["rows"][4]
     assert pp["bubble % (p-1)/(m+p-1)"] == pytest.approx(100 / 5)  # p=2, m=4
@@ -133,10 +138,14 @@ def test_bench_quick_runs_every_system(runs):
 def test_bench_system_names_map_to_parallel_configs():
     from nano_megatron.bench import tp_parallel_config
 
-    # the bench's tp rows run the backward overlap layer unless `_serial` says the paper path alone
-    assert tp_parallel_config("tp", 2) == {"tp": 2, "tp_comm_overlap": True}
-    assert tp_parallel_config("tp_sp_serial", 2) == {"tp": 2, "sequence_parallel": True, "tp_comm_overlap": False}
-    assert tp_parallel_config("tp_sp_graph_pairs", 4) == {"tp": 4, "sequence_parallel": True, "cuda_graph": True,
-                                                         "overlap_micro_batches": True, "tp_comm_overlap": True}
+    # the bench's tp rows leave the backward overlap to its default (on with tp > 1 on GPUs) unless
+    # `_serial` says the paper path's f and g; the layers a name lists are required, the others off
+    plain = {"sequence_parallel": False, "cuda_graph": False, "overlap_micro_batches": False}
+    assert tp_parallel_config("tp", 2) == {"tp": 2, **plain, "tp_comm_overlap": None}
+    assert tp_parallel_config("tp_sp_serial", 2) == {"tp": 2, **plain, "sequence_parallel": True,
+                                                     "tp_comm_overlap": False}
+    assert tp_parallel_config("tp_sp_graph_pairs", 4) == {"tp": 4, "sequence_parallel": True,
+                                                         "cuda_graph": True, "overlap_micro_batches": True,
+                                                         "tp_comm_overlap": None}
     for bad in ("tp_sp_sp", "tp_fast", "dtensor_tp", "pp_1f1b", "tpsp"):
         assert tp_parallel_config(bad, 2) is None

@@ -1,5 +1,5 @@
 """Performance layer: each block's backward tensor-parallel collective overlapped with its weight-gradient
-GEMMs (`parallel.tp_comm_overlap=true`; the paper path runs f and g of 1909.08053 Figure 3 as written).
+GEMMs (`parallel.tp_comm_overlap`; the paper path runs f and g of 1909.08053 Figure 3 as written).
 
 Megatron-LM's asynchronous tensor-parallel all-reduce (Narayanan et al. 2021, arXiv 2104.04473; with
 sequence parallelism Korthikanti et al. 2022, §4.2.2): in the backward pass of a block's column-parallel
@@ -10,8 +10,8 @@ in a stash; the block's entry node (f, or the sequence all-gather) gets their we
 its backward — which autograd runs after all of theirs — starts the collective on dX, computes every
 stashed dW, waits, and returns dW as those weights' gradients (so data-parallel gradient hooks still fire).
 
-Measured on 2× H200 (the 1.1B shape of configs/model/1b.yaml, micro-batch 8): 4% for TP = 2, 2% with SP,
-within the ±15 ms run-to-run spread of a ~300 ms step (nano_megatron/README.md).
+On by default where it applies and was measured: tensor parallelism (tp > 1) on GPUs. 2× H200, the 1.1B
+shape of configs/model/1b.yaml, micro-batch 8, 2026-11-30: 4% for TP = 2, 2% with SP (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nano_megatron.engine import MegatronEngine
+from nano_megatron.build import REGISTRY
+from nano_megatron.engine import MegatronEngine, ParallelConfig
 from nano_megatron.grid import ParallelGrid
 from nano_megatron.sequence_parallel import all_gather_seq
 from nano_megatron.tensor_parallel import ColumnParallelLinear, TPShard
+from shared.config import ModelConfig
 from shared.dist import reduce_scatter_single
 from shared.model import CausalLM
+from shared.train import TrainConfig
 
 
-def start_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work | None]:
+def start_reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup
+                             ) -> tuple[torch.Tensor, dist.Work | None]:
     """`sequence_parallel.reduce_scatter_seq`, launched asynchronously: returns the output and the
     collective's work (None when tp = 1), to wait on before reading it."""
     world = dist.get_world_size(group)
@@ -120,14 +124,16 @@ def apply_tp_comm_overlap(model: CausalLM, grid: ParallelGrid, sequence_parallel
     if grid.tp == 1:
         return
     for layer in model.model.layers.values():
-        for block, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+        blocks = ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj")))
+        for block, names in blocks:
             columns = [getattr(block, n) for n in names]
             for m in columns:
                 m.__class__ = DeferredWgradColumnParallelLinear
 
             def hook(mod: nn.Module, args: tuple, columns: list[nn.Module] = columns) -> tuple:
                 if torch.is_grad_enabled():
-                    x = block_entry(args[0], grid.tp_group, sequence_parallel, [m.weight for m in columns])
+                    weights = [m.weight for m in columns]
+                    x = block_entry(args[0], grid.tp_group, sequence_parallel, weights)
                 else:  # no backward: f is the identity, the SP all-gather its forward
                     x = all_gather_seq(args[0], grid.tp_group) if sequence_parallel else args[0]
                 return (x, *args[1:])
@@ -137,11 +143,26 @@ def apply_tp_comm_overlap(model: CausalLM, grid: ParallelGrid, sequence_parallel
 
 
 class TPCommOverlapEngine(MegatronEngine):
-    """MegatronEngine with `apply_tp_comm_overlap` on its blocks (`parallel.tp_comm_overlap=true`)."""
+    """MegatronEngine with `apply_tp_comm_overlap` on its blocks (`parallel.tp_comm_overlap`)."""
 
-    layer_flag = "tp_comm_overlap"
+    switch = "tp_comm_overlap"
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig,
+                 device: torch.device | str | None = None, model: CausalLM | None = None) -> None:
+        if parallel.tp == 1:  # raised on every rank, before the grid's collectives
+            raise ValueError("parallel.tp_comm_overlap=true needs tp > 1: with one tensor-parallel rank "
+                             "there is no collective to overlap")
+        super().__init__(model_config, parallel, cfg, device=device, model=model)
 
     def _parallelize(self, model: CausalLM) -> dict[str, TPShard]:
         shards = super()._parallelize(model)
         apply_tp_comm_overlap(model, self.grid, self.parallel.sequence_parallel)
         return shards
+
+
+def measured_to_help(parallel: ParallelConfig, cfg: TrainConfig, device: torch.device) -> bool:
+    """On by default: tensor parallelism on GPUs, where it was measured (module docstring)."""
+    return device.type == "cuda" and parallel.tp > 1
+
+
+REGISTRY.register("engine_class", TPCommOverlapEngine, applies=measured_to_help)

@@ -1,13 +1,15 @@
 """Performance layer: micro-batches in pairs, each on its own CUDA stream, issued half-layer by half-layer
-so one's tensor-parallel collectives overlap the other's GEMMs (`parallel.overlap_micro_batches=true`).
+so one's tensor-parallel collectives overlap the other's GEMMs (`parallel.overlap_micro_batches`).
 
 Domino (Wang et al. 2024, arXiv 2409.15241 §4): two independent batch slices hide each other's
 communication. Forward and backward alike: autograd runs each backward op on its forward op's stream.
 Keeps two micro-batches' activations alive instead of one; pp = 1 (the pipeline schedules order
 micro-batches themselves) and an even number of micro-batches per rank.
 
-Measured on one H200 (the 1.1B shape of configs/model/1b.yaml, micro-batch 8): ~2% over the eager step
-(two streams fill the gaps between kernels) for +23 GiB of activations (nano_megatron/README.md).
+On by default where it applies and was measured: one GPU (tp = pp = dp = 1), an even number of
+micro-batches. One H200, the 1.1B shape of configs/model/1b.yaml, micro-batch 8, 2026-12-01: +2.1% over the
+eager step (two streams fill the gaps between kernels) for +23 GiB of activations (BENCHMARKS.md);
+`parallel.overlap_micro_batches=false` gives that memory back. With tp > 1 it runs when asked for.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nano_megatron.build import REGISTRY
 from nano_megatron.engine import MegatronEngine, ParallelConfig
 from nano_megatron.pipeline_parallel import PipelineSchedule
 from shared.config import ModelConfig
@@ -78,7 +81,7 @@ class PairedMicroBatchesEngine(MegatronEngine):
     """MegatronEngine that runs its micro-batches two at a time (`stage_forward_interleaved`), then one
     backward pass over both losses."""
 
-    layer_flag = "overlap_micro_batches"
+    switch = "overlap_micro_batches"
 
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig, cfg: TrainConfig,
                  device: torch.device | str | None = None, model: CausalLM | None = None) -> None:
@@ -129,3 +132,14 @@ class PairedMicroBatchesEngine(MegatronEngine):
                     current.wait_stream(stream)
             loss_sum += losses[0].detach() + losses[1].detach()
         return loss_sum
+
+
+def measured_to_help(parallel: ParallelConfig, cfg: TrainConfig, device: torch.device) -> bool:
+    """On by default: one GPU and an even number of micro-batches, where it was measured (module
+    docstring)."""
+    per_rank = cfg.global_batch_size // (cfg.micro_batch_size * parallel.dp)
+    one_gpu = device.type == "cuda" and parallel.tp == parallel.pp == parallel.dp == 1
+    return one_gpu and per_rank % 2 == 0
+
+
+REGISTRY.register("engine_class", PairedMicroBatchesEngine, applies=measured_to_help)

@@ -1,11 +1,12 @@
 """A pure-Python pipeline simulator: replays the schedules' action lists with unit costs.
 
-    python -m nano_megatron.simulator --stages 4 --micro 8 --schedule 1f1b
+    python -m nano_megatron.tools.simulator --stages 4 --micro 8 --schedule 1f1b
 
-Each stage runs its list from `schedules.py` in order. Between two actions it posts one batch of
-point-to-point operations — the sends of the action just finished and the receives the next action
-needs — and waits until every one of them is matched by the peer, exactly as the runtime does with
-`dist.batch_isend_irecv` (`pipeline_parallel.PipelineSchedule`). Communication itself takes no time.
+Each stage runs its list from `schedules.py` (interleaved 1F1B: `interleaved_1f1b` below, which only the
+simulator runs) in order. Between two actions it posts one batch of point-to-point operations — the
+sends of the action just finished and the receives the next action needs — and waits until every one of
+them is matched by the peer, exactly as the runtime does with `dist.batch_isend_irecv`
+(`pipeline_parallel.PipelineSchedule`). Communication itself takes no time.
 So the simulator is also a deadlock check of the runtime's ordering: a cycle of waiting stages raises.
 The interleaved schedule (not executed by the runtime) is simulated with buffered sends instead: a
 send completes when posted and only receives wait, the idealised model of 2104.04473 §2.2.2.
@@ -20,7 +21,35 @@ import argparse
 from dataclasses import dataclass
 from fractions import Fraction
 
-from nano_megatron.schedules import Action, bubble_fraction_formula, interleaved_1f1b, schedule_actions
+from nano_megatron.schedules import Action, _check, bubble_fraction_formula, schedule_actions
+
+
+def interleaved_1f1b(num_stages: int, num_micro: int, stage: int, num_chunks: int) -> list[Action]:
+    """Interleaved 1F1B (2104.04473 §2.2.2): device `stage` holds chunks c = 0..v−1, i.e. virtual stages
+    c·p + stage. Micro-batches go through in groups of p; forwards visit chunk 0 for a group, then
+    chunk 1, …; backwards visit chunks in reverse. Warm-up is (p−stage−1)·2 + (v−1)·p forwards
+    (Megatron's `forward_backward_pipelining_with_interleaving`). Needs m divisible by p."""
+    _check(num_stages, num_micro, stage)
+    p, v, m = num_stages, num_chunks, num_micro
+    if v < 1 or m % p:
+        raise ValueError(f"interleaved 1F1B needs num_chunks >= 1 and num_micro % num_stages == 0, "
+                         f"got v={v}, m={m}, p={p}")
+    total = m * v
+
+    def fwd(k: int) -> Action:  # k-th forward of this device
+        group, within = divmod(k, p * v)
+        return Action("F", group * p + within % p, within // p)
+
+    def bwd(k: int) -> Action:
+        group, within = divmod(k, p * v)
+        return Action("B", group * p + within % p, v - 1 - within // p)
+
+    warmup = total if m == p else min(total, (p - stage - 1) * 2 + (v - 1) * p)
+    actions = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [fwd(warmup + k), bwd(k)]
+    actions += [bwd(k) for k in range(total - warmup, total)]
+    return actions
 
 
 @dataclass
@@ -124,8 +153,9 @@ def simulate(schedule: str, num_stages: int, num_micro: int, t_f: int | Fraction
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of `python -m nano_megatron.simulator`."""
-    ap = argparse.ArgumentParser(prog="python -m nano_megatron.simulator", description=__doc__.split("\n")[0])
+    """The command line of `python -m nano_megatron.tools.simulator`."""
+    ap = argparse.ArgumentParser(prog="python -m nano_megatron.tools.simulator",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--stages", "-p", type=int, default=4)
     ap.add_argument("--micro", "-m", type=int, default=8)
     ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
