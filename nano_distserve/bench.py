@@ -32,13 +32,12 @@ from nano_distserve.measure import StepRecord, measured_instance_main, step_reco
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
+from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import percentile, slo_attainment, summarize
-from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.step_timing import StepTimer
 from shared.bench import KernelCompiles, release_memory, write_json
 from shared.bench import format_table as shared_format_table
 from shared.config import resolve_model_config
@@ -101,7 +100,7 @@ def colocated_replica(engine_args: dict, requests: list[Request],
     args = dict(engine_args)
     if torch.cuda.is_available():
         args["device"] = f"cuda:{torch.cuda.current_device()}"
-    engine = with_performance_layers(LLMEngine(EngineConfig(**args)))
+    engine = LLMEngine(EngineConfig(**args))
     run_engine_open_loop(engine, *warmup_requests(requests))
     steps = []  # after the warm-up: what this replica's simulator model is fitted to
     StepTimer(engine, on_step=lambda out, seconds: steps.append(step_record(out, seconds)))
@@ -348,10 +347,10 @@ def run_interference(cfg: dict) -> dict:
     for policy in policies:  # one engine at a time, in this order (each sizes its KV cache from free memory)
         budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
         graphs = [int(v) for v in (c.get("mixed_cudagraph_sizes") or []) if int(v) <= budget]
-        engine = with_performance_layers(LLMEngine(EngineConfig(**{
+        engine = LLMEngine(EngineConfig(**{
             **c["engine"], "max_num_batched_tokens": budget, "max_num_seqs": max(decodes + 1, 2),
             "max_model_len": max_len, "enable_chunked_prefill": policy == "chunked",
-            "mixed_cudagraph_sizes": graphs, "enable_prefix_caching": False})))  # traced twice: no hits
+            "mixed_cudagraph_sizes": graphs, "enable_prefix_caching": False}))  # traced twice: no hits
         # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
         with KernelCompiles() as first:
             _interference_trace(engine, prompts, long_prompt, keep, before, after)

@@ -4,9 +4,9 @@
 
 runs the instances of nano_distserve.instance with, on top:
 
-* a kernel warm-up (nano_vllm.performance) and a warm-up burst of the workload's first requests
-  (`warmup_requests`), so Triton compiles stay out of every timed round;
-* a step log per instance (`StepRecord`s through nano_vllm.step_timing.StepTimer), each step timed as
+* a kernel warm-up (nano_vllm's layers/warmup.py, run as the engine is built) and a warm-up burst of
+  the workload's first requests (`warmup_requests`), so Triton compiles stay out of every timed round;
+* a step log per instance (`StepRecord`s through nano_vllm.bench.step_timing.StepTimer), each step timed as
   the instance's whole iteration — polling, admission and K/V import included, since a waiting request
   waits for them too — which the simulator's `LatencyModel.fit` is fitted to;
 * the serving hand-off per request (pull sent -> blocks in the decode cache, which waits for the prefill
@@ -41,11 +41,10 @@ from nano_distserve.disagg import (
 from nano_distserve.instance import DecodeInstance, Pending, PrefillInstance
 from nano_distserve.kv_transfer import export_blocks, import_blocks
 from nano_distserve.protocol import Message, Pull
+from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.loadgen import Request
-from nano_vllm.performance import with_performance_layers
 from nano_vllm.scheduler import SchedulerOutput
 from nano_vllm.sequence import Sequence
-from nano_vllm.step_timing import StepTimer
 
 TTFT_PARTS = ("router", "queue", "messages", "forward")
 
@@ -209,7 +208,7 @@ def measure_wire(kv_cache: torch.Tensor, requests: list[Request], block_size: in
 def measured_instance_main(cfg: DisaggConfig, requests: list[Request], rounds: list[list[float]]) -> dict:
     """`disagg.instance_main` with this layer: the same instances, measured (see the module docstring).
     A warm-up burst goes through first and is left out of every log."""
-    engine = with_performance_layers(build_engine(cfg))
+    engine = build_engine(cfg)
     node = connect(cfg, engine, functools.partial(MeasuredPrefillInstance, keep_kv=cfg.keep_kv),
                    functools.partial(MeasuredDecodeInstance, keep_kv=cfg.keep_kv))
     inst = node.instance

@@ -20,7 +20,7 @@ prompt or earlier generated text: what an infinite cache computes; `optimal_hit_
 also "bookkeeping %": wall time inside the radix tree (match, insert, lock, unlock, evict) and the
 cache-aware ordering of the waiting queue, over the engine's step time.
 
-Each system is one engine with nano_vllm's performance layers on (`with_performance_layers`: the kernel
+Each system is one engine with nano_vllm's performance layers on (its default: the kernel
 warm-up; CUDA graphs for decode and for mixed steps at `engine.mixed_cudagraph_sizes`), built once, warmed up
 by running each workload once untimed, its prefix cache emptied before each run, and freed before the next
 is built, so every engine sizes its KV cache from the same memory. The table lists, per workload,
@@ -43,11 +43,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_sglang.engine import SGLEngine
 from nano_sglang.scheduler import CacheAwareConfig
+from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
-from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.step_timing import StepTimer
 from shared.bench import print_table, release_memory, write_json
 from shared.hydra_utils import hydra_run_dir
 
@@ -237,11 +236,11 @@ def run(cfg: DictConfig) -> dict:
             shape = {k: (max(1, v // 8) if k == "programs" else v if k in ("turns", "steps", "branches", "depth",
                      "groups") else max(2, v // 10)) for k, v in shape.items()}
         shapes[name] = make_programs(name, shape, random.Random(cfg.seed), 4000)
-    systems = [(SGL, lambda: with_performance_layers(SGLEngine(EngineConfig(model=model, **engine_args),
-                                                                CacheAwareConfig(cfg.policy)))),
-               (VLLM_OFF, lambda: with_performance_layers(LLMEngine(EngineConfig(
-                   model=model, **engine_args, enable_prefix_caching=False)))),
-               (VLLM_ON, lambda: with_performance_layers(LLMEngine(EngineConfig(model=model, **engine_args))))]
+    systems = [(SGL, lambda: SGLEngine(EngineConfig(model=model, **engine_args),
+                                       CacheAwareConfig(cfg.policy))),
+               (VLLM_OFF, lambda: LLMEngine(EngineConfig(model=model, **engine_args,
+                                                         enable_prefix_caching=False))),
+               (VLLM_ON, lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
     by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
     for system, make in systems if shapes else []:  # workloads=[]: the JSON part only
         engine = make()
@@ -264,7 +263,7 @@ def run(cfg: DictConfig) -> dict:
                                       else None)
         rows += [by_system[s] for s in (SGL, VLLM_ON, VLLM_OFF)]  # nano_sglang, its peer, no cache
     if cfg.json_programs:
-        engine = with_performance_layers(SGLEngine(EngineConfig(model=model, **engine_args)))
+        engine = SGLEngine(EngineConfig(model=model, **engine_args))
         n = max(2, cfg.json_programs // (8 if quick else 1))
         run_json(engine, 2, True)  # warm-up: FSM compile and token masks
         json_rows = [run_json(engine, n, False), run_json(engine, n, True)]

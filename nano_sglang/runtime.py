@@ -3,8 +3,9 @@
 The frontend (nano_sglang.lang) runs every program state on its own thread; their requests must meet in
 the same engine steps, and the same radix tree, for batching and prefix sharing to happen. nano_vllm's
 `EngineLoop` does exactly that for its server; `Runtime` speaks `Handle`s to it instead of HTTP streams.
-The runtime is an entry point, so it turns nano_vllm's performance layers on: CUDA graphs for the steps
-jump-forward makes (`MIXED_CUDAGRAPH_SIZES`) and the kernel warm-up.
+The engine runs nano_vllm's performance layers by default (CUDA graphs, the kernel warm-up, ...;
+`performance_layers=False` among the engine arguments runs the paper path alone); the runtime adds CUDA
+graphs for the steps jump-forward makes (`MIXED_CUDAGRAPH_SIZES`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from nano_sglang.engine import SGLEngine
 from nano_sglang.scheduler import CacheAwareConfig
 from nano_sglang.sequence import SGLSequence
 from nano_vllm.config import EngineConfig
-from nano_vllm.engine_loop import EngineLoop
-from nano_vllm.performance import with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.serve.engine_loop import EngineLoop
 
 # Token counts at which the runtime's engine captures CUDA graphs for steps that are not pure decode (unless
 # `mixed_cudagraph_sizes` is given): jump-forward makes many small extend steps, and an eager step is
@@ -104,7 +104,7 @@ class Runtime:
         if config.mixed_cudagraph_sizes is None:
             config = config.replace(mixed_cudagraph_sizes=tuple(
                 s for s in MIXED_CUDAGRAPH_SIZES if s <= config.max_num_batched_tokens))
-        self.engine = with_performance_layers(SGLEngine(config, pol))
+        self.engine = SGLEngine(config, pol)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

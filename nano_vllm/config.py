@@ -1,10 +1,26 @@
-"""`EngineConfig`: the engine arguments of `LLM(model, **engine_args)`, vLLM's names, checked once here."""
+"""`EngineConfig`: the engine arguments of `LLM(model, **engine_args)`, vLLM's names, checked once here;
+and `REGISTRY`, the places where the performance layers (nano_vllm/layers/) plug into the paper path.
+
+The paper path names three extension points; each layer module registers into them when it is imported,
+and the registry imports every module it lists on first use (nano_flashattn.registry):
+
+* "runner" — `hook(runner)`, applied to each new `ModelRunner` once its model is loaded, before the KV
+  cache is sized (on every tensor-parallel rank: each builds its runner from the same EngineConfig);
+* "graphs" — `hook(runner)`, applied once the KV cache is allocated: it appends the CUDA graphs `run`
+  replays to `runner.cudagraphs`;
+* "engine" — `hook(engine)`, applied to each new `LLMEngine` once it is built.
+
+Fast by default: a layer runs wherever it is present and applies (its predicate: most apply on CUDA
+only). `performance_layers=False` runs the paper path alone; a layer switch set to True asks for its layer
+and is an error where the layer is missing (`LAYER_SWITCHES`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -12,7 +28,15 @@ from typing import Any
 
 import torch
 
+from nano_flashattn.registry import Registry, performance_layers
 from shared.config import PRESETS, ModelConfig
+
+# In load order, which is the order their hooks run: the GEMV swaps the projections fusion made.
+REGISTRY = Registry("nano_vllm", points=("runner", "graphs", "engine"),
+                    modules=("cudagraph", "fused", "gemv", "fused_sampling", "overlap", "warmup"))
+# EngineConfig's layer switches and the layer module each asks for when set (True, or a row count > 0).
+LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused",
+                  "fused_sampling": "fused_sampling", "gemv_max_tokens": "gemv"}
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -32,13 +56,13 @@ class EngineConfig:
     gpu_memory_utilization: fraction of the GPU memory the engine may use (weights + activations + KV cache).
     num_kv_blocks / kv_cache_memory_bytes: fix the KV cache size instead (the only way on a CPU; default
         there: room for max_num_seqs full sequences, at most 1 GiB).
-    enforce_eager: never capture CUDA graphs.
+    enforce_eager: never capture CUDA graphs (vLLM's name).
     mixed_cudagraph_sizes: token counts at which steps that are not pure decode (prefill chunks, short
         extends such as nano_sglang's jump-forward, decodes mixed with either) are also captured as CUDA
         graphs; a step of up to the largest size is padded to the next one instead of running eagerly
         (vLLM's cudagraph capture sizes cover mixed steps the same way). Empty: such steps run eagerly.
-        None: the default — empty for nano_vllm's LLMEngine, 64-512 in nano_sglang's Runtime
-        (jump-forward's extends). Read by the CUDA-graph layer (nano_vllm.cudagraph).
+        None: the CUDA-graph layer's default (layers/cudagraph.py: 128-2048 tokens within
+        max_num_batched_tokens, on one device; nano_sglang's Runtime sets 64-512, jump-forward's extends).
     enable_prefix_caching: reuse KV blocks of identical prefixes across requests (hash of full blocks).
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
@@ -49,14 +73,18 @@ class EngineConfig:
         checkpoint whose config.json has a `quantization_config` (AWQ / AutoAWQ GEMM, SmoothQuant W8A8) is
         served quantized by itself. Both go through nano_quant, imported only then.
 
-    Performance layers (nano_vllm.performance; off here, on in the bench's and the server's configs), each
-    the same tokens faster:
-    async_scheduling: overlapped scheduling (vLLM's name; nano_vllm.overlap): the host schedules and
-        prepares step t+1 while the device runs step t. One device only.
-    fused_projections: q/k/v as one matmul and gate/up as one, fused at load time (nano_vllm.fused).
-    fused_sampling: sampling in one pass over the logits, seeds by counter (nano_vllm.fused_sampling).
+    Performance layers (nano_vllm/layers/), each the same tokens faster. None: on where the layer is
+    present and applies (on CUDA), True: asked for (ValueError if the layer is missing), False: off.
+    performance_layers: False runs the paper path alone — no layer of nano_vllm, nano_flashattn or
+        nano_quant, no CUDA graph, no warm-up (`nano_flashattn.registry.performance_layers(False)` around
+        the engine's construction and every step).
+    async_scheduling: overlapped scheduling (vLLM's name; layers/overlap.py): the host schedules and
+        prepares step t+1 while the device runs step t. One device only (None: off with
+        tensor_parallel_size > 1).
+    fused_projections: q/k/v as one matmul and gate/up as one, fused at load time (layers/fused.py).
+    fused_sampling: sampling in one pass over the logits, seeds by counter (layers/fused_sampling.py).
     gemv_max_tokens: steps of at most this many rows run their linear layers through the split-K Triton
-        GEMV on CUDA (nano_vllm.gemv; at most 16), cuBLAS above; 0 = cuBLAS always.
+        GEMV on CUDA (layers/gemv.py; at most 16), cuBLAS above; 0 = cuBLAS always; None: 1 on CUDA.
     """
 
     model: str = "tiny"
@@ -76,10 +104,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     quantization: str | None = None
-    async_scheduling: bool = False
-    fused_projections: bool = False
-    fused_sampling: bool = False
-    gemv_max_tokens: int = 0
+    performance_layers: bool = True
+    async_scheduling: bool | None = None
+    fused_projections: bool | None = None
+    fused_sampling: bool | None = None
+    gemv_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -93,15 +122,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("async_scheduling", "fused_projections", "fused_sampling"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.gemv_max_tokens, int) or isinstance(self.gemv_max_tokens, bool):
-            raise TypeError(f"gemv_max_tokens must be an int, got {self.gemv_max_tokens!r}")
-        if not 0 <= self.gemv_max_tokens <= 16:
-            raise ValueError(f"gemv_max_tokens must be in [0, 16] (the GEMV's rows), got {self.gemv_max_tokens}")
+        self._check_layers()
         self._check_quantization()
-        if self.async_scheduling and self.tensor_parallel_size > 1:
+        if self.async_scheduling is True and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would not see the "
                              "tokens of the step in flight); pass async_scheduling=False")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"):
@@ -127,6 +150,39 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence must be able to decode in one step")
+
+    def _check_layers(self) -> None:
+        """The switches' types; a switch that asks for a layer (True, or gemv_max_tokens > 0) needs the layer
+        present and `performance_layers` on."""
+        if not isinstance(self.performance_layers, bool):
+            raise TypeError(f"performance_layers must be a bool, got {self.performance_layers!r}")
+        for name in ("async_scheduling", "fused_projections", "fused_sampling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
+        rows = self.gemv_max_tokens
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool)):
+            raise TypeError(f"gemv_max_tokens must be an int or None, got {rows!r}")
+        if rows is not None and not 0 <= rows <= 16:
+            raise ValueError(f"gemv_max_tokens must be in [0, 16] (the GEMV's rows), got {rows}")
+        for switch, module in LAYER_SWITCHES.items():
+            value = getattr(self, switch)
+            if value is None or value is False or value == 0:
+                continue
+            if not self.performance_layers:
+                raise ValueError(f"{switch}={value!r} asks for the performance layer {module}, but "
+                                 "performance_layers=False runs the paper path alone; drop one of them")
+            REGISTRY.require(module, f"{switch}={value!r}")
+
+    def wants(self, switch: str, device: torch.device) -> bool:
+        """Whether the layer behind `switch` runs on `device`: asked for (True, or a count > 0), or left to
+        the default (None) on CUDA, where the layers pay; `performance_layers=False` turns every one off."""
+        value = getattr(self, switch)
+        return self.performance_layers and (bool(value) if value is not None else device.type == "cuda")
+
+    def layers_context(self) -> AbstractContextManager[None]:
+        """The context the engine builds and steps in: nano_flashattn's switch, set as
+        `performance_layers` says, so that every lookup of a layer (in every package) follows it."""
+        return performance_layers(self.performance_layers)
 
     def _check_quantization(self) -> None:
         """`quantization` is None or a method nano_quant runs on the fly; a quantized model runs on one
@@ -201,6 +257,16 @@ def import_nano_quant(what: str) -> ModuleType:
         raise ImportError(f"{what} needs the nano_quant package (nano_quant/ beside nano_vllm/; it stands on "
                           f"shared/ alone): {e}") from e
     return nano_quant
+
+
+def apply_layers(point: str, target: Any) -> list[str]:
+    """Apply every layer hook registered at `point` ("runner", "graphs" or "engine") that applies to
+    `target`, in order; returns the names of their modules (what the engine reports as applied)."""
+    names = []
+    for hook in REGISTRY.active(point, target):
+        hook(target)
+        names.append(hook.__module__.rpartition(".")[2])
+    return names
 
 
 def engine_args_from(node: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,19 +12,19 @@ sequences that run and how many tokens each computes (scheduler.py, §4.5), givi
 (model_runner.py, attention.py, §4.1, §4.3) and samples the next tokens (sampler.py); the scheduler
 appends them and finishes the sequences that are done. `LLM.generate` steps until none is left.
 
-Performance layers (CUDA graphs, overlapped scheduling, fused projections and sampling, the GEMV, the
-kernel warm-up) register into the hooks `ModelRunner.graph_capturers`, `ModelRunner.runner_layers` and
-`LLMEngine.engine_layers`, switched by EngineConfig fields: see nano_vllm.performance.
+Performance layers (nano_vllm/layers/: CUDA graphs, overlapped scheduling, fused projections and
+sampling, the GEMV, the kernel warm-up) run by default wherever they apply: the runner's at its points,
+the engine's ("engine": overlapped steps, the warm-up) once it is built; `engine.layers_applied` names
+them. `LLM(model, performance_layers=False)` runs the paper path alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, ClassVar
+from typing import Any
 
 from nano_vllm.block_manager import BlockManager
-from nano_vllm.config import EngineConfig
+from nano_vllm.config import EngineConfig, apply_layers
 from nano_vllm.inputs import parse_prompts, parse_sampling_params, prompt_token_ids, prompts_token_ids
 from nano_vllm.model_runner import ModelRunner
 from nano_vllm.outputs import Progress, RequestOutput
@@ -37,7 +37,7 @@ from shared.config import resolve_model_config
 
 class LLMEngine:
     """A Scheduler, its BlockManager, a ModelRunner and the tokenizer. Not thread-safe: one thread steps it
-    (nano_vllm.engine_loop).
+    (nano_vllm.serve.engine_loop).
 
     Extension points — a subclass sets these class attributes to swap one part and keep the rest:
       sequence_cls       a `Sequence` subclass carrying extra per-request state; `add_request` passes its
@@ -55,9 +55,6 @@ class LLMEngine:
     block_manager_cls: type[BlockManager] = BlockManager
     scheduler_cls: type[Scheduler] = Scheduler
     model_runner_cls: type[ModelRunner] = ModelRunner
-    # Performance layers that install themselves on every new engine, as its EngineConfig asks (overlapped
-    # scheduling: registered by nano_vllm.performance).
-    engine_layers: ClassVar[list[Callable[[LLMEngine], None]]] = []
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -77,8 +74,9 @@ class LLMEngine:
         eos = checkpoint_eos_ids(config.model, self.model_config, self.tokenizer)
         self.scheduler = self.scheduler_cls(sched, self.block_manager, eos)
         self.num_steps = 0
-        for install in self.engine_layers:
-            install(self)
+        with config.layers_context():
+            applied = self.model_runner.layers_applied + apply_layers("engine", self)
+        self.layers_applied = list(dict.fromkeys(applied))  # the layers' module names, once each
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,

@@ -12,23 +12,37 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from nano_vllm.attention import AttentionContext
 from nano_vllm.config import EngineConfig, checkpoint_quantization, import_nano_quant
-from nano_vllm.sampler import SamplingTensors
+from nano_vllm.sampler import Sampler, SamplingTensors
 from nano_vllm.sampling_params import SamplingParams
 from shared.checkpoint import load_model
 from shared.config import PRESETS, ModelConfig
 from shared.model import CausalLM, build_model
 
-if TYPE_CHECKING:
-    from nano_vllm.engine import LLMEngine
-    from nano_vllm.model_runner import ModelRunner
-
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV cache budget on a CPU (when not given)
+
+
+class Runner(Protocol):
+    """What the sizing reads of a model runner (nano_vllm.model_runner.ModelRunner, one rank's)."""
+
+    config: EngineConfig
+    model: CausalLM
+    sampler: Sampler
+    device: torch.device
+    max_model_len: int
+    block_size: int
+    block_bytes: int
+    num_blocks: int
+    tp_size: int
+    vocab_size: int
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
 
 def load_engine_model(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> CausalLM:
@@ -88,7 +102,7 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int
     return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def decide_num_blocks(runner: ModelRunner) -> int:
+def decide_num_blocks(runner: Runner) -> int:
     """The number of KV blocks of `runner`'s cache (see the module docstring); every tensor-parallel rank
     agrees on the smallest, since a block id must name the same block on all of them. Raises ValueError
     when not even one `max_model_len` sequence fits."""
@@ -101,9 +115,7 @@ def decide_num_blocks(runner: ModelRunner) -> int:
         num = profile_num_blocks(runner)
     else:
         num = min(cfg.max_num_seqs * needed, CPU_KV_CACHE_BYTES // runner.block_bytes)
-    if runner.tp_size > 1:
-        from nano_vllm.tp import all_reduce_min  # only tensor-parallel runs need torch.distributed
-
+    if runner.tp_size > 1:  # a block id names the same block on every rank: all take the smallest
         num = all_reduce_min(num, runner.device)
     if num < needed:
         raise ValueError(f"the KV cache holds {num} blocks of {runner.block_size} tokens, fewer than one "
@@ -112,8 +124,15 @@ def decide_num_blocks(runner: ModelRunner) -> int:
     return num
 
 
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest `value` over the tensor-parallel ranks (torch.distributed's default group)."""
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 @torch.inference_mode()
-def profile_num_blocks(runner: ModelRunner) -> int:
+def profile_num_blocks(runner: Runner) -> int:
     """§5: run the largest step (`max_num_batched_tokens` tokens, then the sampler over `max_num_seqs`
     rows), take its peak activation memory, and give everything else the engine may use to KV blocks."""
     dev, config = runner.device, runner.config
@@ -145,18 +164,19 @@ def profile_num_blocks(runner: ModelRunner) -> int:
     return max(int(budget) // runner.block_bytes, 0)
 
 
-def kv_cache_summary(engine: LLMEngine) -> str:
-    """One line: the weights (GiB on rank 0, and their quantization), then the KV cache: blocks, tokens,
-    GiB (all tensor-parallel ranks) and how many full-length sequences fit. With the weights quantized,
-    what they no longer take is what §5's sizing gives to KV blocks."""
-    r, bs = engine.model_runner, engine.config.block_size
+def kv_cache_summary(r: Runner) -> str:
+    """One line of a built runner (`engine.model_runner`): the weights (GiB on rank 0, and their
+    quantization), then the KV cache: blocks, tokens, GiB (all tensor-parallel ranks) and how many
+    full-length sequences fit. With the weights quantized, what they no longer take is what §5's sizing
+    gives to KV blocks."""
+    bs = r.block_size
     qcfg = getattr(r.model, "quantization_config", None)
-    quantized = str(engine.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
+    quantized = str(r.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
         f"quantized: {qcfg.to_dict()}"
     return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
             f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
             f"{_size(r.num_blocks * r.block_bytes * r.tp_size)} "
-            f"({math.floor(r.num_blocks * bs / engine.max_model_len)} full-length sequences)")
+            f"({math.floor(r.num_blocks * bs / r.max_model_len)} full-length sequences)")
 
 
 def _size(nbytes: int) -> str:

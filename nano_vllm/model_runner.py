@@ -12,24 +12,24 @@ One step, as `execute` runs it:
 3. `sample` draws the next tokens on the device (nano_vllm.sampler); reading them back is the step's one
    wait for the GPU.
 
-The graphs come from a performance layer (nano_vllm.cudagraph) that registers its capture function in
-`graph_capturers`. The KV cache is sized by nano_vllm.kv_cache (§5); tensor parallelism (§4.6) is a
-subclass, nano_vllm.tp.
+Performance layers (nano_vllm/layers/, through `config.REGISTRY`) change a new runner at two points:
+"runner" once its model is loaded (fused projections, the GEMV, fused sampling, the overlap layer's
+token ring), "graphs" once its KV cache is allocated (the CUDA graphs `run` replays). The KV cache is
+sized by nano_vllm.kv_cache (§5); tensor parallelism (§4.6) is a subclass, nano_vllm.tp.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from nano_flashattn import trusted_metadata
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
-from nano_vllm.config import EngineConfig
+from nano_vllm.config import EngineConfig, apply_layers
 from nano_vllm.kv_cache import decide_num_blocks, kv_block_bytes, load_engine_model
 from nano_vllm.sampler import Sampler, SamplingTensors
 from nano_vllm.scheduler import SchedulerOutput
@@ -92,14 +92,6 @@ def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
 class ModelRunner:
     """Runs one engine step on one device (one tensor-parallel rank)."""
 
-    # CUDA graphs are a performance layer (nano_vllm.cudagraph, registered by nano_vllm.performance): each
-    # function here captures graph sets on a CUDA runner (unless enforce_eager) for `run` to replay.
-    graph_capturers: ClassVar[list[Callable[[ModelRunner], list[StepGraphs]]]] = []
-    # Other performance layers (registered by nano_vllm.performance) apply themselves to every new runner once
-    # its model is loaded, before the KV cache is sized and graphs are captured; each reads its switch from
-    # the EngineConfig, so every tensor-parallel rank applies the same ones.
-    runner_layers: ClassVar[list[Callable[[ModelRunner], None]]] = []
-
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  tp_rank: int = 0, tp_size: int = 1, device: torch.device | None = None):
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
@@ -108,19 +100,17 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_kv_heads = model_config.num_key_value_heads // tp_size
         check_head_dim(model_config.head_dim, self.device)
-        self.model = self.load_model().eval()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams
-        for apply_layer in self.runner_layers:
-            apply_layer(self)
-        self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
-                                          config.torch_dtype)
-        self.num_blocks = decide_num_blocks(self)
-        self.allocate_kv_cache(self.num_blocks)
         self.cudagraphs: list[StepGraphs] = []  # tried in order before the eager forward
-        if self.device.type == "cuda" and not config.enforce_eager:
-            for capture in self.graph_capturers:
-                self.cudagraphs += capture(self)
+        with config.layers_context():  # performance_layers=False: no layer, here or in the kernels
+            self.model = self.load_model().eval()
+            self.layers_applied = apply_layers("runner", self)  # they change the model: before sizing
+            self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
+                                              config.torch_dtype)
+            self.num_blocks = decide_num_blocks(self)
+            self.allocate_kv_cache(self.num_blocks)
+            self.layers_applied += apply_layers("graphs", self)
 
     def load_model(self) -> CausalLM:
         """The one model on this device (the tensor-parallel runner loads its shard instead)."""
@@ -215,7 +205,8 @@ class ModelRunner:
         if inputs.copies:
             self.copy_blocks(inputs.copies)
         graphs = next((g for g in self.cudagraphs if g.fits(inputs)), None)
-        return self.forward(inputs) if graphs is None else graphs.replay(inputs)
+        with self.config.layers_context():
+            return self.forward(inputs) if graphs is None else graphs.replay(inputs)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The eager step: the model over the packed batch, then the LM head on the rows that sample."""

@@ -84,12 +84,6 @@ def shard_model(model: CausalLM, rank: int, world: int) -> CausalLM:
     return model
 
 
-def all_reduce_min(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def _device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if config.torch_device.type == "cuda" else torch.device("cpu")
 

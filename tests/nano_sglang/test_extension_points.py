@@ -19,7 +19,7 @@ from nano_sglang.scheduler import CacheAwareConfig, CacheAwareScheduler
 from nano_sglang.sequence import SGLSequence
 from nano_vllm import EngineConfig, SamplingParams
 from nano_vllm.block_manager import BlockManager
-from nano_vllm.cudagraph import DecodeCudaGraphs, MixedStepGraphs, capture_cudagraphs
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, MixedStepGraphs, capture_cudagraphs
 from nano_vllm.scheduler import Scheduler
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -12,8 +12,8 @@ import torch
 import nano_sglang as sgl
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
-from nano_vllm.engine_loop import EngineLoop
-from nano_vllm.server import make_server
+from nano_vllm.serve.engine_loop import EngineLoop
+from nano_vllm.serve.server import make_server
 
 
 @pytest.fixture(scope="module")

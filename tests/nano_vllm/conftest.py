@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vllm_checkpoints import VOCAB, make_checkpoint, random_prompts  # noqa: E402,F401
+from vllm_checkpoints import LAYERS, VOCAB, make_checkpoint, random_prompts  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
@@ -51,14 +51,9 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
 
 @pytest.fixture(params=["paper_path", "layers"])
 def layer_args(request):
-    """Engine arguments of each configuration the engine tests run: the paper path alone, and with every
-    performance layer the bench and the server turn on (overlapped steps, fused projections and sampling,
-    the GEMV layer, which on a CPU keeps F.linear; not the mixed-step graph sizes: a CPU captures no graphs,
-    and the tests pick their own step budgets)."""
-    from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS
-
-    layers = {k: v for k, v in PERFORMANCE_ENGINE_ARGS.items() if k != "mixed_cudagraph_sizes"}
-    return {} if request.param == "paper_path" else layers
+    """Engine arguments of each configuration the engine tests run: the paper path alone
+    (`performance_layers=False`), and with every layer the engine runs by default on CUDA (`LAYERS`)."""
+    return {"performance_layers": False} if request.param == "paper_path" else dict(LAYERS)
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from nano_vllm.engine_loop import EngineLoop
-from nano_vllm.http_server import HTTPConfig
-from nano_vllm.server import make_server
+from nano_vllm.serve.engine_loop import EngineLoop
+from nano_vllm.serve.http_server import HTTPConfig
+from nano_vllm.serve.server import make_server
 
 DEADLINE_S = 120.0  # for any wait: long enough for a machine under load, short enough to fail a hang
 

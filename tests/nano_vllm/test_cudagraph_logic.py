@@ -5,12 +5,21 @@ everything but the capture itself runs and is compared with transformers."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, EngineConfig, SamplingParams
-from nano_vllm.cudagraph import DecodeCudaGraphs, MixedStepGraphs, capture_cudagraphs, cudagraph_batch_sizes
-from nano_vllm.model_runner import ModelRunner
+from nano_vllm.config import REGISTRY
+from nano_vllm.layers.cudagraph import (
+    DecodeCudaGraphs,
+    MixedStepGraphs,
+    capture_cudagraphs,
+    cudagraph_batch_sizes,
+    install_cudagraphs,
+)
 
 
 class EagerReplay:
@@ -32,10 +41,15 @@ def test_batch_size_ladder():
 
 
 def test_cudagraphs_are_a_registered_layer():
-    """The paper path's runner knows no graphs: nano_vllm/__init__.py registers the layer's capture."""
-    assert ModelRunner.graph_capturers == [capture_cudagraphs]
+    """The paper path's runner knows no graphs: the layer registers its capture at the "graphs" point, and
+    applies on CUDA only, unless enforce_eager."""
+    [layer] = REGISTRY.layers("graphs")
+    assert layer.impl is install_cudagraphs
     runner = LLM("tiny", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64).engine.model_runner
-    assert runner.cudagraphs == []  # a CPU runner captures nothing
+    assert runner.cudagraphs == [] and "cudagraph" not in runner.layers_applied  # a CPU captures nothing
+    cuda = SimpleNamespace(device=torch.device("cuda"), config=runner.config)
+    assert layer.applies(cuda) and not layer.applies(runner)
+    assert not layer.applies(SimpleNamespace(device=cuda.device, config=EngineConfig(enforce_eager=True)))
 
 
 def _captured(llm, monkeypatch):
@@ -47,7 +61,7 @@ def _captured(llm, monkeypatch):
 
 
 def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
-    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6)
+    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=6, mixed_cudagraph_sizes=())
     runner = _captured(llm, monkeypatch)
     [decode] = runner.cudagraphs
     assert sorted(decode.graphs) == [1, 2, 4, 6]

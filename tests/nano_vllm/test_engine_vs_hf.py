@@ -13,7 +13,7 @@ import pytest
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.warmup import warm_up
+from nano_vllm.layers.warmup import warm_up
 
 LENGTHS = [1, 5, 17, 33, 64, 70]
 MAX_TOKENS = [20, 7, 30, 12, 25, 16]
@@ -128,10 +128,9 @@ class _NoGraphFits:
 
 @pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64}])
 def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra, layer_args):
-    """The compile warm-up layer (what `with_performance_layers` runs on CUDA; called by hand here): it
-    runs every step eagerly (the variants a step too large for any CUDA graph needs), exercises a prefix
-    hit in a mixed step, then leaves no request, no used block, no cached hash and no
-    step count behind."""
+    """The compile warm-up layer (an "engine" hook on CUDA; called by hand here): it runs every step
+    eagerly (the variants a step too large for any CUDA graph needs), exercises a prefix hit in a mixed
+    step, then leaves no request, no used block, no cached hash and no step count behind."""
     llm = LLM(ckpt, max_model_len=64, **extra, **layer_args)
     engine = llm.engine
     steps = _record_steps(llm)

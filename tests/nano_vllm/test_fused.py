@@ -1,4 +1,4 @@
-"""Fused projections (nano_vllm.fused): q/k/v and gate/up as one matmul each give the unfused model's
+"""Fused projections (nano_vllm.layers.fused): q/k/v and gate/up as one matmul each give the unfused model's
 outputs, keep shared.model unfused, and shard correctly under tensor parallelism (§4.6)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nano_vllm.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
+from nano_vllm.layers.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
 from nano_vllm.tp import shard_model
 from shared.config import ModelConfig
 from shared.model import Attention, build_model
@@ -78,7 +78,7 @@ def test_rope_and_store_is_rope_then_the_cache_write(dtype, dim, qk_norm, b, s):
     """The fused kernel (Triton interpreter) writes what `apply_rope` + `store_kvcache` write: the rotated q and
     k it returns, k and v in the cache rows of `slot_mapping`, and no other cache row."""
     from nano_vllm.attention import store_kvcache
-    from nano_vllm.fused import rope_and_store
+    from nano_vllm.layers.fused import rope_and_store
     from shared.kernels import apply_rope_torch
 
     g = torch.Generator().manual_seed(dim + b)

@@ -1,4 +1,4 @@
-"""Fused sampling (nano_vllm.fused_sampling): the Triton kernel (under TRITON_INTERPRET=1 on a CPU) draws
+"""Fused sampling (nano_vllm.layers.fused_sampling): the Triton kernel (under TRITON_INTERPRET=1 on a CPU) draws
 what its torch reference draws; the reference draws from softmax(logits / T) (Gumbel-max); greedy rows are
 torch.argmax; top-k / top-p and seeds behave as on the paper path's sampler."""
 
@@ -9,7 +9,7 @@ import torch
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.fused_sampling import _seed32, sample_reference, sample_tokens, sample_triton
+from nano_vllm.layers.fused_sampling import _seed32, sample_reference, sample_tokens, sample_triton
 
 
 def _rows(n: int, seed: int = 0):

@@ -1,4 +1,4 @@
-"""The split-K Triton GEMV (nano_vllm.gemv) under the Triton interpreter (tests/conftest.py sets
+"""The split-K Triton GEMV (nano_vllm.layers.gemv) under the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 on a machine without CUDA), fp16 and fp32, against torch matmul.
 
 Tolerance (FlashAttention's rule): our error against an fp64 reference is at most twice the error of torch's
@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from nano_vllm import gemv
-from nano_vllm.gemv import GemvConfig, GemvLinear, GemvWorkspace, default_config, gemv_reference, gemv_triton
+from nano_vllm.layers.gemv import (
+    GemvConfig,
+    GemvLinear,
+    GemvWorkspace,
+    default_config,
+    gemv_reference,
+    gemv_triton,
+)
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):

@@ -12,9 +12,8 @@ import torch
 from vllm_checkpoints import make_checkpoint, random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.cudagraph import DecodeCudaGraphs, MixedStepGraphs
-from nano_vllm.performance import with_performance_layers
-from nano_vllm.step_timing import StepTimer
+from nano_vllm.bench.step_timing import StepTimer
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, MixedStepGraphs
 
 pytestmark = pytest.mark.gpu
 
@@ -29,9 +28,10 @@ LENGTHS, MAX_TOKENS = [1, 17, 33, 70, 5], [20, 30, 12, 16, 40]
                                    {"max_num_batched_tokens": 64, "max_num_seqs": 4, "mixed_cudagraph_sizes": [16, 64]}])
 def test_cuda_greedy_matches_transformers(ckpt, hf_greedy, eager, extra):
     prompts = random_prompts(40, LENGTHS)
+    # Mixed-step graphs only where `extra` asks for them; the kernel warm-up ran as the engine was built.
     llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, enforce_eager=eager,
-              **{**KV, **extra})
-    with_performance_layers(llm.engine)  # the kernel warm-up runs first, as in the bench and the server
+              **{**KV, "mixed_cudagraph_sizes": (), **extra})
+    assert ("warmup" in llm.engine.layers_applied) and ("cudagraph" in llm.engine.layers_applied) != eager
     runner = llm.engine.model_runner
     mixed = bool(extra.get("mixed_cudagraph_sizes")) and not eager
     graphs = [] if eager else [DecodeCudaGraphs] + [MixedStepGraphs] * mixed
@@ -86,8 +86,8 @@ def test_no_kernel_compiles_mid_serving_for_new_token_counts(ckpt):
     declared do_not_specialize)."""
     from shared.bench import KernelCompiles
 
-    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, **KV)
-    with_performance_layers(llm.engine)  # the kernel warm-up, as in the bench and the server
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, mixed_cudagraph_sizes=(), **KV)
+    assert "warmup" in llm.engine.layers_applied  # the kernel warm-up ran as the engine was built
     one = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(random_prompts(41, [17]), one, use_tqdm=False)  # warm-up: one prefill of 17 tokens
     with KernelCompiles() as built:

@@ -13,10 +13,9 @@ import torch
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.fused_sampling import sample_reference, sample_triton
-from nano_vllm.gemv import GemvConfig, GemvWorkspace, gemv_triton
-from nano_vllm.performance import performance_engine_args, with_performance_layers
-from nano_vllm.step_timing import StepTimer
+from nano_vllm.bench.step_timing import StepTimer
+from nano_vllm.layers.fused_sampling import sample_reference, sample_triton
+from nano_vllm.layers.gemv import GemvConfig, GemvWorkspace, gemv_triton
 
 pytestmark = pytest.mark.gpu
 KV = {"num_kv_blocks": 512}  # a fixed pool: an engine sized from free memory leaves the next none
@@ -77,11 +76,11 @@ def test_gemv_replays_in_a_cuda_graph(m, config):
 
 @pytest.mark.parametrize("b,s", [(16, 1), (1, 300)])  # a decode step, a prefill chunk
 def test_rope_and_store_bf16_is_bit_identical(b, s):
-    """The fused RoPE + cache write (nano_vllm.fused) in bf16 writes what the paper path's `apply_rope` and
+    """The fused RoPE + cache write (nano_vllm.layers.fused) in bf16 writes what the paper path's `apply_rope` and
     `store_kvcache` write: the same fp32 arithmetic rounded once, so at most one bf16 ulp apart where the
     compiler contracts a multiply-add differently (the interpreter checks fp16 / fp32 bit for bit)."""
     from nano_vllm.attention import store_kvcache
-    from nano_vllm.fused import rope_and_store
+    from nano_vllm.layers.fused import rope_and_store
     from shared.kernels import apply_rope
 
     g = torch.Generator(device="cuda").manual_seed(b)
@@ -119,9 +118,7 @@ def test_fused_sampling_kernel_on_cuda():
                                                                "mixed_cudagraph_sizes": [16, 64]}])
 def test_layers_match_transformers_fp32(ckpt, hf_greedy, extra):
     prompts, max_tokens = random_prompts(90, [1, 17, 33, 70, 5]), [20, 30, 12, 16, 40]
-    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128,
-              **performance_engine_args({**KV, **extra}))
-    with_performance_layers(llm.engine)
+    llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, **{**KV, **extra})  # every layer
     timer = StepTimer(llm.engine, timeline=True)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
                         use_tqdm=False)
@@ -134,12 +131,14 @@ def test_layers_match_transformers_fp32(ckpt, hf_greedy, extra):
 
 
 def test_layers_match_the_eager_paper_path_bf16(ckpt):
-    """bf16 with every layer (CUDA graphs, overlap, fused projections, GEMV, fused sampling) against the
-    eager paper path: the prefill logits agree to bf16 accuracy and the greedy tokens agree."""
+    """bf16 with every layer (a plain LLM: CUDA graphs, overlap, fused projections, GEMV, fused sampling,
+    the warm-up) against the paper path alone: the prefill logits agree to bf16 accuracy and the greedy
+    tokens agree."""
     prompts = random_prompts(91, [3, 12, 40, 7])
-    fast = LLM(ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
-    plain = LLM(ckpt, device="cuda", max_model_len=128, enforce_eager=True, **KV)
-    with_performance_layers(fast.engine)
+    fast = LLM(ckpt, device="cuda", max_model_len=128, **KV)
+    plain = LLM(ckpt, device="cuda", max_model_len=128, performance_layers=False, **KV)
+    assert fast.engine.layers_applied == ["fused", "gemv", "fused_sampling", "overlap", "cudagraph", "warmup"]
+    assert plain.engine.layers_applied == [] and plain.engine.model_runner.cudagraphs == []
     logits = []
     for llm in (fast, plain):
         for p in prompts:
@@ -159,7 +158,7 @@ def test_layers_match_the_eager_paper_path_bf16(ckpt):
 
 
 def test_seeded_sampling_with_layers_bf16(qwen3_ckpt):
-    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
+    llm = LLM(qwen3_ckpt, device="cuda", max_model_len=128, **KV)
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=24, seed=11)
     plain = SamplingParams(temperature=0.6, max_tokens=24, seed=3)
     alone = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0].token_ids
@@ -170,8 +169,7 @@ def test_seeded_sampling_with_layers_bf16(qwen3_ckpt):
 def test_no_kernel_compiles_mid_serving_with_layers(ckpt):
     from shared.bench import KernelCompiles
 
-    llm = LLM(ckpt, device="cuda", max_model_len=128, **performance_engine_args(KV))
-    with_performance_layers(llm.engine)
+    llm = LLM(ckpt, device="cuda", max_model_len=128, **KV)
     one = SamplingParams(temperature=0.0, max_tokens=4)
     llm.generate(random_prompts(92, [17]), one, use_tqdm=False)
     with KernelCompiles() as built:

@@ -11,17 +11,16 @@ import functools
 
 import pytest
 import torch
-from vllm_checkpoints import random_prompts
+from vllm_checkpoints import LAYERS, random_prompts
 
 from nano_vllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from nano_vllm.bench.step_timing import PHASES, StepTimer
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import engine_args_from
-from nano_vllm.cudagraph import DecodeCudaGraphs, capture_cudagraphs
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, capture_cudagraphs
 from nano_vllm.model_runner import ModelRunner
-from nano_vllm.performance import with_performance_layers
 from nano_vllm.scheduler import Scheduler
 from nano_vllm.sequence import Sequence
-from nano_vllm.step_timing import PHASES, StepTimer
 
 SMALL = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64}
 
@@ -146,12 +145,11 @@ def test_step_timer_stacks_on_another_wrapper(qwen3_ckpt):
 
 
 def test_performance_layers_change_no_token(qwen3_ckpt, monkeypatch):
-    """On a CPU `with_performance_layers` is a no-op; the warm-up it runs on CUDA is tested in
-    test_engine_vs_hf. The graph layer is registered, and the decode graphs (an eager stand-in for the
-    capture) return the rows a step asks for in the order it asks: a prompt-scoring subclass puts extra
-    rows first."""
+    """On a CPU no layer applies by default (the warm-up it runs on CUDA is tested in test_engine_vs_hf).
+    The decode graphs (an eager stand-in for the capture) return the rows a step asks for in the order it
+    asks: a prompt-scoring subclass puts extra rows first."""
     llm = LLM(qwen3_ckpt, **SMALL)
-    assert with_performance_layers(llm.engine) is llm.engine and llm.engine.num_steps == 0
+    assert llm.engine.layers_applied == [] and llm.engine.num_steps == 0
     runner = llm.engine.model_runner
     prompts = random_prompts(52, [4, 7, 12])
     seqs = [llm.engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=2)) for p in prompts]
@@ -174,3 +172,32 @@ def test_engine_args_from_drops_nulls_and_names_unknown_keys():
         engine_args_from({"bogus": 1})
     with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['bogus'\]"):
         LLM("tiny", bogus=1)
+
+
+def test_every_layer_registers_at_its_point_in_load_order():
+    """One mechanism: each layer module registers into nano_vllm.config.REGISTRY when it loads; the runner
+    hooks run in the order the registry lists the modules (the projections are fused before the GEMV swaps
+    every Linear)."""
+    from nano_vllm.config import REGISTRY
+
+    names = {p: [layer.module.rpartition(".")[2] for layer in REGISTRY.layers(p)]
+             for p in ("runner", "graphs", "engine")}
+    assert names == {"runner": ["fused", "gemv", "fused_sampling", "overlap"], "graphs": ["cudagraph"],
+                     "engine": ["overlap", "warmup"]}
+    assert REGISTRY.missing == {}
+
+
+def test_engine_reports_the_layers_it_applied_and_the_switch_turns_them_all_off(qwen3_ckpt):
+    """Asked for on a CPU, the runner and engine layers apply and are named; `performance_layers=False`
+    builds and steps the paper path alone, with the same greedy tokens."""
+    prompts = random_prompts(61, [5, 9])
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    fast = LLM(qwen3_ckpt, **SMALL, **LAYERS)
+    assert fast.engine.layers_applied == ["fused", "gemv", "fused_sampling", "overlap"]
+    paper = LLM(qwen3_ckpt, **SMALL, performance_layers=False)
+    assert paper.engine.layers_applied == []
+    assert type(paper.engine).step is LLMEngine.step and "step" not in vars(paper.engine)  # no overlap
+    assert ([o.token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
+            == [o.token_ids for o in paper.generate(prompts, greedy, use_tqdm=False)])
+    with pytest.raises(ValueError, match="gemv_max_tokens=1 asks for the performance layer gemv"):
+        LLM(qwen3_ckpt, **SMALL, performance_layers=False, gemv_max_tokens=1)

@@ -110,7 +110,7 @@ def test_abort_frees_blocks(async_scheduling):
 def test_serve_hydra_app_builds_a_server():
     from hydra import compose, initialize_config_module
 
-    from nano_vllm.serve import build
+    from nano_vllm.serve.server import build
 
     with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
         cfg = compose(config_name="serve", overrides=["port=0", "engine.max_model_len=64", "served_model_name=t"])

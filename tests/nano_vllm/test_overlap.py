@@ -1,4 +1,4 @@
-"""Overlapped scheduling (nano_vllm.overlap) on a CPU: one step of lag, placeholders resolved on the device,
+"""Overlapped scheduling (nano_vllm.layers.overlap) on a CPU: one step of lag, placeholders resolved on the device,
 and the fallbacks when a sequence stops, is preempted or aborted while the next step is in flight.
 
 On a CPU "the device runs step t" happens in the same thread, but the logic is the GPU's: step t+1 is
@@ -13,8 +13,8 @@ import torch
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from nano_vllm.layers.overlap import FutureTokens, OverlapScheduler
 from nano_vllm.model_runner import ModelRunner
-from nano_vllm.overlap import FutureTokens, OverlapScheduler
 
 ON = {"async_scheduling": True}
 
@@ -201,7 +201,7 @@ def test_engine_loop_streams_and_aborts_with_overlap(qwen3_ckpt, hf_greedy):
     transformers', and a request aborted mid-stream (a client gone) gives its blocks back."""
     from server_client import wait_for
 
-    from nano_vllm.engine_loop import EngineLoop
+    from nano_vllm.serve.engine_loop import EngineLoop
 
     engine = LLMEngine(EngineConfig(model=qwen3_ckpt, max_model_len=128, max_num_seqs=8, **ON))
     loop = EngineLoop(engine).start()
@@ -228,22 +228,34 @@ def test_engine_loop_streams_and_aborts_with_overlap(qwen3_ckpt, hf_greedy):
         loop.stop()
 
 
-def test_entry_point_defaults_and_layer_switch_errors():
-    from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args
+def test_layer_defaults_and_switch_errors():
+    """None runs a layer where it applies (on CUDA; the overlap and the mixed-step graphs on one device
+    only), False turns it off, True asks for it anywhere; bad values are errors."""
+    from nano_vllm.layers.cudagraph import mixed_sizes
 
-    assert performance_engine_args({}) == PERFORMANCE_ENGINE_ARGS
-    assert performance_engine_args({"fused_sampling": False})["fused_sampling"] is False
-    assert performance_engine_args({"max_num_batched_tokens": 300})["mixed_cudagraph_sizes"] == (128, 256)
-    assert performance_engine_args({"mixed_cudagraph_sizes": [64]})["mixed_cudagraph_sizes"] == [64]
-    tp = performance_engine_args({"tensor_parallel_size": 2})
-    assert tp["mixed_cudagraph_sizes"] == ()
-    assert tp["async_scheduling"] is False and tp["fused_projections"] is True  # overlap needs one device
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    config = EngineConfig(device="cpu")
+    assert config.fused_sampling is None and config.performance_layers is True
+    assert config.wants("fused_sampling", cuda) and not config.wants("fused_sampling", cpu)
+    assert not config.replace(fused_sampling=False).wants("fused_sampling", cuda)
+    assert config.replace(fused_sampling=True).wants("fused_sampling", cpu)
+    assert not config.replace(gemv_max_tokens=0).wants("gemv_max_tokens", cuda)
+    assert not config.replace(performance_layers=False).wants("fused_sampling", cuda)
+    assert mixed_sizes(config.replace(max_num_batched_tokens=300)) == (128, 256)
+    assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[64])) == (64,)
+    assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[])) == ()
     with pytest.raises(TypeError, match="gemv_max_tokens must be an int"):
         EngineConfig(gemv_max_tokens=2.5)
     with pytest.raises(ValueError, match=r"gemv_max_tokens must be in \[0, 16\]"):
         EngineConfig(gemv_max_tokens=17)
     with pytest.raises(TypeError, match="fused_projections must be a bool"):
         EngineConfig(fused_projections=1)
+    with pytest.raises(TypeError, match="performance_layers must be a bool"):
+        EngineConfig(performance_layers=None)
+    with pytest.raises(ValueError, match="fused_projections=True asks for the performance layer fused, but "
+                                         "performance_layers=False"):
+        EngineConfig(performance_layers=False, fused_projections=True)
+    EngineConfig(performance_layers=False, fused_projections=False, gemv_max_tokens=0)  # no conflict
 
 
 def test_an_eager_step_resolves_the_step_in_flight_before_its_launch(llama_ckpt, hf_greedy, monkeypatch):

@@ -32,9 +32,9 @@ from nano_quant import ON_THE_FLY, load_quantized_model, quantize_model
 from nano_quant.linear import W8A8Linear, WQLinear_GEMM
 from nano_vllm import LLM, SamplingParams, kv_cache
 from nano_vllm.config import import_nano_quant
-from nano_vllm.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
-from nano_vllm.gemv import GemvLinear, apply_gemv
 from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
+from nano_vllm.layers.fused import FusedAttention, FusedMLP, fuse_projections, stack_linears
+from nano_vllm.layers.gemv import GemvLinear, apply_gemv
 from shared.checkpoint import load_model
 from shared.config import PRESETS
 from shared.model import build_model, greedy_generate
@@ -63,7 +63,7 @@ def test_quantized_checkpoint_decodes_like_its_dequantized_model(ckpts, name, la
     llm = LLM(str(ckpts[name]), **ENGINE, **layer_args)
     layers = llm.engine.model_runner.model.model.layers
     assert all(isinstance(m, QUANTIZED) for m in layers[0].modules() if isinstance(m, (nn.Linear, *QUANTIZED)))
-    if layer_args:  # the bench's layers fuse the quantized projections by stacking their tensors
+    if layer_args.get("fused_projections"):  # quantized projections fuse by stacking their tensors
         assert isinstance(layers[0].self_attn, FusedAttention) and isinstance(layers[0].mlp, FusedMLP)
         assert isinstance(layers[0].self_attn.qkv_proj, QUANTIZED)
     reference = dequantized_reference(ckpts[name])
@@ -104,12 +104,12 @@ def test_quantization_of_a_preset():
 def test_bench_passes_quantization_through():
     from omegaconf import OmegaConf
 
-    from nano_vllm.bench import make_llm
+    from nano_vllm.bench.throughput import make_llm
 
     cfg = OmegaConf.create({"model": "tiny", "quantization": "naive-w8a8", "engine": {**ENGINE, "device": "cpu"}})
     llm = make_llm(cfg)
     assert llm.engine.config.quantization == "naive-w8a8"
-    assert isinstance(llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj, W8A8Linear)
+    assert isinstance(llm.engine.model_runner.model.model.layers[0].mlp.gate_proj, W8A8Linear)
 
 
 def test_weight_memory_is_reported(ckpts):
@@ -125,8 +125,9 @@ def test_weight_memory_is_reported(ckpts):
     linear_fp32 = sum(k * n * 4 for k, n in k_n) * cfg.num_hidden_layers
     linear_w4 = sum(k * n // 2 + (k // 128) * n * (2 + 0.5) for k, n in k_n) * cfg.num_hidden_layers
     assert weight_bytes(w4.engine.model_runner.model) == float_bytes - linear_fp32 + linear_w4
-    assert kv_cache_summary(plain.engine).startswith("weights: ") and "(float32)" in kv_cache_summary(plain.engine)
-    assert "'quant_method': 'awq'" in kv_cache_summary(w4.engine)
+    summary = kv_cache_summary(plain.engine.model_runner)
+    assert summary.startswith("weights: ") and "(float32)" in summary
+    assert "'quant_method': 'awq'" in kv_cache_summary(w4.engine.model_runner)
 
 
 def test_compact_only_moves_a_cuda_model_the_host_can_hold(monkeypatch):

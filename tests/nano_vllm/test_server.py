@@ -29,10 +29,10 @@ from vllm_checkpoints import random_prompts
 
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
-from nano_vllm.engine_loop import EngineLoop
 from nano_vllm.loadgen import Request, poisson_arrivals, run_http_open_loop
 from nano_vllm.metrics import summarize
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.serve.engine_loop import EngineLoop
 
 
 @pytest.fixture(scope="module")
@@ -355,8 +355,8 @@ def test_dead_engine_loop_fails_requests_and_health(qwen3_ckpt, monkeypatch):
 def test_server_config_keys_and_bad_values():
     from hydra import compose, initialize_config_module
 
-    from nano_vllm.http_server import HTTPConfig
-    from nano_vllm.serve import http_config
+    from nano_vllm.serve.http_server import HTTPConfig
+    from nano_vllm.serve.server import http_config
 
     with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
         cfg = compose(config_name="serve", overrides=["server.max_body_bytes=100", "server.drain_timeout_s=2.5"])

@@ -39,7 +39,7 @@ from server_client import (
 
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
-from nano_vllm.engine_loop import EngineLoop
+from nano_vllm.serve.engine_loop import EngineLoop
 from shared.dist import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]

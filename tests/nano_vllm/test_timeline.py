@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.step_timing import StepTimer
+from nano_vllm.bench.step_timing import StepTimer
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -36,7 +36,7 @@ def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
     """Every code path of the bench, not its numbers: each timing is one call (the interpreter runs a launch
     in ~0.1 s per few dozen programs, so the sweep's tiles are the larger ones of its grid)."""
     from nano_vllm import bench_gemv
-    from nano_vllm.gemv import GemvConfig
+    from nano_vllm.layers.gemv import GemvConfig
     from shared.accounting import Ceilings
 
     benchmark = bench_gemv.benchmark
@@ -49,7 +49,7 @@ def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
                             "gemv_compile_rows": [1]})
     ceilings = Ceilings("cpu", 1e10, 1e11)
     record = bench_gemv.run_gemv(cfg, ceilings, "cpu", interpreter=True)
-    assert record["bench"] == "nano_vllm.gemv" and record["crossover_rows"] in (0, 1, 3)
+    assert record["bench"] == "nano_vllm.layers.gemv" and record["crossover_rows"] in (0, 1, 3)
     shapes = [r["shape"] for r in record["rows"] if r["M"] == 1]
     assert shapes == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "layer"]
     assert all(r["ours TB/s"] > 0 and r["best TB/s"] > 0 for r in record["rows"] if r["shape"] != "layer")

@@ -10,6 +10,10 @@ import torch
 import transformers
 
 VOCAB = 4096  # the shared tokenizer's size, so text prompts work too
+# Every performance layer that runs by default on CUDA, asked for explicitly (on a CPU they stay off by
+# default): overlapped steps, fused projections and sampling, the GEMV layer (which on a CPU keeps F.linear).
+# A CPU captures no graphs; the tests pick their own step budgets.
+LAYERS = {"async_scheduling": True, "fused_projections": True, "fused_sampling": True, "gemv_max_tokens": 1}
 
 
 def make_checkpoint(path, family: str, **overrides) -> str:

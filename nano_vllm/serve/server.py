@@ -17,17 +17,29 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from omegaconf import DictConfig, OmegaConf
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nano_vllm.engine_loop import EngineLoop, RequestStream, StreamEvent
-from nano_vllm.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
+from nano_vllm.config import EngineConfig, engine_args_from
+from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.server_metrics import ServerMetrics
+from nano_vllm.serve.engine_loop import EngineLoop, RequestStream, StreamEvent
+from nano_vllm.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    parse_request,
+)
+from nano_vllm.serve.server_metrics import ServerMetrics
 from nano_vllm.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from nano_vllm.serve.http_server import HTTPConfig, HTTPServer
 
 LIVENESS_POLL_S = 1.0  # how often a request with no news checks that the engine loop still runs
 _GONE, _SHUTDOWN = "client disconnected", "server is shutting down"  # events the server itself posts
@@ -334,7 +346,26 @@ def make_server(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port
                 config=None):
     """An HTTP server bound to (host, port) (port 0: any free port) serving `loop`'s engine; `config` is an
     `http_server.HTTPConfig` (limits, timeouts). `serve_forever()` runs it, `shutdown()` drains and stops it."""
-    from nano_vllm.http_server import HTTPConfig, HTTPServer
+    from nano_vllm.serve.http_server import HTTPConfig, HTTPServer
 
     config = config or HTTPConfig()
     return HTTPServer(OpenAIServer(loop, model_name, config.drain_timeout_s), host, port, config)
+
+
+def http_config(cfg: DictConfig) -> HTTPConfig:
+    """The `server:` group of a serve config (limits and timeouts of the HTTP layer)."""
+    from nano_vllm.serve.http_server import HTTPConfig
+
+    return HTTPConfig(**(OmegaConf.to_container(cfg.get("server") or {}, resolve=True) or {}))
+
+
+def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
+    """(http server, engine loop) for a serve config (configs/serve.yaml); the loop is started, the server
+    not yet. The engine is fast by default; `performance_layers: false` runs the paper path alone."""
+    http = http_config(cfg)
+    args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
+    if cfg.get("performance_layers") is not None:
+        args["performance_layers"] = bool(cfg.performance_layers)
+    loop = EngineLoop(LLMEngine(EngineConfig(model=str(cfg.model), **args))).start()
+    name = cfg.get("served_model_name") or str(cfg.model)
+    return make_server(loop, name, cfg.host, int(cfg.port), http), loop

@@ -4,8 +4,9 @@ MergedColumnParallelLinear).
 shared.model keeps HF's separate `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, so checkpoints load by
 name and a reader sees the paper's formulas. Three matmuls over the same input read it three times and
 launch three kernels; their weights stacked on the output dimension give the same products in one
-matmul. `fuse_projections(model)` does the stacking once, at load time (the runner applies it when
-`EngineConfig.fused_projections` is on, before the KV cache is sized and CUDA graphs are captured):
+matmul. `fuse_projections(model)` does the stacking once, at load time (a "runner" hook: on CUDA unless
+`EngineConfig.fused_projections` is False, anywhere when True; before the KV cache is sized and CUDA
+graphs are captured):
 
 * each decoder layer's attention becomes a `FusedAttention` holding `qkv_proj` (weight [Wq; Wk; Wv]) and
   splitting its output into q, k, v — views, no copy;
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from nano_vllm.attention import PagedAttention
+from nano_vllm.config import REGISTRY
 from shared import kernels
 from shared.kernels import HAS_TRITON, use_triton
 from shared.kernels.launch import cdiv, next_pow2
@@ -223,6 +225,9 @@ def fuse_projections(model: CausalLM) -> CausalLM:
 
 
 def apply_fused_projections(runner: Any) -> None:
-    """The runner layer (`ModelRunner.runner_layers`): fuse the loaded model when the config asks."""
-    if runner.config.fused_projections:
-        fuse_projections(runner.model)
+    """The "runner" hook: fuse the loaded model's projections."""
+    fuse_projections(runner.model)
+
+
+REGISTRY.register("runner", apply_fused_projections,
+                  applies=lambda runner: runner.config.wants("fused_projections", runner.device))

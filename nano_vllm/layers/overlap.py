@@ -33,10 +33,12 @@ token step t samples, and the placeholder resolved on the device:
 * Prefix caching (§4.4) hashes a block when the step that fills it is scheduled; a block whose last token
   is a placeholder is hashed again once the token is known.
 
-Installed on an engine (its `step` and `has_unfinished_requests`, on that instance) when
-`EngineConfig.async_scheduling` is on; greedy outputs and stop conditions are exactly the paper path's.
-It needs nano_vllm's own `ModelRunner.execute` and `Scheduler.postprocess` (a scheduler that reads the
-sampled tokens in postprocess, such as constrained decoding, needs them at once) and one device.
+Installed on an engine (its `step` and `has_unfinished_requests`, on that instance) by an "engine" hook,
+the ring on its runner by a "runner" hook: on CUDA unless `EngineConfig.async_scheduling` is False,
+anywhere when True; greedy outputs and stop conditions are exactly the paper path's. It needs nano_vllm's
+own `ModelRunner.prepare` / `execute` and `Scheduler.postprocess` (a scheduler that reads the sampled
+tokens in postprocess, such as constrained decoding, needs them at once) and one device: by default it
+stays off where these do not hold; asked for (True), it is a ValueError.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 
+from nano_vllm.config import REGISTRY
 from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
@@ -64,10 +67,8 @@ class FutureTokens:
 
 
 def install_future_tokens(runner: ModelRunner) -> None:
-    """The runner layer (`ModelRunner.runner_layers`): give the runner a FutureTokens ring (two steps of
-    `max_num_seqs` rows) resolved by its embedding lookup, when `EngineConfig.async_scheduling` is on."""
-    if not runner.config.async_scheduling:
-        return
+    """The "runner" hook: give the runner a FutureTokens ring (two steps of `max_num_seqs` rows) resolved
+    by its embedding lookup."""
     runner.future_tokens = FutureTokens(2 * runner.config.max_num_seqs, runner.device)
     runner.model.model.embed_tokens.register_forward_pre_hook(
         lambda module, args: (runner.future_tokens.resolve(args[0]), *args[1:]))
@@ -94,6 +95,9 @@ class OverlapScheduler:
         if type(runner).execute is not ModelRunner.execute or type(runner).prepare is not ModelRunner.prepare:
             raise ValueError(f"async_scheduling needs nano_vllm's ModelRunner.prepare / execute; "
                              f"{type(runner).__name__} overrides them")
+        if type(engine.scheduler).postprocess is not Scheduler.postprocess:
+            raise ValueError(f"async_scheduling needs nano_vllm's Scheduler.postprocess; "
+                             f"{type(engine.scheduler).__name__} overrides it")
         self.engine = engine
         self.future: FutureTokens = runner.future_tokens
         self.rows = engine.config.max_num_seqs
@@ -227,7 +231,24 @@ def _drop_placeholders(flight: _Flight) -> None:
 
 
 def install_overlap(engine: Any) -> None:
-    """The engine layer (`LLMEngine.engine_layers`): overlapped steps when `EngineConfig.async_scheduling`
-    is on."""
-    if engine.config.async_scheduling:
-        OverlapScheduler(engine).install()
+    """The "engine" hook: overlapped steps."""
+    OverlapScheduler(engine).install()
+
+
+def _wanted(config: Any, device: torch.device) -> bool:
+    return config.wants("async_scheduling", device) and config.tensor_parallel_size == 1
+
+
+def _own_steps(runner: ModelRunner, scheduler: Any = None) -> bool:
+    """Whether the runner (and the scheduler) step as nano_vllm's do, which the overlap needs."""
+    kind = type(runner)
+    return (kind.prepare is ModelRunner.prepare and kind.execute is ModelRunner.execute
+            and (scheduler is None or type(scheduler).postprocess is Scheduler.postprocess))
+
+
+# Asked for (True), the layer installs where it does not fit, and OverlapScheduler names why.
+REGISTRY.register("runner", install_future_tokens, applies=lambda runner: _wanted(
+    runner.config, runner.device) and (runner.config.async_scheduling is True or _own_steps(runner)))
+REGISTRY.register("engine", install_overlap, applies=lambda engine: _wanted(
+    engine.config, engine.model_runner.device) and (engine.config.async_scheduling is True
+                                                    or _own_steps(engine.model_runner, engine.scheduler)))

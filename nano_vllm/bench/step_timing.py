@@ -14,7 +14,7 @@ scheduler and runner themselves.
 Phases, summed over steps in `seconds`: "schedule"; "execute", the runner's whole call — input
 preparation on the host, launches, then the wait for the sampled tokens; "postprocess"; "prepare" (inside
 "execute": host time the GPU may sit idle for). A schedule that finds nothing to run is not a step.
-(Overlapped steps, nano_vllm.overlap, launch through `prepare` / `run` / `sample` and wait elsewhere:
+(Overlapped steps, nano_vllm.layers.overlap, launch through `prepare` / `run` / `sample` and wait elsewhere:
 their "execute" stays 0, and the timeline below says where the time goes.)
 
 `StepTimer(engine, timeline=True)` also keeps a `StepTimeline`: every host interval of the phases above

@@ -1,4 +1,4 @@
-"""`python -m nano_vllm.bench_quant` — one bench workload served 16-bit and quantized, in one process.
+"""`python -m nano_vllm.bench.quant` — one bench workload served 16-bit and quantized, in one process.
 
 Each entry of `methods` is one `nano_vllm.bench` run of the same workload and engine arguments with that
 `quantization` (null: the 16-bit model; rtn-w4: AWQ's W4A16 g128 format; naive-w8a8, naive-fp8: W8A8
@@ -8,9 +8,9 @@ the 16-bit run. The speed of a quantized format does not depend on how its value
 random-weight preset measures AWQ's and SmoothQuant's serving speed. Writes `bench_quant.json` (every
 run's full bench record) to the run directory.
 
-    python -m nano_vllm.bench_quant model=llama3-8b workload=batch1 engine.max_num_seqs=16 methods=[null,rtn-w4]
-    python -m nano_vllm.bench_quant model=llama3-8b workload=batch16 engine.max_num_seqs=16 methods=[null,rtn-w4]
-    python -m nano_vllm.bench_quant model=llama3-8b workload=prefill methods=[null,naive-w8a8,naive-fp8]
+    python -m nano_vllm.bench.quant model=llama3-8b workload=batch1 engine.max_num_seqs=16 methods=[null,rtn-w4]
+    python -m nano_vllm.bench.quant model=llama3-8b workload=batch16 engine.max_num_seqs=16 methods=[null,rtn-w4]
+    python -m nano_vllm.bench.quant model=llama3-8b workload=prefill methods=[null,naive-w8a8,naive-fp8]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from nano_vllm.bench import run
+from nano_vllm.bench.throughput import run
 from nano_vllm.loadgen import nano_vllm_workload
 from shared.bench import print_table, write_json
 from shared.hydra_utils import hydra_run_dir
@@ -51,7 +51,7 @@ def compare(cfg: DictConfig) -> dict:
     for r in rows:
         r[f"speed vs {base}"] = rows[0]["seconds"] / r["seconds"]
         r[f"KV blocks vs {base}"] = r["KV blocks"] / rows[0]["KV blocks"]
-    record = {"bench": "nano_vllm.bench_quant", "model": str(cfg.model), "methods": methods, "rows": rows,
+    record = {"bench": "nano_vllm.bench.quant", "model": str(cfg.model), "methods": methods, "rows": rows,
               "runs": records}
     path = Path(hydra_run_dir()) / "bench_quant.json"
     write_json(path, record)
@@ -70,7 +70,7 @@ def prompt_tokens(record: dict) -> int:
     return sum(len(r.prompt) for r in reqs)
 
 
-@hydra.main(version_base=None, config_path="configs", config_name="bench_quant")
+@hydra.main(version_base=None, config_path="../configs", config_name="bench_quant")
 def main(cfg: DictConfig) -> None:
     compare(cfg)
 

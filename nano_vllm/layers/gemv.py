@@ -21,9 +21,9 @@ llama3-8b's o_proj against a 4.24 TB/s copy). Here:
   kernel replays inside a CUDA graph.
 
 `GemvLinear` is nn.Linear whose forward takes this path on CUDA (bf16 / fp16) when x has at most
-`EngineConfig.gemv_max_tokens` rows, and cuBLAS (F.linear) otherwise; the crossover is measured by
-`python -m nano_vllm.bench gemv=true`. The runner layer swaps every nn.Linear of the loaded model (after
-fusing and tensor-parallel sharding) in place: same parameters, same names.
+`EngineConfig.gemv_max_tokens` rows (default `DEFAULT_MAX_ROWS`), and cuBLAS (F.linear) otherwise; the
+crossover is measured by `python -m nano_vllm.bench gemv=true`. The "runner" hook swaps every nn.Linear
+of the loaded model (after fusing and tensor-parallel sharding) in place: same parameters, same names.
 """
 
 from __future__ import annotations
@@ -36,10 +36,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano_vllm.config import REGISTRY
 from shared.kernels import HAS_TRITON, use_triton
 from shared.kernels.launch import cdiv
 
+try:  # nano_quant's repacked W4 kernels, for a quantized model's AWQ layers (a fork may lack them)
+    from nano_quant.layers.repacked import use_repacked_gemv
+except ImportError:
+    use_repacked_gemv = None
+
 MAX_ROWS = 16  # the dot path pads the rows of x to 16
+# `gemv_max_tokens` when None: one-row steps (M = 1), where the measured tiles beat cuBLAS on every
+# llama3-8b shape (`python -m nano_vllm.bench gemv=true` prints the crossover). On an H200 (2026-12-01,
+# `python -m nano_vllm.bench model=llama3-8b workload=batch1`, the other layers on) batch-1 decode ran
+# 213.8 tok/s with it and 195.5 with cuBLAS (`engine.gemv_max_tokens=0`).
+DEFAULT_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -299,17 +310,15 @@ class GemvLinear(nn.Linear):
 
 
 def apply_gemv(runner: Any) -> None:
-    """The runner layer (`ModelRunner.runner_layers`): every nn.Linear of the loaded model becomes a
-    GemvLinear when `EngineConfig.gemv_max_tokens` > 0, sharing one workspace; on CUDA, a quantized model's
-    AWQ layers take nano_quant's repacked W4 kernels for steps of up to 64 rows."""
-    max_rows = runner.config.gemv_max_tokens
-    if max_rows == 0:
-        return
-    if runner.device.type == "cuda" and getattr(runner.model, "quantization_config", None) is not None:
+    """The "runner" hook: every nn.Linear of the loaded model becomes a GemvLinear for steps of up to
+    `EngineConfig.gemv_max_tokens` rows, sharing one workspace; on CUDA, a quantized model's AWQ layers
+    take nano_quant's repacked W4 kernels for steps of up to 64 rows."""
+    max_rows = runner.config.gemv_max_tokens or DEFAULT_MAX_ROWS
+    quantized = getattr(runner.model, "quantization_config", None) is not None
+    if runner.device.type == "cuda" and quantized and use_repacked_gemv is not None:
         # AWQ W4 layers: their own GEMV / tensor-core kernel for steps of 1 / 2-64 rows over a K-contiguous
-        # copy of the 4-bit weight, which replaces AutoAWQ's (prefill dequantizes it; nano_quant.repacked).
-        from nano_quant.repacked import use_repacked_gemv
-
+        # copy of the 4-bit weight, which replaces AutoAWQ's (prefill dequantizes it; nano_quant's
+        # layers/repacked.py).
         use_repacked_gemv(runner.model, drop_autoawq=True)
     # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their
     # own kernels; its 16-bit LM head still takes the GEMV.
@@ -319,3 +328,7 @@ def apply_gemv(runner: Any) -> None:
         workspace = GemvWorkspace.for_shapes([tuple(m.weight.shape) for m in linears], max_rows, runner.device)
     for m in linears:
         GemvLinear.swap(m, max_rows, workspace)
+
+
+REGISTRY.register("runner", apply_gemv,
+                  applies=lambda runner: runner.config.wants("gemv_max_tokens", runner.device))

@@ -1,4 +1,5 @@
-"""`python -m nano_vllm.bench` — offline throughput on nano-vllm's published workload (a Hydra app).
+"""`python -m nano_vllm.bench` — offline throughput on nano-vllm's published workload (a Hydra app:
+nano_vllm/bench/__main__.py).
 
 Default workload (nano-vllm's bench.py, draw for draw): `random.seed(0)`; 256 prompts of `randint(100, 1024)`
 token ids `randint(0, 10000)`; then `max_tokens = randint(100, 1024)` each; temperature 0.6, ignore_eos;
@@ -14,9 +15,10 @@ sequence, the K/V of every key — all sequences decoding together (so it ignore
 Bandwidth and peak are the device copy and bf16 matmul measured once at process start, before the engine
 takes the memory (`shared.bench.measure_ceilings`), reported beside the datasheet values.
 
-The engine runs with the performance layers the config's `engine:` keys turn on (overlapped scheduling,
-fused projections, fused sampling, the GEMV; nano_vllm.performance) and the kernel warm-up.
-`step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare included) and
+The engine is a plain `LLM` of the config's model and `engine:` keys: fast by default (every performance
+layer that applies, nano_vllm/layers/), `performance_layers=false` the paper path alone, and
+`engine.<switch>=false` one layer off; the layers it applied are printed beside the step timing and
+written to bench.json (`layers_applied`). `step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare included) and
 postprocess, and its timeline gives host busy, device busy and device idle time per step (`timeline` in
 bench.json, drawn by `python -m shared.report`).
 
@@ -25,6 +27,7 @@ bench.json, drawn by `python -m shared.report`).
     python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
     python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
     python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
+    python -m nano_vllm.bench performance_layers=false     # the paper path alone
     python -m nano_vllm.bench gemv=true                    # the decode GEMV vs cuBLAS and torch.compile
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
     python -m nano_vllm.bench quantization=rtn-w4          # quantized on the fly (or model=a quantized checkpoint)
@@ -39,18 +42,16 @@ import os
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nano_vllm.config import engine_args_from
+from nano_vllm.bench.step_timing import StepTimer
+from nano_vllm.config import LAYER_SWITCHES, engine_args_from
 from nano_vllm.engine import LLM
 from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import summarize
-from nano_vllm.performance import PERFORMANCE_ENGINE_ARGS, performance_engine_args, with_performance_layers
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.step_timing import StepTimer
 from shared.accounting import serving_roofline
 from shared.bench import KernelCompiles, measure_ceilings, print_table, release_memory, write_json
 from shared.config import resolve_model_config
@@ -70,20 +71,19 @@ def _workload(w: DictConfig) -> list[Request]:
 
 
 def make_llm(cfg: DictConfig) -> LLM:
-    """`LLM` of the config's model and engine arguments (`quantization` among them), with the performance
-    layers on."""
+    """`LLM` of the config's model and engine arguments (`quantization` and `performance_layers` among
+    them): what a user's `LLM(model, **engine_args)` builds."""
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     if cfg.get("quantization") is not None:
         engine["quantization"] = str(cfg.quantization)
-    args = performance_engine_args(engine_args_from(engine))
-    llm = LLM(str(cfg.model), **args)
-    with_performance_layers(llm.engine)
-    return llm
+    if cfg.get("performance_layers") is not None:
+        engine["performance_layers"] = bool(cfg.performance_layers)
+    return LLM(str(cfg.model), **engine_args_from(engine))
 
 
 def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     llm = make_llm(cfg)
-    print(kv_cache_summary(llm.engine), flush=True)
+    print(kv_cache_summary(llm.engine.model_runner), flush=True)
     if cfg.warmup:  # nano-vllm's one short request, plus a slice of the workload with 2 output tokens each:
         # large prefill chunks and mixed steps of the real shapes, so no Triton compilation is timed
         llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)
@@ -101,6 +101,8 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     timer.remove()
     tokens = sum(len(o.token_ids) for o in outs)
     steps, phases = max(timer.num_steps, 1), timer.seconds
+    layers = llm.engine.layers_applied
+    print(f"layers applied: {', '.join(layers) or 'none (the paper path alone)'}", flush=True)
     print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in timer.per_step_ms().items())
           + "  (execute includes prepare, the launches and the wait for the sampled tokens; 0 when steps "
             "overlap, which launch and wait apart)", flush=True)
@@ -112,6 +114,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
            "output tok/s": tokens / seconds, "steps": steps,
            "preemptions": llm.engine.scheduler.num_preemptions,
            "kernels built while timed": len(compiles.names) if compiles.available else None}
+    row["_layers_applied"] = list(layers)
     row["_kernel_variants"] = compiles.reprs  # full signatures, for bench.json (not printed: "_" prefix)
     runner = llm.engine.model_runner  # what the weights take and what §5's sizing left to KV blocks
     qcfg = getattr(runner.model, "quantization_config", None)
@@ -194,7 +197,7 @@ def run(cfg: DictConfig) -> dict:
     ceilings = measure_ceilings(device)
     print(ceilings.describe(), flush=True)
     if cfg.gemv:
-        from nano_vllm.bench_gemv import run_gemv
+        from nano_vllm.bench.gemv import run_gemv
 
         record = run_gemv(cfg, ceilings, device, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
         path = Path(hydra_run_dir()) / "bench.json"
@@ -212,9 +215,9 @@ def run(cfg: DictConfig) -> dict:
     mcfg = resolve_model_config(str(cfg.model))
     bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
-    timeline, memory = row.pop("_timeline"), row.pop("_memory")
+    timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
     dtype = llm.engine.config.torch_dtype
-    layers = {k: getattr(llm.engine.config, k) for k in PERFORMANCE_ENGINE_ARGS}
+    switches = {k: getattr(llm.engine.config, k) for k in ("performance_layers", *LAYER_SWITCHES)}
     llm.shutdown()  # tensor-parallel workers too
     del llm
     release_memory()
@@ -247,7 +250,7 @@ def run(cfg: DictConfig) -> dict:
     record = {"bench": "nano_vllm", "model": str(cfg.model), "device": device, "dtype": str(dtype).removeprefix("torch."),
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": bandwidth / 1e9,
-              "matmul_TFLOPs": peak / 1e12, "performance_layers": layers, **bound, "rows": rows, "serving": serving,
+              "matmul_TFLOPs": peak / 1e12, "performance_layers": switches, "layers_applied": layers, **bound, "rows": rows, "serving": serving,
               "timeline": timeline, "memory": memory}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
@@ -258,12 +261,3 @@ def run(cfg: DictConfig) -> dict:
           f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth, {100 * bound['decode_memory_bound_frac']:.0f}% of decode "
           f"steps memory-bound; bytes actually read)\nwrote {path}", flush=True)
     return record
-
-
-@hydra.main(version_base=None, config_path="configs", config_name="bench")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,11 +4,13 @@ Triton compiles a kernel the first time it meets a new shape class — which ker
 varlen, decode), and for each integer argument whether it is a multiple of 16 — and a compile takes
 seconds. Without a warm-up the first requests a server or benchmark sees pay for it (and a timed run
 measures it). `warm_up` runs one of each kind of step through the engine, then forgets what the warm-up
-cached. The prompts' token values are arbitrary; their *lengths* are what matter.
+cached. The prompts' token values are arbitrary; their *lengths* are what matter. An "engine" hook, on
+CUDA, after the other layers: the steps it runs are the ones the engine will run.
 """
 
 from __future__ import annotations
 
+from nano_vllm.config import REGISTRY
 from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
 
@@ -49,3 +51,6 @@ def _warm_up_steps(engine: LLMEngine) -> None:
 def _run_to_completion(engine: LLMEngine) -> None:
     while engine.has_unfinished_requests():
         engine.step()
+
+
+REGISTRY.register("engine", warm_up, applies=lambda engine: engine.config.torch_device.type == "cuda")

@@ -1,5 +1,5 @@
 """`python -m nano_vllm.bench gemv=true` — the decode GEMV on one model's layer shapes: the split-K Triton
-GEMV (nano_vllm.gemv) against cuBLAS (F.linear) and against `torch.compile` with max-autotune and gpt-fast's
+GEMV (nano_vllm.layers.gemv) against cuBLAS (F.linear) and against `torch.compile` with max-autotune and gpt-fast's
 inductor settings, in TB/s of bytes read (weights, x, y) beside the measured copy bandwidth.
 
 For each shape (the decoder layer's fused qkv, o, fused gate_up and down projections, and the LM head) and
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nano_vllm.gemv import GemvConfig, GemvWorkspace, default_config, gemv_triton, num_sms, split_k_for
+from nano_vllm.layers.gemv import GemvConfig, GemvWorkspace, default_config, gemv_triton, num_sms, split_k_for
 from shared.accounting import Ceilings
 from shared.bench import benchmark, print_table
 from shared.config import ModelConfig, resolve_model_config
@@ -178,6 +178,6 @@ def run_gemv(cfg: Any, ceilings: Ceilings, device: str, interpreter: bool) -> di
     measured = _print_measured(rows, dev, sms)
     for r in rows:
         r.pop("_best", None)
-    return {"bench": "nano_vllm.gemv", "model": str(cfg.gemv_model), "device": device,
+    return {"bench": "nano_vllm.layers.gemv", "model": str(cfg.gemv_model), "device": device,
             "dtype": str(dtype).removeprefix("torch."), "ceilings": ceilings.as_dict(), "rows": rows,
             "crossover_rows": crossover, "measured_m1": measured}

@@ -22,8 +22,8 @@ unseeded one gets a fresh random seed per step (from a generator seeded by `Engi
   the overlap layer defers).
 
 On CUDA tensors the Triton kernel runs, elsewhere `sample_reference` (the same arithmetic in torch; tests
-check the two agree under TRITON_INTERPRET=1). Applied to a runner (its `sample` method) when
-`EngineConfig.fused_sampling` is on.
+check the two agree under TRITON_INTERPRET=1). Applied to a runner (its `sample` method) by a "runner"
+hook: on CUDA unless `EngineConfig.fused_sampling` is False, anywhere when True.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nano_vllm.config import REGISTRY
 from nano_vllm.sampler import SamplingTensors, apply_top_k_top_p
 from nano_vllm.scheduler import SchedulerOutput
 from shared.kernels import HAS_TRITON, use_triton
@@ -174,7 +175,10 @@ class FusedSampling:
 
 
 def apply_fused_sampling(runner: Any) -> None:
-    """The runner layer (`ModelRunner.runner_layers`): the runner samples with the fused kernel when the
-    config asks (its `sample` method replaced on this instance)."""
-    if runner.config.fused_sampling:
-        runner.sample = FusedSampling(runner).sample
+    """The "runner" hook: the runner samples with the fused kernel (its `sample` method replaced on this
+    instance)."""
+    runner.sample = FusedSampling(runner).sample
+
+
+REGISTRY.register("runner", apply_fused_sampling,
+                  applies=lambda runner: runner.config.wants("fused_sampling", runner.device))

@@ -24,7 +24,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from nano_vllm.protocol import error_body
+from nano_vllm.serve.protocol import error_body
 
 
 @dataclass
