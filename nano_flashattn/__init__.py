@@ -12,8 +12,11 @@ Each exists three times: `*_torch` (reference.py, the specification and the CPU 
 which dispatches: CUDA tensors go to Triton, everything else to the reference. The kernels take every
 head_dim that is a multiple of 8 from 16 to 256 (`HEAD_DIMS`); the references take any. Arguments are
 checked (ValueError naming the argument); `with trusted_metadata():` skips the few checks that read tensor
-values (a device sync each), for engines that validated that metadata on the host. Performance layers
-plug in with `register_kernel` (interface.py).
+values (a device sync each), for engines that validated that metadata on the host.
+
+Performance layers (`layers/`: Hopper kernels, the split head axis, programmatic dependent launch) run by
+default wherever they apply; `with performance_layers(False):` runs the paper path alone, `load_layers()`
+loads them now and returns those missing, and `REGISTRY` (dispatch.py) is where they register.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .checks import HEAD_DIMS, trusted_metadata
+from .dispatch import REGISTRY, load_layers, performance_layers
 from .reference import flash_attn_func_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
 
 try:
@@ -35,7 +39,6 @@ if HAS_TRITON:  # outside the try: a bug in a kernel module must be an error, no
         flash_attn_func_triton,
         flash_attn_varlen_func_triton,
         flash_attn_with_kvcache_triton,
-        register_kernel,
     )
 else:
 
@@ -43,10 +46,10 @@ else:
         raise RuntimeError("Triton is not installed; use the *_torch references")
 
     flash_attn_func_triton = flash_attn_varlen_func_triton = flash_attn_with_kvcache_triton = _no_triton
-    register_kernel = _no_triton
 
 __all__ = [
     "HEAD_DIMS",
+    "REGISTRY",
     "flash_attn_func",
     "flash_attn_func_torch",
     "flash_attn_func_triton",
@@ -56,7 +59,8 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_with_kvcache_torch",
     "flash_attn_with_kvcache_triton",
-    "register_kernel",
+    "load_layers",
+    "performance_layers",
     "trusted_metadata",
     "use_triton",
 ]

@@ -11,13 +11,14 @@
     targets:   each head_dim's row against head_dim 128's at the same shape (TFLOP/s or TB/s, so per unit
                of work), in the summary
     ceilings:  measured bf16 matmul TFLOP/s and device-copy TB/s, the physical limits of both
-    layers:    the split_head layer runs head_dims 48/80/96/144/160/192 (--no-split-head: padded tiles);
-               the hopper.py backward (TMA loads) runs head_dims 64/96/128 on sm_90 (--no-hopper-backward);
-               the hopper.py forward runs head_dims 64/96/128 on sm_90 (--no-hopper-forward); both read
-               dense batches of whole tiles up to 8k keys through host-made descriptors
+    layers:    every performance layer that is present and applies runs (--paper-path: none); each
+               flag turns one off: split_head runs head_dims 48/80/96/144/160/192 (--no-split-head:
+               padded tiles); on sm_90 the hopper.py backward (TMA loads) runs head_dims 64/96/128
+               (--no-hopper-backward) and its forward head_dims 64/96/128 (--no-hopper-forward), both
+               reading dense batches of whole tiles up to 8k keys through host-made descriptors
                (--no-host-descriptors: every program makes its own); the hopper_ws.py forward (Gluon,
-               warp-specialised) runs dense head_dim 128 batches on sm_90 ahead of it (--no-gluon-forward),
-               its backward dense head_dim 64/128 batches ahead of hopper.py's (--no-gluon-backward)
+               warp-specialised) runs dense head_dim 128 batches ahead of it (--no-gluon-forward), its
+               backward dense head_dim 64/128 batches ahead of hopper.py's (--no-gluon-backward)
     --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import nano_flashattn as fa
+from nano_flashattn.launch import is_sm90
 
 PEERS = [("sdpa_cudnn", "cudnn"), ("sdpa_flash", "flash")]  # the headline peer first
 CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,)}
@@ -74,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave dense head_dim 64/128 backwards to hopper.py (the hopper_ws.py Gluon backward off)")
     p.add_argument("--no-host-descriptors", action="store_true",
                    help="the hopper.py layers make their TMA descriptors in every program, at every length")
+    p.add_argument("--paper-path", action="store_true",
+                   help="the paper path alone: every performance layer off (performance_layers=False)")
     p.add_argument("--sweep", action="store_true", help="moved: python tools/flashattn_sweep.py [options]")
     args = p.parse_args(argv)
     if args.sweep:  # the sweep is a tool, not part of the package (a non-editable install has no tools/)
@@ -318,75 +322,51 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + summary(result))
 
 
-def use_split_head(on: bool) -> bool:
-    """Turn the split_head performance layer (head_dims 48/80/96/144/160/192 without padding) on or off in
-    this process; returns whether it is on. The bench runs it on a GPU unless --no-split-head."""
-    if on:
-        from . import split_head  # importing registers
-
-        split_head.register()
-    elif "nano_flashattn.split_head" in sys.modules:
-        sys.modules["nano_flashattn.split_head"].unregister()
-    return on
-
-
-def use_hopper_backward(on: bool) -> bool:
-    """Turn the Hopper backward layer (hopper.py: Algorithm 2 with TMA loads, head_dims 64/96/128) on (an
-    sm_90 GPU only) or off in this process, after the split_head layer so that it takes head_dim 96's
-    backward; returns whether it is on. The bench runs it on a GPU unless --no-hopper-backward."""
-    from . import hopper
-
-    on = on and torch.cuda.is_available() and hopper._is_sm90(torch.cuda.current_device())
-    (hopper.enable_backward if on else hopper.disable_backward)()
-    return on
+# The ablation flags: each turns one layer's registrations off for the run. {env key: (flag, layer module,
+# its enable / disable functions)}.
+LAYER_FLAGS = {
+    "split_head": ("no_split_head", "split_head", "enable", "disable"),
+    "hopper_backward": ("no_hopper_backward", "hopper", "enable_backward", "disable_backward"),
+    "hopper_forward": ("no_hopper_forward", "hopper", "enable", "disable"),
+    "gluon_forward": ("no_gluon_forward", "hopper_ws", "enable", "disable"),
+    "gluon_backward": ("no_gluon_backward", "hopper_ws", "enable_backward", "disable_backward"),
+}
 
 
-def use_hopper_forward(on: bool) -> bool:
-    """Turn the Hopper forward layer (hopper.py: Algorithm 1 with TMA loads, head_dims 64/96/128) on (an sm_90
-    GPU only) or off in this process, after the split_head layer so that it takes head_dim 96's forward;
-    returns whether it is on. The bench runs it on a GPU unless --no-hopper-forward."""
-    from . import hopper
-
-    on = on and torch.cuda.is_available() and hopper._is_sm90(torch.cuda.current_device())
-    (hopper.enable if on else hopper.disable)()
-    return on
+def layer(name: str):
+    """The performance layer module `name` (nano_flashattn/layers/), or None where it is missing."""
+    return sys.modules[fa.REGISTRY.module_name(name)] if fa.REGISTRY.present(name) else None
 
 
-def use_gluon_forward(on: bool) -> bool:
-    """Turn the warp-specialised Gluon forward (hopper_ws.py: dense head_dim 128 batches) on (an sm_90 GPU with
-    Gluon only) or off in this process, after the hopper.py forward so that it is tried first; returns whether
-    it is on. The bench runs it on a GPU unless --no-gluon-forward."""
-    from . import hopper, hopper_ws
-
-    on = (on and hopper_ws.HAS_GLUON and torch.cuda.is_available()
-          and hopper._is_sm90(torch.cuda.current_device()))
-    (hopper_ws.enable if on else hopper_ws.disable)()
-    return on
-
-
-def use_gluon_backward(on: bool) -> bool:
-    """Turn the warp-specialised Gluon backward (hopper_ws.py: dense head_dim 64/128 batches) on (an sm_90 GPU
-    with Gluon only) or off in this process, after the hopper.py backward so that it is tried first; returns
-    whether it is on. The bench runs it on a GPU unless --no-gluon-backward."""
-    from . import hopper, hopper_ws
-
-    on = (on and hopper_ws.HAS_GLUON and torch.cuda.is_available()
-          and hopper._is_sm90(torch.cuda.current_device()))
-    (hopper_ws.enable_backward if on else hopper_ws.disable_backward)()
-    return on
-
-
-def use_host_descriptors(on: bool) -> int:
-    """The longest sequence the hopper.py layers read through host-made descriptors (0: none); returns it."""
-    from . import hopper
-
-    hopper.HOST_DESCRIPTORS_UP_TO = hopper.HOST_DESCRIPTORS_DEFAULT if on else 0
-    return hopper.HOST_DESCRIPTORS_UP_TO
+def set_layers(args, device: torch.device) -> dict:
+    """Turn each layer's registrations on, or off where its --no-* flag says so, and the host descriptors
+    of the Hopper layers; returns, per flag, whether that layer runs here: present, on, not --paper-path,
+    and on a device it applies to (CUDA; sm_90 for the Hopper layers, with Gluon for hopper_ws)."""
+    fa.load_layers()
+    runs = {}
+    for key, (flag, name, enable, disable) in LAYER_FLAGS.items():
+        mod, off = layer(name), getattr(args, flag)
+        if mod is not None:
+            getattr(mod, disable if off else enable)()
+        here = device.type == "cuda" and (name == "split_head" or is_sm90(device))
+        here = here and (name != "hopper_ws" or getattr(mod, "HAS_GLUON", False))
+        runs[key] = mod is not None and not off and not args.paper_path and here
+    hopper, runs["host_descriptors_up_to"] = layer("hopper"), 0
+    if hopper is not None:  # the longest sequence read through host-made descriptors (0: none)
+        hopper.HOST_DESCRIPTORS_UP_TO = 0 if args.no_host_descriptors else hopper.HOST_DESCRIPTORS_DEFAULT
+        if runs["hopper_forward"] or runs["hopper_backward"]:
+            runs["host_descriptors_up_to"] = hopper.HOST_DESCRIPTORS_UP_TO
+    return runs
 
 
 def main(argv=None, sweep: dict | None = None) -> dict:
     """Run the bench; `sweep` (a config sweep's report, from tools/flashattn_sweep.py) is saved with it."""
     args = parse_args(argv)
+    with fa.performance_layers(not args.paper_path):  # --paper-path: every lookup finds no layer
+        return run(args, argv, sweep)
+
+
+def run(args: argparse.Namespace, argv, sweep: dict | None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import triton
@@ -398,15 +378,14 @@ def main(argv=None, sweep: dict | None = None) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "command": "python -m nano_flashattn.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "ours": "triton" if device.type == "cuda" else "torch reference (no GPU)",
-        "split_head": use_split_head(device.type == "cuda" and not args.no_split_head),
-        "hopper_backward": use_hopper_backward(device.type == "cuda" and not args.no_hopper_backward),
-        "hopper_forward": use_hopper_forward(device.type == "cuda" and not args.no_hopper_forward),
-        "gluon_forward": use_gluon_forward(device.type == "cuda" and not args.no_gluon_forward),
-        "gluon_backward": use_gluon_backward(device.type == "cuda" and not args.no_gluon_backward),
-        "host_descriptors_up_to": use_host_descriptors(not args.no_host_descriptors),
+        "performance_layers": not args.paper_path,
+        "missing_layers": sorted(fa.load_layers()),
+        **set_layers(args, device),
     }
     result = {"env": env, "ceilings": ceilings(device), "sweep": sweep, "attention": [], "decode": []}
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | ours = {env['ours']} | "
+          f"performance layers {'on' if env['performance_layers'] else 'off (--paper-path)'}"
+          f"{', missing ' + ', '.join(env['missing_layers']) if env['missing_layers'] else ''} | "
           f"split_head {'on' if env['split_head'] else 'off'} | "
           f"hopper backward {'on' if env['hopper_backward'] else 'off'} | "
           f"hopper forward {'on' if env['hopper_forward'] else 'off'} | "

@@ -17,9 +17,10 @@ from multiprocessing import get_context
 
 import torch
 
-from . import configs, interface
+from . import configs
 from .checks import NO_WINDOW
 from .decode import decode_forward
+from .dispatch import REGISTRY, layers_enabled
 from .interface import run_kernel
 
 SEQLEN, BATCH, HIDDEN = 8192, 2, 2048  # the attention shape a sweep times (heads x head_dim = HIDDEN)
@@ -87,20 +88,18 @@ def _compile(job: tuple) -> str | None:
         return f"{job}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def _picklable(obj) -> bool:
+def _picklable(layer) -> bool:
     """A layer registered as a lambda cannot reach a worker: its kernels compile in the main process."""
     try:
-        pickle.dumps(obj)
+        pickle.dumps(layer)
     except Exception:  # pickle raises several types (PicklingError, AttributeError, TypeError)
         return False
     return True
 
 
-def _register_all(entries: list[tuple]) -> None:
-    """Worker initializer: the parent's layer registrations, oldest first, so that the latest wins as there
-    (unpickling a launcher imports its module; one that registers on import adds a duplicate, harmless)."""
-    for kind, launch, applies in entries:
-        interface.register_kernel(kind, launch, applies)
+def _take_layers(snapshot: dict) -> None:
+    """Worker initializer: the parent's layer registrations, in its order (or none, on the paper path)."""
+    REGISTRY.restore(snapshot)
 
 
 def precompile(jobs: list[tuple]) -> set[str]:
@@ -109,11 +108,11 @@ def precompile(jobs: list[tuple]) -> set[str]:
     if not jobs:
         return set()
     workers = min(len(jobs), os.cpu_count() or 1, 16)
-    # spawned workers register the performance layers registered here, so they compile the kernels that run
-    layers = [(kind, launch, applies) for kind, entries in interface._LAYERS.items()
-              for launch, applies in reversed(entries) if _picklable((launch, applies))]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_register_all,
-                             initargs=(layers,)) as pool:
+    # spawned workers take the layers registered here, so they compile the kernels that run here
+    snapshot = {point: tuple(layer for layer in layers if _picklable(layer))
+                for point, layers in REGISTRY.snapshot().items()} if layers_enabled() else {}
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_take_layers,
+                             initargs=(snapshot,)) as pool:
         errors = [e for e in pool.map(_compile, jobs) if e]
     for e in errors:
         print("compile failed:", e, flush=True)

@@ -30,7 +30,6 @@ import triton.language as tl
 from .checks import NO_WINDOW, cdiv, next_pow2
 from .configs import DECODE_TUNING, block_d, decode_config, num_sms
 from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
-from .pdl import pdl_args, pdl_prologue, pdl_release
 
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
@@ -41,11 +40,10 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
                          stride_bt, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
                          stride_lh, stride_ls, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
 
     Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
-    pdl_prologue(PDL, RELEASE=False)  # a performance layer's launch overlap (pdl.py); no-op when PDL is False
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks
@@ -91,7 +89,6 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
                               stride_kt=stride_kt, stride_kp=stride_kb, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                               BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                               DOT_PRECISION=DOT_PRECISION)
-    pdl_release(PDL)
     empty = l_i == 0.0  # an empty slice (past the sequence end) has weight exp(-inf) = 0 in the combine
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
@@ -103,10 +100,9 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
 
 @triton.jit
 def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_S: tl.constexpr):
     """Merge the slices of one (sequence, token, head) row: O = sum_s exp(L_s - L) O_s, L = logsumexp_s L_s
     (the online softmax's rescaling, once across slices)."""
-    pdl_prologue(PDL)
     r = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -163,7 +159,6 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         s_strides = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
         return out, lse.transpose(1, 2)
-    pdl = pdl_args(q.device)
     _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
         block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
@@ -174,9 +169,9 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         stride_os=s_strides[0], stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1),
         stride_lh=lse_part.stride(2), stride_ls=s_strides[1], HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **pdl)
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _combine_kernel[(batch * seqlen_q * heads_q,)](
             O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits, HEAD_DIM=head_dim,
-            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits), **pdl)
+            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits))
     return out, lse.transpose(1, 2)

@@ -5,11 +5,11 @@ The kernels work on packed (tokens, heads, head_dim) tensors; a dense (batch, se
 batch is the special case of equal lengths, viewed without a copy. These functions run anywhere Triton
 runs: on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them).
 
-Every kernel launch goes through `run_kernel(kind, **arguments)`: by default the paper path's launchers
-(`attention_forward`, `attention_backward`, `decode_forward`). A performance layer (a Hopper forward with TMA
-loads and warp specialisation, say) lives in its own module and calls `register_kernel` when imported; from
-then on its launcher runs every call its `applies` accepts, with the same keyword arguments, and the paper
-path runs the rest. Nothing here imports a layer: importing one is the opt-in, deleting it the opt-out.
+Every kernel launch goes through `run_kernel(kind, **arguments)`: the first performance layer registered at
+that point (dispatch.py's REGISTRY: "forward", "backward", "decode") whose predicate accepts the arguments,
+else the paper path's launcher (`attention_forward`, `attention_backward`, `decode_forward`). A layer takes
+the paper launcher's keyword arguments and returns what it returns. Nothing here imports a layer: the
+registry finds them (`layers/`); deleting one runs the paper path in its place.
 """
 
 from __future__ import annotations
@@ -21,41 +21,18 @@ import torch
 from .backward import attention_backward
 from .checks import check_dense, check_kernel_dtype, check_kernel_head_dim, check_kvcache, check_varlen
 from .decode import decode_forward
+from .dispatch import REGISTRY
 from .forward import attention_forward
 
 PAPER_KERNELS: dict[str, Callable] = {
     "forward": attention_forward, "backward": attention_backward, "decode": decode_forward,
 }
-_LAYERS: dict[str, list[tuple[Callable, Callable]]] = {kind: [] for kind in PAPER_KERNELS}
-
-
-def register_kernel(kind: str, launch: Callable, applies: Callable[..., bool] | None = None
-                    ) -> Callable[[], None]:
-    """Run `launch` in place of the paper-path launcher of `kind` ("forward", "backward" or "decode") for
-    every call whose keyword arguments `applies(**arguments)` accepts (all calls when None). `launch` takes
-    the paper launcher's keyword arguments and returns what it returns. The latest registration is tried
-    first. Returns a function that removes the registration."""
-    if kind not in PAPER_KERNELS:
-        raise ValueError(f"kind must be one of {sorted(PAPER_KERNELS)}, got {kind!r}")
-    if not callable(launch) or (applies is not None and not callable(applies)):
-        raise TypeError(f"launch and applies must be callables, got {type(launch).__name__} and "
-                        f"{type(applies).__name__}")
-    entry = (launch, applies or (lambda **arguments: True))
-    _LAYERS[kind].insert(0, entry)
-
-    def remove() -> None:
-        if entry in _LAYERS[kind]:
-            _LAYERS[kind].remove(entry)
-
-    return remove
 
 
 def run_kernel(kind: str, **arguments):
     """Launch `kind` with a registered layer that applies to these arguments, else with the paper path."""
-    for launch, applies in _LAYERS[kind]:
-        if applies(**arguments):
-            return launch(**arguments)
-    return PAPER_KERNELS[kind](**arguments)
+    layer = REGISTRY.select(kind, **arguments)
+    return (layer or PAPER_KERNELS[kind])(**arguments)
 
 
 class FlashAttnFunction(torch.autograd.Function):

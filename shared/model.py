@@ -58,7 +58,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx:
 def default_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int = 0,
                       ctx: Any = None) -> torch.Tensor:
     """Causal self-attention: nano_flashattn's FlashAttention-2 kernel on CUDA for the head sizes it
-    supports (multiples of 8 from 16 to 256), torch SDPA for everything else."""
+    supports (multiples of 8 from 16 to 256), torch SDPA for everything else. nano_flashattn runs its
+    performance layers (Hopper kernels, the split head axis) wherever they apply, found by its registry:
+    nothing here names them, and `nano_flashattn.performance_layers(False)` runs its paper path."""
     if q.is_cuda and _flash_attn_func is not None and q.shape[-1] in _FLASH_HEAD_DIMS:
         return _flash_attn_func(q, k, v, causal=True)
     return sdpa_attention(q, k, v, layer_idx, ctx)
@@ -69,24 +71,6 @@ try:  # shared stands on nano_flashattn (DESIGN.md dependency rule); absent in a
     from nano_flashattn.checks import HEAD_DIMS as _FLASH_HEAD_DIMS
 except ImportError:  # pragma: no cover - depends on what is installed
     _flash_attn_func, _FLASH_HEAD_DIMS = None, ()
-else:
-    if torch.cuda.is_available():  # the opt-in of every model user: head_dims 48/80/96/144/160/192 unpadded,
-        # and Algorithms 1 and 2 with TMA loads on Hopper
-        try:  # performance layers: a fork that deleted one runs the paper path
-            import nano_flashattn.split_head  # noqa: F401  (registers on import)
-            from nano_flashattn import hopper as _hopper
-        except ImportError:  # pragma: no cover - depends on what is installed
-            pass
-        else:
-            _hopper.enable_backward()  # the TMA backward on sm_90 (head_dims 64/96/128), after split_head
-            _hopper.enable()  # the TMA forward on sm_90 (head_dims 64/96/128, where it measured faster)
-            try:  # ahead of them: the warp-specialised Gluon forward (dense head_dim 128 batches)
-                from nano_flashattn import hopper_ws as _hopper_ws
-            except ImportError:  # pragma: no cover - depends on what is installed
-                pass
-            else:
-                _hopper_ws.enable()
-                _hopper_ws.enable_backward()  # and its backward, dense head_dim 64/128 batches
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:

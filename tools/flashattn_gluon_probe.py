@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from nano_flashattn import hopper_ws
-from nano_flashattn.hopper_ws import _mask_diagonal, _softmax_tile, _tma_load, _tma_store
+from nano_flashattn.layers import hopper_ws
+from nano_flashattn.layers.hopper_ws import _mask_diagonal, _softmax_tile, _tma_load, _tma_store
 
 LOG2E = math.log2(math.e)
 
@@ -185,7 +185,8 @@ def gluon_forward(q, k, v, causal: bool, stages: int = 2, block_m: int = 128, bl
 
 
 def ws_forward(q, k, v, causal: bool):
-    """The layer's warp-specialised kernel (nano_flashattn/hopper_ws.py) on (batch, seqlen, heads, 128) inputs."""
+    """The layer's warp-specialised kernel (nano_flashattn/layers/hopper_ws.py) on (batch, seqlen, heads, 128)
+    inputs."""
     batch, seqlen, heads, d = q.shape
     out, lse = hopper_ws.ws_forward(*(t.view(batch * seqlen, heads, d) for t in (q, k, v)), batch, seqlen, seqlen,
                                     None, None, None, d**-0.5, 1 << 30, 0 if causal else 1 << 30)
@@ -209,9 +210,8 @@ def main(argv=None) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import nano_flashattn as fa
-    from nano_flashattn import bench
 
-    bench.use_hopper_forward(True)
+    hopper_ws.disable()  # "ours_triton": hopper.py's Triton forward, which this layer would stand in for
     rows = []
     for seqlen in args.seqlens:
         for causal in (False, True):

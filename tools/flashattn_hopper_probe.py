@@ -1,4 +1,4 @@
-"""Probe Triton's Hopper features and time the `nano_flashattn.hopper` forward variants against cuDNN.
+"""Probe Triton's Hopper features and time the `nano_flashattn.layers.hopper` forward variants against cuDNN.
 
     python tools/flashattn_hopper_probe.py --out hopper_probe.log      (an sm_90 GPU; about 3 minutes)
 
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from nano_flashattn.hopper import HopperConfig  # noqa: E402
+from nano_flashattn.layers.hopper import HopperConfig  # noqa: E402
 
 HC = HopperConfig
 WS = dict(warp_specialize=True, two_phase=False, num_warps=4)  # Triton splits only a single loop, at 4 warps
@@ -105,7 +105,7 @@ def _host_desc_copy(x_desc, y_desc, BM: tl.constexpr):
 
 def feature(name: str) -> str:
     """Run one feature check on the GPU; returns 'ok ...' or raises."""
-    from nano_flashattn.hopper import _ensure_allocator
+    from nano_flashattn.layers.hopper import _ensure_allocator
 
     _ensure_allocator()
     if name == "host_descriptor":
@@ -166,7 +166,7 @@ def _errors(out, lse, ref_out, ref_lse) -> tuple[float, float]:
 
 def check_variant(head_dim: int, cfg: HopperConfig, causal: bool, varlen: bool) -> str:
     from nano_flashattn.checks import NO_WINDOW
-    from nano_flashattn.hopper import hopper_forward
+    from nano_flashattn.layers.hopper import hopper_forward
 
     torch.manual_seed(0)
     right = 0 if causal else NO_WINDOW
@@ -200,7 +200,7 @@ def compile_report(head_dim: int, cfg: HopperConfig, causal: bool) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nano_flashattn.hopper import _hopper_fwd_kernel
+    from nano_flashattn.layers.hopper import _hopper_fwd_kernel
 
     names = list(inspect.signature(_hopper_fwd_kernel.fn).parameters)
     ints = {"seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_qt", "stride_qh",
@@ -283,7 +283,7 @@ def time_shape(head_dim, seqlen, batch, causal, variants: dict[str, HopperConfig
     import nano_flashattn as fa
     from nano_flashattn.bench import sdpa_backend, time_ms
     from nano_flashattn.checks import NO_WINDOW
-    from nano_flashattn.hopper import hopper_forward
+    from nano_flashattn.layers.hopper import hopper_forward
 
     dev = torch.device("cuda")
     shape = (batch, seqlen, HEADS, head_dim)
@@ -298,7 +298,11 @@ def time_shape(head_dim, seqlen, batch, causal, variants: dict[str, HopperConfig
             with sdpa_backend(backend):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         runs[f"sdpa-{backend}"] = sdpa
-    runs["paper"] = lambda: fa.flash_attn_func(q, k, v, causal=causal)
+    def paper():
+        with fa.performance_layers(False):
+            return fa.flash_attn_func(q, k, v, causal=causal)
+
+    runs["paper"] = paper
     for name, cfg in variants.items():
         runs[name] = (lambda cfg=cfg: hopper_forward(*rows, batch, seqlen, seqlen, None, None, None,
                                                      head_dim**-0.5, NO_WINDOW, right, config=cfg))

@@ -4,9 +4,10 @@
                                     [bench options...]
 
 head_dims the split_head layer runs (48, 80, 96, 144, 160, 192) are swept on its kernels into its tables
-(printed under "nano_flashattn/split_head.py"); with the bench option --no-split-head, on the padded ones.
-On sm_90 the hopper.py layers' head_dims (forward 96 / 128, backward 64 / 96 / 128) are swept on them into
-its DEFAULT_CONFIGS / BWD_CONFIGS (--no-hopper-forward / --no-hopper-backward: on the kernels beneath).
+(printed under "nano_flashattn/layers/split_head.py"); with the bench option --no-split-head, on the padded
+ones. On sm_90 the hopper.py layers' head_dims (forward 96 / 128, backward 64 / 96 / 128) are swept on them
+into its DEFAULT_CONFIGS / BWD_CONFIGS (--no-hopper-forward / --no-hopper-backward: on the kernels beneath).
+With the bench option --paper-path, every head_dim is swept on the paper path's kernels.
 
 Tries a few tile shapes per kernel, keeps the fastest, writes it into nano_flashattn.configs' tables for the
 rest of the process, prints the tables to paste into nano_flashattn/configs.py (with the one line that says
@@ -28,6 +29,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without an install
 
+import nano_flashattn as fa
 from nano_flashattn import bench, configs
 from nano_flashattn.bench_compile import precompile, run_bwd, run_decode, run_fwd
 
@@ -63,20 +65,20 @@ def _best(scores: dict, label: str):
 def _tables(d: int):
     """The module whose config tables the kernels running head_dim d read: the split_head layer's when it is
     on and takes d, else configs (the paper path's)."""
-    layer = sys.modules.get("nano_flashattn.split_head")
-    return layer if layer is not None and layer.registered() and d in layer.SPLIT_HEAD_DIMS else configs
+    layer = bench.layer("split_head")
+    return layer if layer is not None and layer.enabled() and d in layer.SPLIT_HEAD_DIMS else configs
 
 
 def _hopper_forward(d: int):
     """The Hopper forward layer when it is on and takes head_dim d (its DEFAULT_CONFIGS are then d's table)."""
-    layer = sys.modules.get("nano_flashattn.hopper")
+    layer = bench.layer("hopper")
     return layer if layer is not None and layer.enabled() and d in layer.ENABLED_HEAD_DIMS else None
 
 
 def _bwd_tables(d: int):
     """The module whose backward table the kernels running head_dim d read: the Hopper backward layer's when
     it is on and takes d, else `_tables(d)`."""
-    layer = sys.modules.get("nano_flashattn.hopper")
+    layer = bench.layer("hopper")
     return layer if layer is not None and layer.backward_enabled() and d in layer.BWD_CONFIGS else _tables(d)
 
 
@@ -155,14 +157,14 @@ def tables(command: str) -> str:
     lines = [tuned, f"FWD_CONFIGS = {dict(sorted(configs.FWD_CONFIGS.items()))!r}",
              tuned, f"BWD_CONFIGS = {dict(sorted(configs.BWD_CONFIGS.items()))!r}",
              tuned, f"DECODE_CONFIGS = {configs.DECODE_CONFIGS!r}"]
-    layer = sys.modules.get("nano_flashattn.split_head")
+    layer = bench.layer("split_head")
     if layer is not None and (layer.FWD_CONFIGS or layer.BWD_CONFIGS):
-        lines += ["# nano_flashattn/split_head.py:",
+        lines += ["# nano_flashattn/layers/split_head.py:",
                   tuned, f"FWD_CONFIGS = {dict(sorted(layer.FWD_CONFIGS.items()))!r}",
                   tuned, f"BWD_CONFIGS = {dict(sorted(layer.BWD_CONFIGS.items()))!r}"]
-    hopper = sys.modules.get("nano_flashattn.hopper")
+    hopper = bench.layer("hopper")
     if hopper is not None and (hopper.backward_enabled() or hopper.enabled()):
-        lines += ["# nano_flashattn/hopper.py:", tuned,
+        lines += ["# nano_flashattn/layers/hopper.py:", tuned,
                   f"DEFAULT_CONFIGS = {dict(sorted(hopper.DEFAULT_CONFIGS.items()))!r}", tuned,
                   f"BWD_CONFIGS = {dict(sorted(hopper.BWD_CONFIGS.items()))!r}"]
     return "\n".join(lines)
@@ -179,13 +181,12 @@ def main(argv=None) -> dict:
         p.error("the sweep times kernels on a CUDA GPU")
     # the layers the bench will run are on while sweeping, so that each head_dim is tuned on its kernels
     bench_args = bench.parse_args(bench_argv)
-    bench.use_split_head(not bench_args.no_split_head)
-    bench.use_hopper_backward(not bench_args.no_hopper_backward)
-    bench.use_hopper_forward(not bench_args.no_hopper_forward)
+    bench.set_layers(bench_args, CUDA)
     report = {"fwd": {}, "bwd": {}, "decode": {}}
-    sweep_attention(args.sweep_head_dims, report)
-    if not args.no_decode_sweep:
-        sweep_decode(report)
+    with fa.performance_layers(not bench_args.paper_path):
+        sweep_attention(args.sweep_head_dims, report)
+        if not args.no_decode_sweep:
+            sweep_decode(report)
     command = "python tools/flashattn_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(tables(command), flush=True)
     if not args.no_bench:

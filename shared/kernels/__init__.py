@@ -24,9 +24,9 @@ else:
     HAS_TRITON = True
 
 if HAS_TRITON:  # imported outside the try, so a bug in a kernel module is an error, not a fallback
-    from nano_flashattn.pdl import pdl_args as pdl_args  # re-exported for the packages' kernels
-    from nano_flashattn.pdl import pdl_prologue as pdl_prologue
-    from nano_flashattn.pdl import pdl_release as pdl_release
+    from nano_flashattn.launch import pdl_args as pdl_args  # re-exported for the packages' kernels
+    from nano_flashattn.launch import pdl_prologue as pdl_prologue
+    from nano_flashattn.launch import pdl_release as pdl_release
 
     from .activation import silu_and_mul_triton
     from .rmsnorm import rms_norm_triton

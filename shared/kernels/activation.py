@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_flashattn.pdl import pdl_args, pdl_prologue
+from nano_flashattn.launch import pdl_args, pdl_prologue
 
 from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_silu_and_mul_args
@@ -25,7 +25,7 @@ from .reference import check_silu_and_mul_args
 def _silu_and_mul_fwd_kernel(G, U, OUT, stride_g, stride_u, stride_o, n_cols, BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
     # Rows on grid axis 0 (2^31 programs), column blocks on axis 1 (65535): any token count fits.
-    pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+    pdl_prologue(PDL)  # launch overlap, where a layer turns PDL on (nano_flashattn/launch.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nano_flashattn.pdl import pdl_args, pdl_prologue
+from nano_flashattn.launch import pdl_args, pdl_prologue
 
 from .launch import cdiv, needs_grad, next_pow2
 from .reference import check_rms_norm_args
@@ -38,7 +38,7 @@ def _rms_norm_fwd_kernel(
     n_rows, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+    pdl_prologue(PDL)  # launch overlap, where a layer turns PDL on (nano_flashattn/launch.py)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < n_rows

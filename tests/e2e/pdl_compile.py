@@ -1,6 +1,7 @@
-"""Compile every kernel that takes programmatic dependent launch (nano_flashattn/pdl.py) for sm_90 with
-`PDL=True` and `launch_pdl=True`, without a GPU (run by test_pdl.py in a process without TRITON_INTERPRET,
-which cannot execute the grid-dependency instructions). Checks the PTX: `griddepcontrol.wait` comes before
+"""Compile every kernel that takes programmatic dependent launch (nano_flashattn/launch.py; the layer
+nano_flashattn/layers/pdl.py turns it on) for sm_90 with `PDL=True` and `launch_pdl=True`, without a GPU
+(run by test_pdl.py in a process without TRITON_INTERPRET, which cannot execute the grid-dependency
+instructions). Checks the PTX: `griddepcontrol.wait` comes before
 the first global load (the previous kernel may still be writing what this one reads), and the release
 (`griddepcontrol.launch_dependents`) comes at the start for short kernels, after the main loop's first
 load for the long ones."""
@@ -11,9 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nano_flashattn import decode
-from nano_quant import repacked
-from nano_vllm import fused, gemv
+from nano_quant.layers import repacked
+from nano_vllm.layers import fused, gemv
 from shared.kernels import activation, rmsnorm
 
 FLOATS = ("eps", "qk_scale")
@@ -57,14 +57,6 @@ def main() -> None:
          dict.fromkeys(("Q", "K", "V", "QOUT", "KOUT", "K_CACHE", "V_CACHE"), bf16)
          | {"COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64"},
          {"HEADS_Q": 32, "HEADS_KV": 8, "HALF": 64, "BLOCK_R": 32, "BLOCK_D": 64}, True),
-        ("flash-decoding split", decode._decode_split_kernel,
-         dict.fromkeys(("Q", "K", "V", "Out"), bf16) | {"LSE": "*fp32", "cache_seqlens": "*i32",
-                                                       "block_table": "*i32"},
-         {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 64, "PAGED": True, "PAGE_SIZE": 16,
-          "DOT_PRECISION": "tf32"}, False),
-        ("flash-decoding combine", decode._combine_kernel,
-         {"O_part": "*fp32", "LSE_part": "*fp32", "Out": bf16, "LSE": "*fp32"},
-         {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8}, True),
         ("bf16 GEMV, one row", gemv._gemv_m1_kernel,
          dict.fromkeys(("X", "W", "BIAS", "OUT"), bf16) | {"PARTIAL": "*fp32", "COUNTERS": "*i32"},
          {"HAS_BIAS": False, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 4, "NUM_STAGES": 2, "EVEN_K": True},

@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (nano_flashattn/pdl.py): where it turns on, and that every kernel taking it
-waits for the previous kernel before its first load (compiled for sm_90, no GPU needed)."""
+"""Programmatic dependent launch: where it turns on (the layer nano_flashattn/layers/pdl.py at the "pdl"
+point; `launch.pdl_args` gives no PDL without it), and that every kernel taking it waits for the previous
+kernel before its first load (compiled for sm_90, no GPU needed)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,46 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_flashattn.pdl import use_pdl
+import nano_flashattn as fa
+from nano_flashattn import decode, launch
+from nano_flashattn.launch import pdl_args
+from nano_flashattn.layers import pdl
 
 ROOT = Path(__file__).resolve().parents[2]
+ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}
 
 
-def test_pdl_only_on_cuda_and_off_by_env(monkeypatch):
-    """A CUDA sm_90+ launch attribute: never on a CPU; `NANO_PDL=0` turns it off everywhere (the A/B switch
-    its measurement uses), decided before any CUDA query."""
-    assert not use_pdl(torch.device("cpu"))
-    monkeypatch.setenv("NANO_PDL", "0")
-    assert not use_pdl(torch.device("cuda", 0))
+def test_pdl_on_hopper_and_later_only_where_the_layer_is(monkeypatch):
+    """CUDA sm_90 and later with a Triton that has grid dependency control: on; a CPU, an sm_80 GPU, the
+    paper-path switch or the layer disabled (the A/B switch of its measurement): off."""
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    monkeypatch.setattr(launch, "_capability", launch._capability.__wrapped__)  # uncached
+    monkeypatch.setattr(pdl, "HAS_PDL", True)
+    cuda = torch.device("cuda", 0)
+    assert pdl_args(torch.device("cpu")) == OFF and pdl_args(cuda) == ON
+    capability["value"] = (10, 0)
+    assert pdl_args(cuda) == ON
+    capability["value"] = (8, 0)
+    assert pdl_args(cuda) == OFF
+    capability["value"] = (9, 0)
+    with fa.performance_layers(False):
+        assert pdl_args(cuda) == OFF
+    pdl.disable()
+    try:
+        assert not pdl.enabled() and pdl_args(cuda) == OFF
+    finally:
+        pdl.enable()
+    assert pdl.enabled() and pdl_args(cuda) == ON
+    monkeypatch.setattr(pdl, "HAS_PDL", False)  # a Triton without gdc_wait / gdc_launch_dependents
+    assert pdl_args(cuda) == OFF
+
+
+def test_flash_decoding_takes_no_pdl():
+    """The paper path's decode kernels launch plainly (a decode layer may launch a PDL variant)."""
+    assert "PDL" not in decode._decode_split_kernel.arg_names
+    assert "PDL" not in decode._combine_kernel.arg_names
 
 
 @pytest.mark.slow
@@ -33,4 +63,4 @@ def test_every_pdl_kernel_waits_before_it_reads():
     script = Path(__file__).with_name("pdl_compile.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "PDL checked in 9 kernels for sm_90" in proc.stdout
+    assert "PDL checked in 7 kernels for sm_90" in proc.stdout

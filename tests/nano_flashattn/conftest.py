@@ -2,7 +2,8 @@
 
 * `poison`: every tensor the kernels allocate with torch.empty / empty_like starts as NaN (floats) or
   a huge value (ints), so an output element no program wrote fails the comparison.
-* `paper_path`: no performance layer is registered when a test starts (so these tests test the paper path).
+* `paper_path`: no performance layer is registered when a test starts (so these tests test the paper path);
+  a layer's own tests register it inside the test (its `enable()`), and the registrations come back after.
 * `fa_check`: FlashAttention's error rule (flash-attn's tests): our error against the fp64 oracle must
   be at most twice the error of the same reference computed in the low precision, plus a rounding eps.
 """
@@ -28,13 +29,16 @@ def poison(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def paper_path(monkeypatch):
-    """Every test starts on the paper path: performance layers that modules imported elsewhere in the
-    process registered (nano_flashattn.split_head: shared.model imports it on CUDA) are hidden for the
-    test; a layer's own tests register it inside the test."""
-    from nano_flashattn import interface
+def paper_path():
+    """Every test starts on the paper path: the layers registered on import (dispatch.REGISTRY) are taken
+    out for the test and put back after it. Its value: those registrations (`REGISTRY.restore(paper_path)`
+    gives a test the default dispatch)."""
+    from nano_flashattn import REGISTRY
 
-    monkeypatch.setattr(interface, "_LAYERS", {kind: [] for kind in interface._LAYERS})
+    saved = REGISTRY.snapshot()
+    REGISTRY.restore({})
+    yield saved
+    REGISTRY.restore(saved)
 
 
 def _err(x: torch.Tensor, ref: torch.Tensor) -> float:

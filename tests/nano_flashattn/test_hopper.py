@@ -1,4 +1,4 @@
-"""nano_flashattn.hopper, the Hopper forward and backward layers, against the fp64 torch reference (FlashAttention's error
+"""nano_flashattn.layers.hopper, the Hopper forward and backward layers, against the fp64 torch reference (FlashAttention's error
 rule, `fa_check`), through the dispatch point it registers into.
 
 On CPU the kernel runs under TRITON_INTERPRET=1, whose tensor descriptors read zeros past a descriptor's
@@ -16,9 +16,10 @@ import torch
 from test_flashattn_dense import _inputs, _run_and_compare
 
 import nano_flashattn as fa
-from nano_flashattn import hopper, interface
-from nano_flashattn.hopper import HopperConfig, hopper_backward, hopper_forward
+from nano_flashattn import REGISTRY
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
+from nano_flashattn.layers import hopper
+from nano_flashattn.layers.hopper import HopperConfig, hopper_backward, hopper_forward
 
 # A performance layer's interpreter tests: run from the repository, left out of a fork of the package.
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def layer_for():
         return hopper_forward(**arguments, config=config)
 
     def register(config: HopperConfig | None = None) -> None:
-        removes.append(fa.register_kernel("forward", lambda **a: launch(config, **a)))
+        removes.append(REGISTRY.register("forward", lambda **a: launch(config, **a)))
 
     yield register
     for remove in removes:
@@ -104,22 +105,22 @@ def test_enable_registers_for_the_calls_it_applies_to():
     q, k, v, _ = _inputs(1, 20, 20, 2, 2, 64, torch.float16, "cpu")
     arguments = dict(q=q[0], k=k[0], v=v[0], batch=1, seqlen_q=20, seqlen_k=20, cu_seqlens_q=None,
                      cu_seqlens_k=None, block_table=None, scale=0.125, window_left=1 << 30, window_right=0)
-    before = len(interface._LAYERS["forward"])  # the registry the conftest installed for this test
+    assert REGISTRY.layers("forward") == []  # the conftest cleared the registry for this test
     remove = hopper.enable()
     hopper.enable(HopperConfig(num_stages=3))  # enabling again replaces, never stacks
     try:
-        assert len(interface._LAYERS["forward"]) == before + 1
+        assert hopper.enabled() and len(REGISTRY.layers("forward")) == 1
         # the config given: every head_dim the kernel takes; enable() alone: where it measured faster
-        assert interface._LAYERS["forward"][0][1].keywords["head_dims"] == hopper.HEAD_DIMS
+        assert REGISTRY.layers("forward")[0].applies.keywords["head_dims"] == hopper.HEAD_DIMS
         hopper.enable()
-        assert interface._LAYERS["forward"][0][1].keywords["head_dims"] == hopper.ENABLED_HEAD_DIMS
+        assert REGISTRY.layers("forward")[0].applies.keywords["head_dims"] == hopper.ENABLED_HEAD_DIMS
         assert not hopper.applies(**arguments)
         out, lse = run_kernel("forward", **arguments)
         ref_out, ref_lse = PAPER_KERNELS["forward"](**arguments)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     finally:
         remove()
-    assert len(interface._LAYERS["forward"]) == before
+    assert not hopper.enabled() and REGISTRY.layers("forward") == []
     hopper.disable()  # twice: harmless
 
 
@@ -167,7 +168,7 @@ def backward_layer():
             calls.append(arguments["q"].shape[-1])
             return hopper_backward(**arguments, use_tma=use_tma)
 
-        removes.append(fa.register_kernel("backward", launch))
+        removes.append(REGISTRY.register("backward", launch))
 
     yield register
     for remove in removes:
@@ -207,15 +208,14 @@ def test_backward_layer_varlen_equals_the_paper_path():
 
 def test_enable_backward_registers_for_the_calls_it_applies_to():
     q, k, v, do = (t[0] for t in _inputs(1, 20, 20, 2, 2, 64, torch.float16, "cpu"))
-    before = len(interface._LAYERS["backward"])
     remove = hopper.enable_backward()
     hopper.enable_backward()  # enabling again replaces, never stacks
     try:
-        assert hopper.backward_enabled() and len(interface._LAYERS["backward"]) == before + 1
+        assert hopper.backward_enabled() and len(REGISTRY.layers("backward")) == 1
         assert not hopper.backward_applies(q=q, k=k, v=v, do=do)  # CPU tensors: the paper path
     finally:
         remove()
-    assert not hopper.backward_enabled() and len(interface._LAYERS["backward"]) == before
+    assert not hopper.backward_enabled() and REGISTRY.layers("backward") == []
     hopper.disable_backward()  # twice: harmless
 
 
@@ -292,7 +292,7 @@ def test_gpu_enabled_backward(fa_check, dtype, d, causal):
                     window_right=0 if causal else 1 << 30)
         out, lse = PAPER_KERNELS["forward"](block_table=None, **args)
         # the same sums in the same order as the pointer-load kernels: 96 as split_head's two parts
-        from nano_flashattn.split_head import split_backward
+        from nano_flashattn.layers.split_head import split_backward
 
         expected = (split_backward if d == 96 else PAPER_KERNELS["backward"])(do=do, out=out, lse=lse, **args)
         got = run_kernel("backward", do=do, out=out, lse=lse, **args)

@@ -1,4 +1,4 @@
-"""The warp-specialised Gluon forward (nano_flashattn.hopper_ws): which calls it takes and how it registers
+"""The warp-specialised Gluon forward (nano_flashattn.layers.hopper_ws): which calls it takes and how it registers
 (CPU: Gluon has no interpreter), and its outputs against the fp64 reference with FlashAttention's error rule
 on an sm_90 GPU, with the paper path's backward reading its LSE."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_flashattn_dense import _run_and_compare
 
-import nano_flashattn as fa
-from nano_flashattn import hopper_ws
+from nano_flashattn import REGISTRY
 from nano_flashattn.checks import NO_WINDOW
+from nano_flashattn.layers import hopper, hopper_ws
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,14 +57,15 @@ def test_enable_registers_ahead_and_disable_removes(kind):
     names = ("enable", "disable", "enabled") if kind == "forward" else ("enable_backward", "disable_backward",
                                                                       "backward_enabled")
     enable, disable, enabled = (getattr(hopper_ws, name) for name in names)
-    launch_fn, layers = getattr(hopper_ws, f"ws_{kind}"), fa.interface._LAYERS[kind]
+    launch_fn = getattr(hopper_ws, f"ws_{kind}")
+    (hopper.enable if kind == "forward" else hopper.enable_backward)()  # registered first, tried second
     try:
         remove = enable()
-        assert enabled() and layers[0][0] is launch_fn
+        assert enabled() and REGISTRY.layers(kind)[0].impl is launch_fn
         enable()  # again: one registration
-        assert sum(launch is launch_fn for launch, _ in layers) == 1
+        assert sum(layer.impl is launch_fn for layer in REGISTRY.layers(kind)) == 1
         remove()
-        assert not enabled() and all(launch is not launch_fn for launch, _ in layers)
+        assert not enabled() and all(layer.impl is not launch_fn for layer in REGISTRY.layers(kind))
     finally:
         disable()
 
@@ -83,10 +84,14 @@ def test_backward_takes_what_the_forward_takes_with_do_of_its_dtype():
 def test_bench_switch():
     from nano_flashattn import bench
 
-    assert bench.parse_args(["--no-gluon-forward"]).no_gluon_forward
-    assert bench.parse_args(["--no-gluon-backward"]).no_gluon_backward
-    assert bench.use_gluon_forward(True) is _sm90() and bench.use_gluon_forward(False) is False
-    assert bench.use_gluon_backward(True) is _sm90() and bench.use_gluon_backward(False) is False
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on = bench.set_layers(bench.parse_args([]), device)
+    assert hopper_ws.enabled() and hopper_ws.backward_enabled()
+    assert on["gluon_forward"] is on["gluon_backward"] is (_sm90() and hopper_ws.HAS_GLUON)
+    off = bench.set_layers(bench.parse_args(["--no-gluon-forward", "--no-gluon-backward"]), device)
+    assert not (hopper_ws.enabled() or hopper_ws.backward_enabled())
+    assert off["gluon_forward"] is off["gluon_backward"] is False
+    assert off["hopper_forward"] is on["hopper_forward"]  # the others untouched
 
 
 _COMPILE = """
@@ -95,7 +100,7 @@ from triton import compile as triton_compile
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from nano_flashattn import hopper_ws
+from nano_flashattn.layers import hopper_ws
 
 d, causal, which = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 def desc(rows, dtype=gl.bfloat16, name="bf16"):

@@ -1,4 +1,4 @@
-"""The split-head layer (nano_flashattn.split_head): head_dims 48, 80, 96, 144, 160, 192 as two power-of-two
+"""The split-head layer (nano_flashattn.layers.split_head): head_dims 48, 80, 96, 144, 160, 192 as two power-of-two
 parts of the head axis, against the fp64 reference with FlashAttention's error rule, forward and backward,
 dense and varlen, GQA, windows, paged K/V. On CPU the kernels run under TRITON_INTERPRET=1 (16-row tiles).
 
@@ -15,7 +15,7 @@ from test_flashattn_dense import _run_and_compare
 from test_flashattn_varlen_decode import _compare_varlen
 
 import nano_flashattn as fa
-from nano_flashattn import configs
+from nano_flashattn import REGISTRY, configs
 from nano_flashattn.interface import PAPER_KERNELS, run_kernel
 
 # A performance layer's interpreter tests: run from the repository, left out of a fork of the package.
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def layer():
     """The layer, registered for this test (the `paper_path` fixture drops the registration after it)."""
-    mod = importlib.import_module("nano_flashattn.split_head")
-    mod.register()
+    mod = importlib.import_module("nano_flashattn.layers.split_head")
+    mod.enable()
     return mod
 
 
@@ -57,8 +57,7 @@ def test_split_head_dims(layer):
 
 def test_registered_and_applies_only_to_split_head_dims(layer, launches):
     q = torch.zeros(5, 2, 96)
-    picked = [launch for launch, applies in fa.interface._LAYERS["forward"] if applies(q=q)]
-    assert picked and picked[0] is layer.split_forward
+    assert REGISTRY.select("forward", q=q) is layer.split_forward
     assert not any(layer.applies(q=torch.zeros(5, 2, d)) for d in (64, 72, 128, 256))
     q, k, v = (torch.randn(1, 9, 2, d, dtype=torch.float16) for d in (80, 80, 80))
     qq = q.clone().requires_grad_()
@@ -68,17 +67,17 @@ def test_registered_and_applies_only_to_split_head_dims(layer, launches):
     assert launches["fwd"] == 1
 
 
-def test_unregister_hands_calls_back_to_the_paper_path(layer, launches):
+def test_disable_hands_calls_back_to_the_paper_path(layer, launches):
     q, k, v = (torch.randn(1, 9, 2, 96, dtype=torch.float16) for _ in range(3))
-    layer.unregister()
+    layer.disable()
     try:
-        assert not layer.registered()
+        assert not layer.enabled()
         fa.flash_attn_func_triton(q, k, v)
         assert launches["fwd"] == 0
     finally:
-        layer.register()
-    layer.register()  # idempotent: one registration per kind
-    assert sum(a is layer.applies for _, a in fa.interface._LAYERS["forward"]) == 1
+        layer.enable()
+    layer.enable()  # idempotent: one registration per kind
+    assert [entry.impl for entry in REGISTRY.layers("forward")] == [layer.split_forward]
     fa.flash_attn_func_triton(q, k, v)
     assert launches["fwd"] == 1
 
@@ -133,12 +132,16 @@ def test_varlen_paged_kv(fa_check, launches):
     assert launches["fwd"] == 1
 
 
-def test_bench_turns_the_layer_on_and_off(layer):
-    from nano_flashattn import bench
+def test_bench_turns_the_layer_on_and_off(layer, monkeypatch):
+    from nano_flashattn import bench, launch
 
-    assert bench.use_split_head(False) is False and not layer.registered()
-    assert bench.use_split_head(True) is True and layer.registered()
-    assert bench.parse_args(["--no-split-head"]).no_split_head
+    cuda = torch.device("cuda", 0)  # the layer runs on any CUDA device: an A100, say
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(launch, "_capability", launch._capability.__wrapped__)  # uncached
+    assert bench.set_layers(bench.parse_args(["--no-split-head"]), cuda)["split_head"] is False
+    assert not layer.enabled()
+    assert bench.set_layers(bench.parse_args([]), cuda)["split_head"] is True and layer.enabled()
+    assert bench.set_layers(bench.parse_args(["--paper-path"]), cuda)["split_head"] is False
 
 
 def test_empty_batch(layer):

@@ -24,7 +24,7 @@ what changes in the forward is how tiles move and how the loop is scheduled, eac
 Triton's `tl.range(warp_specialize=True)` above cannot express for this loop).
 
 `hopper_forward` takes and returns exactly what `forward.attention_forward` does (out, and the natural-log
-LSE as (heads_q, total_q) fp32); `enable()` registers it with `interface.register_kernel` for the calls
+LSE as (heads_q, total_q) fp32); `enable()` registers it at the "forward" point (dispatch.py) for the calls
 `applies` accepts (CUDA sm_90, fp16/bf16, contiguous rows, no paged KV; head_dims ENABLED_HEAD_DIMS =
 64/96/128); head_dim 96 is held as 64 + 32 parts, each product over the head axis two products
 (split_head.py's split). Every program makes its own descriptors, one per (sequence, head); a dense batch of
@@ -37,8 +37,8 @@ against cuDNN. `use_tma=False` swaps the descriptors for plain pointer loads, th
 order) with its streamed tiles loaded by TMA: Q_i and dO_i in the dK/dV kernel, K_j and V_j in the dQ
 kernel; head_dim 96 is held as 64 + 32 parts (split_head.py's split, one descriptor per part).
 `enable_backward()` registers it for the calls `backward_applies` accepts (CUDA sm_90, fp16/bf16, head_dim
-64/96/128). Nothing registers on import; `shared.model` enables the backward and the forward (head_dims 64,
-96 and 128, where it measured faster than the paper path and split_head) on a CUDA machine.
+64/96/128). Both register on import (the forward at head_dims 64, 96 and 128, where it measured faster than
+the paper path and split_head); `disable()` / `disable_backward()` hand their calls back.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import launch_dkdv_then_dq, preprocess
-from .checks import cdiv, next_pow2
-from .forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
-from .interface import register_kernel
+from ..backward import launch_dkdv_then_dq, preprocess
+from ..checks import cdiv, next_pow2
+from ..dispatch import REGISTRY
+from ..forward import LN2_C, LOG2E, seq_bounds, tile_range, visible
+from ..launch import is_sm90, tma_ready
 
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -647,27 +648,12 @@ def hopper_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens
                                cfg2)
 
 
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    """TMA's rules: contiguous head_dim, 16-byte aligned base and row strides."""
-    size = t.element_size()
-    return (t.is_contiguous() and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]))
-
-
 def applies(q, k, v, block_table=None, head_dims: tuple[int, ...] = HEAD_DIMS, **arguments) -> bool:
     """The calls `hopper_forward` takes: CUDA sm_90, fp16/bf16, head_dim in head_dims (of 64/96/128),
     contiguous q/k/v of one dtype, no paged KV cache, and a Triton with tensor descriptors."""
     return (HAS_TENSOR_DESCRIPTORS and block_table is None and q.is_cuda and q.dtype in DTYPES
             and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in head_dims
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
-
-
-_REMOVE: list[Callable[[], None]] = []
+            and is_sm90(q.device) and all(tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
 
 
 def enable(config: HopperConfig | None = None) -> Callable[[], None]:
@@ -680,18 +666,17 @@ def enable(config: HopperConfig | None = None) -> Callable[[], None]:
     disable()
     launch = functools.partial(hopper_forward, config=config) if config else hopper_forward
     head_dims = HEAD_DIMS if config else ENABLED_HEAD_DIMS
-    _REMOVE.append(register_kernel("forward", launch, functools.partial(applies, head_dims=head_dims)))
+    REGISTRY.register("forward", launch, functools.partial(applies, head_dims=head_dims))
     return disable
 
 
 def disable() -> None:
     """Remove the registration `enable` made (a no-op when there is none)."""
-    while _REMOVE:
-        _REMOVE.pop()()
+    REGISTRY.remove("forward", __name__)
 
 
 def enabled() -> bool:
-    return bool(_REMOVE)
+    return REGISTRY.registered("forward", __name__)
 
 
 def backward_applies(q, k, v, do, **arguments) -> bool:
@@ -700,23 +685,23 @@ def backward_applies(q, k, v, do, **arguments) -> bool:
     return do.dtype == q.dtype and applies(q, k, v, head_dims=tuple(BWD_CONFIGS))
 
 
-_REMOVE_BACKWARD: list[Callable[[], None]] = []
-
-
 def enable_backward() -> Callable[[], None]:
     """Register `hopper_backward` as the "backward" kernel for the calls `backward_applies` accepts (every
-    flash_attn_* backward on sm_90 at head_dim 64/96/128; the split_head layer's, at 96, when registered
-    after it). Returns the function that removes it; enabling again replaces the earlier registration."""
+    flash_attn_* backward on sm_90 at head_dim 64/96/128, ahead of the split_head layer at 96). Returns the
+    function that removes it; enabling again replaces the earlier registration."""
     disable_backward()
-    _REMOVE_BACKWARD.append(register_kernel("backward", hopper_backward, backward_applies))
+    REGISTRY.register("backward", hopper_backward, backward_applies)
     return disable_backward
 
 
 def disable_backward() -> None:
     """Remove the registration `enable_backward` made (a no-op when there is none)."""
-    while _REMOVE_BACKWARD:
-        _REMOVE_BACKWARD.pop()()
+    REGISTRY.remove("backward", __name__)
 
 
 def backward_enabled() -> bool:
-    return bool(_REMOVE_BACKWARD)
+    return REGISTRY.registered("backward", __name__)
+
+
+enable()  # registered on import: the forward and the backward where they apply
+enable_backward()

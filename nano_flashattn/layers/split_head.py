@@ -13,21 +13,25 @@ every product over it is two products:
 and in the backward likewise dQ, dK, dV in two parts each, dP = dO0 V0^T + dO1 V1^T. Everything else is
 the paper path's: online softmax in base 2, tiles split into masked / unmasked runs (`tile_range`), varlen,
 GQA, paged K/V in the forward, the deterministic two-kernel backward without atomics (and its GQA expansion),
-the same preprocess kernel. Importing this module registers both launchers (`register_kernel`) for the
-head_dims above; every other call runs the paper path.
+the same preprocess kernel. Importing this module registers both launchers (dispatch.py's "forward" and
+"backward" points) for the head_dims above, behind the Hopper layers; every other call runs the paper
+path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from . import configs, interface
-from .backward import launch_dkdv_then_dq, preprocess
-from .checks import HEAD_DIMS, next_pow2
-from .configs import Config
-from .forward import (
+from .. import configs
+from ..backward import launch_dkdv_then_dq, preprocess
+from ..checks import HEAD_DIMS, next_pow2
+from ..configs import Config
+from ..dispatch import REGISTRY
+from ..forward import (
     LN2_C,
     LOG2E,
     dot_precision,
@@ -38,7 +42,6 @@ from .forward import (
     tile_range,
     visible,
 )
-from .interface import register_kernel
 
 
 def split(head_dim: int) -> tuple[int, int] | None:
@@ -338,24 +341,21 @@ def applies(q: torch.Tensor, **arguments) -> bool:
     return q.shape[-1] in SPLIT_HEAD_DIMS
 
 
-_REMOVERS: list = []
+def enable() -> Callable[[], None]:
+    """Run the split kernels for the calls `applies` accepts (on import); returns `disable`."""
+    REGISTRY.register("forward", split_forward, applies)
+    REGISTRY.register("backward", split_backward, applies)
+    return disable
 
 
-def register() -> None:
-    """Run the split kernels for the calls `applies` accepts (interface.register_kernel); idempotent."""
-    unregister()
-    _REMOVERS[:] = [register_kernel(kind, launch, applies)
-                    for kind, launch in (("forward", split_forward), ("backward", split_backward))]
-
-
-def unregister() -> None:
+def disable() -> None:
     """Hand every call back to the paper path."""
-    for remove in _REMOVERS:  # a registration's entries compare equal to any other's: removes the live one
-        remove()
+    REGISTRY.remove("forward", __name__)
+    REGISTRY.remove("backward", __name__)
 
 
-def registered() -> bool:
-    return any(launch is split_forward for launch, _ in interface._LAYERS["forward"])
+def enabled() -> bool:
+    return REGISTRY.registered("forward", __name__)
 
 
-register()  # importing the module is the opt-in
+enable()

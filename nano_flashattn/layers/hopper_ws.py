@@ -22,11 +22,11 @@ uses it:
 
 The mathematics is the paper path's: online softmax in base 2 with log2(e) folded into the scale, the causal
 mask on the diagonal tile only, the natural-log LSE (heads_q, total_q) the backward reads. `ws_forward` takes
-and returns what `forward.attention_forward` does; `enable()` registers it for the calls `applies` accepts
-(CUDA sm_90, fp16/bf16, head_dim 128 — 64 too with `enable(head_dims=(64, 128))`, tested, −4…+6% against
-`hopper.py` there —, no varlen or paged K/V, seqlen_q == seqlen_k a multiple of 128, no
-window but the causal one, no explicit tile config) ahead of `hopper.py`'s forward, which keeps every other
-call. `tools/flashattn_gluon_probe.py` times it against cuDNN, `hopper.py` and a one-partition variant.
+and returns what `forward.attention_forward` does; `enable()` (on import) registers it for the calls
+`applies` accepts (CUDA sm_90, fp16/bf16, head_dim 128 — 64 too with `enable(head_dims=(64, 128))`,
+tested, −4…+6% against `hopper.py` there —, no varlen or paged K/V, seqlen_q == seqlen_k a multiple of
+128, no window but the causal one, no explicit tile config) ahead of `hopper.py`'s forward, which keeps
+every other call. `tools/flashattn_gluon_probe.py` times it against cuDNN, `hopper.py` and a one-partition variant.
 
 The backward (`ws_backward`, FA2 Algorithm 2 with FA3's backward structure) runs one program per 128-key tile
 K_j, V_j: a producer warp (`_bwd_loader`) lands K_j, V_j once and Q_i, dO_i of every query tile (and every
@@ -38,11 +38,11 @@ dQ_i's share (line 15) is staged in shared memory and added into an fp32 dQ by a
 (cp.reduce.async.bulk.tensor .add, executed in L2): five GEMMs against the two-kernel backward's seven, no
 atomics from the warps (which measured 372-408 TFLOP/s at hd128 against 398-516 for the reduction). The
 consumers hold dK_j, dV_j, S^T and dP^T in registers at once; the producer warp is left 24 registers
-(BWD_LOADER_REGS) so that ptxas keeps their wgmmas asynchronous. The
-key tiles' shares of dQ arrive in any order, so dQ is not bit-reproducible run to run (flash-attn's default,
-deterministic=False); `disable_backward()` gives the deterministic two-kernel backward back.
-`enable_backward()` registers it ahead of `hopper.py`'s backward for the calls `backward_applies` accepts (the
-forward's shapes at head_dim 64 / 128, dO of q's dtype). Gluon has no interpreter: the CPU tests check the
+(BWD_LOADER_REGS) so that ptxas keeps their wgmmas asynchronous. The key tiles' shares of dQ arrive in
+any order, so dQ is not bit-reproducible run to run (flash-attn's default, deterministic=False);
+`disable_backward()` gives the deterministic two-kernel backward back. `enable_backward()` (on import)
+registers it ahead of `hopper.py`'s backward for the calls `backward_applies` accepts (the forward's shapes
+at head_dim 64 / 128, dO of q's dtype). Gluon has no interpreter: the CPU tests check the
 dispatch and compile both kernels for sm_90, the GPU tests the numbers.
 """
 
@@ -53,10 +53,11 @@ from collections.abc import Callable
 
 import torch
 
-from .backward import preprocess
-from .checks import cdiv
-from .forward import LN2_C, LOG2E
-from .interface import register_kernel
+from ..backward import preprocess
+from ..checks import cdiv
+from ..dispatch import REGISTRY
+from ..forward import LN2_C, LOG2E
+from ..launch import is_sm90, tma_ready
 
 try:
     from triton.experimental import gluon
@@ -496,12 +497,9 @@ def ws_backward(do, q, k, v, out, lse, batch, seqlen_q, seqlen_k, cu_seqlens_q, 
 
 def applies(q, k, v, **arguments) -> bool:
     """The calls `ws_forward` takes: a Triton with Gluon's Hopper module, CUDA sm_90, rows TMA can read
-    (`hopper._tma_ready`), and what `takes` accepts (`head_dims`: of HEAD_DIMS)."""
-    from .hopper import _is_sm90, _tma_ready
-
-    return (HAS_GLUON and q.is_cuda and takes(q, k, v, **arguments)
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            and all(_tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
+    (`launch.tma_ready`), and what `takes` accepts (`head_dims`: of HEAD_DIMS)."""
+    return (HAS_GLUON and q.is_cuda and takes(q, k, v, **arguments) and is_sm90(q.device)
+            and all(tma_ready(t) for t in (q, k, v)) and k.stride() == v.stride())
 
 
 def takes(q, k, v, batch=1, seqlen_q=0, seqlen_k=0, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
@@ -522,43 +520,41 @@ def backward_applies(q, k, v, do, **arguments) -> bool:
     return do.dtype == q.dtype and applies(q, k, v, head_dims=BWD_HEAD_DIMS, **arguments)
 
 
-_REMOVE: list[Callable[[], None]] = []
-_REMOVE_BACKWARD: list[Callable[[], None]] = []
-
-
 def enable(head_dims: tuple[int, ...] = ENABLED_HEAD_DIMS) -> Callable[[], None]:
     """Register `ws_forward` as the "forward" kernel for the calls `applies` accepts at `head_dims`, ahead of
-    every layer registered before it (enable it after `hopper.enable()`). Returns the function that removes
-    it; enabling again replaces the earlier registration."""
+    the other layers (dispatch.py's order). Returns the function that removes it; enabling again replaces
+    the earlier registration."""
     if not set(head_dims) <= set(HEAD_DIMS):
         raise ValueError(f"head_dims must be of {HEAD_DIMS}, got {head_dims!r}")
     disable()
-    _REMOVE.append(register_kernel("forward", ws_forward, functools.partial(applies, head_dims=tuple(head_dims))))
+    REGISTRY.register("forward", ws_forward, functools.partial(applies, head_dims=tuple(head_dims)))
     return disable
 
 
 def disable() -> None:
-    while _REMOVE:
-        _REMOVE.pop()()
+    REGISTRY.remove("forward", __name__)
 
 
 def enabled() -> bool:
-    return bool(_REMOVE)
+    return REGISTRY.registered("forward", __name__)
 
 
 def enable_backward() -> Callable[[], None]:
-    """Register `ws_backward` as the "backward" kernel for the calls `backward_applies` accepts, ahead of every
-    layer registered before it (enable it after `hopper.enable_backward()`). Returns the function that
-    removes it; enabling again replaces the earlier registration."""
+    """Register `ws_backward` as the "backward" kernel for the calls `backward_applies` accepts, ahead of the
+    other layers. Returns the function that removes it; enabling again replaces the earlier
+    registration."""
     disable_backward()
-    _REMOVE_BACKWARD.append(register_kernel("backward", ws_backward, backward_applies))
+    REGISTRY.register("backward", ws_backward, backward_applies)
     return disable_backward
 
 
 def disable_backward() -> None:
-    while _REMOVE_BACKWARD:
-        _REMOVE_BACKWARD.pop()()
+    REGISTRY.remove("backward", __name__)
 
 
 def backward_enabled() -> bool:
-    return bool(_REMOVE_BACKWARD)
+    return REGISTRY.registered("backward", __name__)
+
+
+enable()  # registered on import: the forward and the backward where they apply
+enable_backward()
