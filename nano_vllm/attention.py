@@ -61,8 +61,9 @@ def check_head_dim(head_dim: int, device: torch.device | str = "cuda") -> None:
     seqlen² scores per sequence and syncing every layer); elsewhere the engine runs that reference, which
     takes any head_dim."""
     if torch.device(device).type == "cuda" and head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the paged kernels on CUDA; supported: "
-                         f"{HEAD_DIMS_TEXT} (a CPU engine runs any head_dim on the torch reference)")
+        raise ValueError(f"head_dim {head_dim} is not supported by the paged kernels on CUDA; "
+                         f"supported: {HEAD_DIMS_TEXT} (a CPU engine runs any head_dim on the "
+                         "torch reference)")
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -82,28 +83,30 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                  ctx: AttentionContext) -> torch.Tensor:
-        store_kvcache(k, v, self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx], ctx.slot_mapping)
+        k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         return self.attend(q, k, v, layer_idx, ctx)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                ctx: AttentionContext) -> torch.Tensor:
         """Step 2, with this step's K/V already in the cache (`__call__` wrote them, or a fused kernel)."""
         k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
-        if ctx.is_decode:  # q: (batch, 1, heads, dim); every key, including the new one, is in the cache
-            return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens, block_table=ctx.block_tables,
-                                           causal=True)
+        if ctx.is_decode:  # q: (batch, 1, heads, dim); every key, the new one too, is in the cache
+            return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens,
+                                           block_table=ctx.block_tables, causal=True)
         q0 = q[0]  # (num_tokens, heads, dim), sequences packed
         if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
-            out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q,
-                                         ctx.max_seqlen_k, causal=True)
+            out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True)
         else:
             out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
                                          block_table=ctx.block_tables)
-            if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel, merged in
+            if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel
                 lens = ctx.decode_lens
                 rows = lens.shape[0]
                 dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens,
-                                              block_table=ctx.block_tables[:rows], causal=True)[:, 0]
+                                              block_table=ctx.block_tables[:rows],
+                                              causal=True)[:, 0]
                 out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
         return out[None]

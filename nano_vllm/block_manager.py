@@ -45,7 +45,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.on_reuse = on_reuse  # called with a block id when its old contents are about to be overwritten
+        # called with a block id when its old contents are about to be overwritten
+        self.on_reuse = on_reuse
 
     @property
     def num_free(self) -> int:
@@ -120,13 +121,15 @@ class PrefixCache:
     def insert(self, token_ids: Seq[int], block_table: Seq[int], num_full_blocks: int) -> None:
         bs, first = self.block_size, num_full_blocks
         while first > 0 and self.hash_of(block_table[first - 1]) is None:
-            first -= 1  # a sequence's hashed blocks form a prefix of its table: walk back to its end
+            # a sequence's hashed blocks form a prefix of its table: walk back to its end
+            first -= 1
         parent = self.hash_of(block_table[first - 1]) if first > 0 else None
         for i in range(first, num_full_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self.block_hash(parent, tokens)
             self.block_info[block_table[i]] = (h, (parent, tokens))
-            self.hash_to_block.setdefault(h, block_table[i])  # an identical cached block stays the one found
+            # an identical cached block stays the one found
+            self.hash_to_block.setdefault(h, block_table[i])
             parent = h
 
     def evict(self, block_id: int) -> None:
@@ -149,7 +152,8 @@ class BlockManager:
         self.block_size = block_size
         self.cache = prefix_cache or (PrefixCache(block_size) if enable_prefix_caching else None)
         self.pool = BlockPool(num_blocks, on_reuse=self.cache.evict if self.cache else None)
-        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, done before the next step
+        # (src, dst) copy-on-write, done before the next step
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -180,19 +184,22 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} is being admitted but already holds blocks")
         start = num_computed_tokens if admission else seq.num_computed_tokens
         end = start + num_new_tokens
-        num_cached_tokens = len(cached_blocks) * self.block_size if admission else seq.num_cached_tokens
+        num_cached_tokens = (len(cached_blocks) * self.block_size if admission
+                             else seq.num_cached_tokens)
         if end > seq.num_tokens or (admission and start > num_cached_tokens):
-            raise ValueError(f"sequence {seq.seq_id}: slots [{start}, {end}) with {seq.num_tokens} tokens, "
-                             f"{num_cached_tokens} cached")
+            raise ValueError(f"sequence {seq.seq_id}: slots [{start}, {end}) with {seq.num_tokens} "
+                             f"tokens, {num_cached_tokens} cached")
         # Nothing changes before the check below passes, so a running sequence's table is edited in place.
         table = list(cached_blocks) if admission else seq.block_table
-        first_write = max(start, num_cached_tokens)  # K/V of earlier tokens are already in the cache
+        # K/V of earlier tokens are already in the cache
+        first_write = max(start, num_cached_tokens)
         cow = first_write < end and first_write // self.block_size < len(table) and \
             self.pool.ref_counts[table[first_write // self.block_size]] > 1
         new_blocks = self.blocks_for(end) - len(table)
         if not admission and not cow and new_blocks <= 0:
             return True  # the common decode step: the token fits in the last block
-        reviving = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # they leave the free list
+        # cached blocks no sequence holds leave the free list
+        reviving = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         if max(new_blocks, 0) + int(cow) + reviving > self.pool.num_free:
             return False
         for b in cached_blocks:

@@ -25,7 +25,12 @@ from typing import Any
 
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig, apply_layers
-from nano_vllm.inputs import parse_prompts, parse_sampling_params, prompt_token_ids, prompts_token_ids
+from nano_vllm.inputs import (
+    parse_prompts,
+    parse_sampling_params,
+    prompt_token_ids,
+    prompts_token_ids,
+)
 from nano_vllm.model_runner import ModelRunner
 from nano_vllm.outputs import Progress, RequestOutput
 from nano_vllm.sampling_params import SamplingParams
@@ -63,14 +68,15 @@ class LLMEngine:
         self.tokenizer = get_engine_tokenizer(config.model)
         runner_cls = self.model_runner_cls
         if config.tensor_parallel_size > 1:
-            from nano_vllm.tp import TPModelRunner  # §4.6; needs torch.distributed, so only when asked for
+            # §4.6; it spawns worker processes, so only when asked for
+            from nano_vllm.tp import TPModelRunner
 
             runner_cls = TPModelRunner
         self.model_runner = runner_cls(config, self.model_config, self.max_model_len)
         self.block_manager = self.block_manager_cls(self.model_runner.num_blocks, config.block_size,
                                                     config.enable_prefix_caching)
-        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                config.enable_chunked_prefill)
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                self.max_model_len, config.enable_chunked_prefill)
         eos = checkpoint_eos_ids(config.model, self.model_config, self.tokenizer)
         self.scheduler = self.scheduler_cls(sched, self.block_manager, eos)
         self.num_steps = 0
@@ -84,10 +90,12 @@ class LLMEngine:
                     **sequence_kwargs: Any) -> Sequence:
         """Queue a request; `sequence_kwargs` go to `sequence_cls`. Raises TypeError / ValueError for a bad
         prompt (`inputs.prompt_token_ids`) or sampling_params before anything is queued."""
-        ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                               self.max_model_len)
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams, "
+                            f"got {type(params).__name__}")
         seq = self.sequence_cls(ids, params, request_id, arrival_time, **sequence_kwargs)
         self.scheduler.add(seq)
         return seq
@@ -107,7 +115,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: the KV cache cannot fit any waiting request")
+                raise RuntimeError("scheduler made no progress: the KV cache cannot fit any "
+                                   "waiting request")
             return [], []
         try:
             tokens = self.model_runner.execute(out)
@@ -149,7 +158,8 @@ class LLM:
         before any is queued. Results in input order."""
         engine, prompts = self.engine, parse_prompts(prompts)
         params = parse_sampling_params(sampling_params, len(prompts))
-        ids = prompts_token_ids(prompts, self.tokenizer, engine.model_config.vocab_size, engine.max_model_len)
+        ids = prompts_token_ids(prompts, self.tokenizer, engine.model_config.vocab_size,
+                                engine.max_model_len)
         seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params)]
         progress = Progress(len(seqs), use_tqdm)
         try:
@@ -161,7 +171,8 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [engine.output_of(s, p if isinstance(p, str) else None) for s, p in zip(seqs, prompts)]
+        return [engine.output_of(s, p if isinstance(p, str) else None)
+                for s, p in zip(seqs, prompts)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -47,15 +47,19 @@ class StepInputs:
 
     token_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]  # cache row of each token: block * block_size + offset (scratch: no write)
+    # cache row of each token: block * block_size + offset (the scratch row: no write)
+    slot_mapping: list[int]
     cu_seqlens_q: list[int]
     cu_seqlens_k: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # rows whose logits are returned, in this order
     is_decode: bool  # every sequence computes one token: q is (batch, 1), Flash-Decoding
-    paged: bool = True  # some key was cached before this step (else attention reads the new K/V directly)
-    num_decodes: int = 0  # in a paged mixed step, the leading one-token sequences (the decode kernel's)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks, first
+    # some key was cached before this step (else attention reads the new K/V directly)
+    paged: bool = True
+    # in a paged mixed step, the leading one-token sequences (the decode kernel's)
+    num_decodes: int = 0
+    # copy-on-write (src, dst) blocks, done first
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -105,7 +109,8 @@ class ModelRunner:
         self.cudagraphs: list[StepGraphs] = []  # tried in order before the eager forward
         with config.layers_context():  # performance_layers=False: no layer, here or in the kernels
             self.model = self.load_model().eval()
-            self.layers_applied = apply_layers("runner", self)  # they change the model: before sizing
+            # the layers change the model, so before the KV cache is sized
+            self.layers_applied = apply_layers("runner", self)
             self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
                                               config.torch_dtype)
             self.num_blocks = decide_num_blocks(self)
@@ -155,7 +160,7 @@ class ModelRunner:
             tables.append(table)
         cu_q = list(itertools.accumulate(out.num_new_tokens, initial=0))
         is_decode = len(ids) == len(tables)
-        paged = cu_k[-1] > cu_q[-1]  # some sequence starts past 0: its earlier keys are in the cache
+        paged = cu_k[-1] > cu_q[-1]  # some sequence starts past 0: earlier keys are in the cache
         lead = 0  # the running decodes lead a mixed step (the scheduler puts them first)
         while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] == 1:
             lead += 1
@@ -168,16 +173,19 @@ class ModelRunner:
         already cached (only a fully cached prompt's last token is recomputed) writes to the scratch row."""
         first = min(max(start, seq.num_cached_tokens), end)
         pos = np.arange(first, end)
-        rows = np.asarray(seq.block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
+        blocks = np.asarray(seq.block_table)[pos // self.block_size]
+        rows = blocks * self.block_size + pos % self.block_size
         return [self.scratch_slot] * (first - start) + rows.tolist()
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device, through pinned memory on CUDA so the copy is asynchronous."""
-        return (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
+        pinned = host.pin_memory() if self.device.type == "cuda" else host
+        return pinned.to(self.device, non_blocking=True)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Through numpy: it converts a list of ints ~3x faster than torch.tensor, several times per step.
-        return self._to_device(torch.from_numpy(np.fromiter(values, NUMPY_DTYPES[dtype], len(values))))
+        host = np.fromiter(values, NUMPY_DTYPES[dtype], len(values))
+        return self._to_device(torch.from_numpy(host))
 
     def attention_context(self, inputs: StepInputs) -> AttentionContext:
         """The step's paged-attention metadata as device tensors (what every layer's attention reads)."""
@@ -195,7 +203,8 @@ class ModelRunner:
         return AttentionContext(
             slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_q, torch.int32),
             cu_seqlens_k=self._tensor(inputs.cu_seqlens_k, torch.int32),
-            max_seqlen_q=max(1, max(b - a for a, b in itertools.pairwise(cu_q))), max_seqlen_k=max(lens),
+            max_seqlen_q=max(1, max(b - a for a, b in itertools.pairwise(cu_q))),
+            max_seqlen_k=max(lens),
             decode_lens=self._tensor(decode_lens, torch.int32) if decode_lens else None)
 
     # ------------------------------------------------------------------ forward
@@ -230,8 +239,8 @@ class ModelRunner:
         for greedy requests, else a draw from softmax(logits / temperature) cut to top-k / top-p, from the
         request's own generator when it has a seed (nano_vllm.sampler)."""
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
-        st = SamplingTensors.build([s.sampling_params for s in seqs], [self._generator(s) for s in seqs],
-                                   self.vocab_size, self.device)
+        st = SamplingTensors.build([s.sampling_params for s in seqs],
+                                   [self._generator(s) for s in seqs], self.vocab_size, self.device)
         return self.sampler.sample(logits, st)
 
     def _generator(self, seq) -> torch.Generator | None:

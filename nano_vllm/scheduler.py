@@ -41,14 +41,16 @@ class SchedulerOutput:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks, first
+    # copy-on-write (src, dst) blocks, done first
+    copies: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     # Whether sequence i reaches its last token this step, so its next token is sampled (fixed at
     # scheduling time: an abort during the step resets the sequence).
     samples: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+        self.samples = [s.num_computed_tokens + n == s.num_tokens
+                        for s, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def is_decode(self) -> bool:
@@ -128,7 +130,8 @@ class Scheduler:
                 break
             while not bm.allocate_slots(seq, n):
                 victim = self.running[-1]  # latest arrival: FCFS, all-or-nothing
-                budget += scheduled.pop(victim, 0)  # it may have been scheduled earlier in this pass
+                # it may have been scheduled earlier in this pass
+                budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -140,11 +143,12 @@ class Scheduler:
         # pass above must not leave hashes of blocks that nobody computes.
         bs = bm.block_size
         for seq, n in scheduled.items():
-            if (seq.num_computed_tokens + n) // bs > seq.num_computed_tokens // bs:  # a block fills up
+            if (seq.num_computed_tokens + n) // bs > seq.num_computed_tokens // bs:  # a block fills
                 bm.cache_blocks(seq, seq.num_computed_tokens + n)
         # 2. Waiting sequences, in arrival order, while budget, sequence slots and blocks last. Nothing new
         # is admitted in a step that had to preempt: memory is short, running requests come first.
-        while self.waiting and num_preempted == 0 and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and num_preempted == 0 and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             cached = bm.match_prefix(seq)
             # A fully cached prompt still runs its last token: its logits give the first output token.
@@ -156,22 +160,26 @@ class Scheduler:
                 n = budget
             if not bm.allocate_slots(seq, n, cached, num_computed_tokens=start):
                 break
-            bm.cache_blocks(seq, start + n)  # now, so an identical prompt later in this loop shares them
+            # now, so an identical prompt later in this loop shares them
+            bm.cache_blocks(seq, start + n)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
             scheduled[seq] = n
             budget -= n
-        return SchedulerOutput(list(scheduled), list(scheduled.values()), bm.take_copies(), num_preempted)
+        return SchedulerOutput(list(scheduled), list(scheduled.values()), bm.take_copies(),
+                               num_preempted)
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[int], now: float | None = None) -> list[Sequence]:
+    def postprocess(self, out: SchedulerOutput, sampled: list[int],
+                    now: float | None = None) -> list[Sequence]:
         """Advance every scheduled sequence by its chunk; append the sampled tokens (one per sequence that
         reached its last token, in order) and finish sequences that are done. Returns the finished ones."""
         now = time.perf_counter() if now is None else now
         tokens = iter(sampled)
         finished = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
-            token = next(tokens) if out.samples[i] else None  # None: a chunk short of the prompt's end
+            # None: a chunk short of the prompt's end
+            token = next(tokens) if out.samples[i] else None
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += n
@@ -187,7 +195,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params
-        if (not sp.ignore_eos and token in self.eos_token_ids) or (sp.stop_token_ids and token in sp.stop_token_ids):
+        if ((not sp.ignore_eos and token in self.eos_token_ids)
+                or (sp.stop_token_ids and token in sp.stop_token_ids)):
             return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
