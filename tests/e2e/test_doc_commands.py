@@ -128,9 +128,15 @@ def collect() -> list[Example]:
 EXAMPLES = collect()
 
 
+def _module_path(module: str) -> Path:
+    """The file `python -m module` runs: module.py, or a package's __main__.py."""
+    base = ROOT / module.replace(".", "/")
+    return base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__main__.py"
+
+
 def _hydra_app(module: str) -> tuple[Path, str] | None:
     """(config directory, config name) of a module whose main is `@hydra.main`, else None."""
-    path = ROOT / (module.replace(".", "/") + ".py")
+    path = _module_path(module)
     if not path.exists():
         return None
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -153,7 +159,7 @@ def _compose(config_dir: Path, config_name: str, overrides: tuple[str, ...]) -> 
 
 
 def check_hydra(ex: Example, config_dir: Path, config_name: str) -> None:
-    source = (ROOT / (ex.module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    source = _module_path(ex.module).read_text(encoding="utf-8")
     overrides = []
     for a in ex.args:
         if a.startswith("-"):  # a flag the entry point maps itself (e.g. --quick → quick=true)
