@@ -6,7 +6,10 @@
     model = load_quantized_model("out/", "cuda", torch.bfloat16)   # ours or an AutoAWQ checkpoint
     model = load_for_inference(path, "cuda", torch.bfloat16, quantization="rtn-w4")  # what engines call
 
-`import nano_quant.kernels` (the entry points do) to run the Triton kernels on CUDA tensors.
+On CUDA tensors the quantized layers run the Triton kernels of `nano_quant/layers/` (registered into
+`linear.REGISTRY` on its first lookup; `performance_layers(False)` from `nano_flashattn.registry` runs the
+torch references alone). `swap_modules(model)` lets a layer replace modules of a loaded model (the
+repacked W4A16 kernels), after any stacking of projections.
 """
 
 from .awq import AWQConfig, awq_model
@@ -19,7 +22,7 @@ from .checkpoint import (
     save_quantized,
 )
 from .config import METHODS, QuantizationConfig
-from .linear import W8A8Linear, WQLinear_GEMM, replace_linears
+from .linear import W8A8Linear, WQLinear_GEMM, replace_linears, swap_modules
 from .methods import ON_THE_FLY, check_quantization, quantize_model
 from .smoothquant import smooth_lm
 
@@ -42,4 +45,5 @@ __all__ = [
     "replace_linears",
     "save_quantized",
     "smooth_lm",
+    "swap_modules",
 ]

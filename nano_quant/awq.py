@@ -26,6 +26,8 @@ from shared.model import CausalLM, DecoderLayer
 from .quant import check_bits, fake_quantize_groupwise
 from .smoothquant import fold_scales, kv_channels, q_channels
 
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class AWQConfig:
@@ -43,8 +45,8 @@ class AWQConfig:
     def __post_init__(self) -> None:
         check_bits(self.bits)
         if self.n_grid < 1 or not 0 <= self.max_shrink < 1:
-            raise ValueError(f"AWQConfig needs n_grid >= 1 and 0 <= max_shrink < 1, got {self.n_grid}, "
-                             f"{self.max_shrink}")
+            raise ValueError(f"AWQConfig needs n_grid >= 1 and 0 <= max_shrink < 1, got "
+                             f"{self.n_grid}, {self.max_shrink}")
 
 
 @dataclass
@@ -77,15 +79,16 @@ def weight_magnitude(linears: list[nn.Linear], group_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def awq_loss(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Linear], x: torch.Tensor,
-             s: torch.Tensor, reference: torch.Tensor, cfg: AWQConfig) -> float:
+def awq_loss(block: TensorFn, linears: list[nn.Linear], x: torch.Tensor, s: torch.Tensor,
+             reference: torch.Tensor, cfg: AWQConfig) -> float:
     """L(s) of Eq. 4: mean squared error of the block's output with each weight W of `linears` replaced
     by Q(W·diag(s))·diag(s)⁻¹ (equivalently, quantized scaled weights fed with X/s). Weights restored."""
     saved = [fc.weight.data for fc in linears]
     try:
         for fc in linears:
             scaled = fc.weight.data * s.to(fc.weight.dtype)
-            fc.weight.data = fake_quantize_groupwise(scaled, cfg.group_size, cfg.bits, cfg.zero_point) / s
+            q = fake_quantize_groupwise(scaled, cfg.group_size, cfg.bits, cfg.zero_point)
+            fc.weight.data = q / s
         return float((block(x) - reference).float().pow(2).mean())
     finally:
         for fc, w in zip(linears, saved):
@@ -93,11 +96,11 @@ def awq_loss(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Lin
 
 
 @torch.no_grad()
-def search_scale(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Linear], x: torch.Tensor,
-                 cfg: AWQConfig, tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ScaleSearch:
+def search_scale(block: TensorFn, linears: list[nn.Linear], x: torch.Tensor, cfg: AWQConfig,
+                 tie: TensorFn | None = None) -> ScaleSearch:
     """α* = argmin over {0, 1/n, ..., (n−1)/n} of L(s_X^α) (§3.3); `x` is the input of `linears`, `block`
     maps it to the output whose error counts. `tie` projects s onto factors a GQA fold can realise."""
-    s_x = x.reshape(-1, x.shape[-1]).abs().float().mean(0)  # s_X: average magnitude per input channel
+    s_x = x.reshape(-1, x.shape[-1]).abs().float().mean(0)  # s_X: mean magnitude per input channel
     s_w = weight_magnitude(linears, cfg.group_size) if cfg.duo_scaling else None
     reference = block(x)
     best = ScaleSearch(alpha=-1.0, scales=torch.ones_like(s_x))
@@ -111,7 +114,8 @@ def search_scale(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn
 
 
 @torch.no_grad()
-def search_clip(w: torch.Tensor, x: torch.Tensor, cfg: AWQConfig, rows_per_batch: int = 256) -> torch.Tensor:
+def search_clip(w: torch.Tensor, x: torch.Tensor, cfg: AWQConfig,
+                rows_per_batch: int = 256) -> torch.Tensor:
     """Clipping thresholds (out, K / group_size): for each output channel and group, the shrunk range
     max|w|·(1 − i/n_grid) whose quantized group gives the least error on that group's share of the
     output, Σ_k x_k w_k over the group's K-slice, on up to `clip_tokens` calibration tokens."""
@@ -126,8 +130,9 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, cfg: AWQConfig, rows_per_batch
         best, best_err = full.clone(), torch.full_like(full, float("inf"))
         for i in range(int(cfg.max_shrink * cfg.n_grid)):
             m = full * (1 - i / cfg.n_grid)
-            q = fake_quantize_groupwise(wg.clamp(-m, m).reshape(wb.shape), g, cfg.bits, cfg.zero_point)
-            err = (torch.einsum("tgk,ogk->otg", x, q.reshape(wg.shape)) - reference).pow(2).mean(1)[..., None]
+            clipped = wg.clamp(-m, m).reshape(wb.shape)
+            q = fake_quantize_groupwise(clipped, g, cfg.bits, cfg.zero_point).reshape(wg.shape)
+            err = (torch.einsum("tgk,ogk->otg", x, q) - reference).pow(2).mean(1)[..., None]
             better = err < best_err
             best_err, best = torch.where(better, err, best_err), torch.where(better, m, best)
         thresholds.append(best[..., 0])
@@ -168,9 +173,11 @@ def awq_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torc
     }
     fold_scales(layer.input_layernorm, qkv, searches["qkv"].scales)
     fold_scales(layer.post_attention_layernorm, gate_up, searches["gate_up"].scales)
-    fold_scales(attn.v_proj, [attn.o_proj], kv_channels(searches["o"].scales, attn), searches["o"].scales)
+    s_o = searches["o"].scales
+    fold_scales(attn.v_proj, [attn.o_proj], kv_channels(s_o, attn), s_o)
     fold_scales(mlp.up_proj, [mlp.down_proj], searches["down"].scales)
-    if cfg.clip:  # q and k are left unclipped: their errors meet in q·kᵀ, which the search does not see
+    # q and k are left unclipped: their errors meet in q·kᵀ, which the search does not see.
+    if cfg.clip:
         for name, fcs in (("qkv", [attn.v_proj]), ("o", [attn.o_proj]), ("gate_up", gate_up),
                           ("down", [mlp.down_proj])):
             x_scaled = inputs[name] / searches[name].scales.to(inputs[name].dtype)
@@ -191,7 +198,8 @@ def awq_model(model: CausalLM, samples: torch.Tensor, cfg: AWQConfig | None = No
     x = model.model.embed_tokens(ids)
     cos, sin = model.model.rope_cos_sin(torch.arange(ids.shape[1], device=dev).expand_as(ids))
     found: dict[str, ScaleSearch] = {}
-    for i, layer in enumerate(tqdm(model.model.layers, desc="AWQ", unit="layer", disable=not progress)):
+    layers = tqdm(model.model.layers, desc="AWQ", unit="layer", disable=not progress)
+    for i, layer in enumerate(layers):
         x, searches = awq_layer(layer, x, cos, sin, cfg)
         found.update({f"model.layers.{i}.{k}": v for k, v in searches.items()})
     return found

@@ -9,7 +9,7 @@ random weights quantized once:
 | system | what runs | peer |
 |---|---|---|
 | `bf16` | `x @ Wᵀ`, cuBLAS | — |
-| `w4a16` | ours: what `kernels.awq_gemm` dispatches for this M (GEMV, GEMM, dequantize + cuBLAS) | `tinygemm` |
+| `w4a16` | ours: what `linear.awq_gemm` dispatches for this M (GEMV, GEMM, dequantize + cuBLAS) | `tinygemm` |
 | `w4a16 gemv` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / M ≤ 64) | `tinygemm` |
 | `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
 | `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
@@ -22,18 +22,23 @@ Rows report GPU time (CUDA events, L2 flushed), TFLOP/s (2·M·N·K), TB/s (oper
 written), the ratio to bf16 and to the peer, and the relative error against an fp32 evaluation of the same
 quantized operands (a fast wrong kernel shows here). The physical limits (bf16 matmul 8192³, device copy)
 are measured in the same process. Without CUDA a tiny smoke run on the torch references says so.
+`performance_layers=false` runs the paper path's torch references in the dispatched rows and leaves out the
+rows that force one layer's kernel (as it does for a layer a fork deleted).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
+from nano_flashattn.registry import layers_enabled, performance_layers
 from shared.bench import (
     benchmark,
     measure_copy_bandwidth,
@@ -45,8 +50,8 @@ from shared.bench import (
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
-from .layers import gemv, kernels, repacked
-from .linear import awq_dequantize_torch
+from .layers.split_k import num_sms
+from .linear import REGISTRY, awq_dequantize_torch, awq_gemm, quantize_per_token, scaled_mm
 from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
@@ -54,6 +59,14 @@ GROUP = 128
 PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm", "w4a16 gemv repacked": "tinygemm",
          "w4a16 mma repacked": "tinygemm",
          "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
+
+
+def layer(name: str) -> ModuleType | None:
+    """The performance layer module `name` (`nano_quant.layers.<name>`, loaded by the registry in its
+    order), or None when it is missing or the layers are off."""
+    if not layers_enabled() or not REGISTRY.present(name):
+        return None
+    return sys.modules[REGISTRY.module_name(name)]
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -71,7 +84,9 @@ def weights(k: int, n: int, device: torch.device) -> dict:
            "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
     ops["w4_dense"] = awq_dequantize_torch(ops["qweight"], ops["qzeros"], ops["scales"], GROUP).t()
     ops["int8"], ops["fp8"] = quantize_rowwise(w, "int8"), quantize_rowwise(w, "fp8")
-    ops["repacked"] = repacked.repack_for_gemv(ops["qweight"], ops["qzeros"], ops["scales"], GROUP)
+    repacked = layer("repacked")
+    if repacked is not None:
+        ops["repacked"] = repacked.repack_for_gemv(ops["qweight"], ops["qzeros"], ops["scales"], GROUP)
     if device.type == "cuda":  # tinygemm: (q - 8)·Δ + zero with zero = (8 - z)·Δ is the same grid
         packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
         ops["int4pack"] = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
@@ -93,20 +108,22 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
     w4_bytes = n * k // 2 + 2 * (n * k // GROUP) * 2
     found = {
         "bf16": (lambda: x @ ops["w"].t(), n * k * 2 + m * k * 2 + out, x.float() @ ops["w"].float().t()),
-        "w4a16": (lambda: kernels.awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None),
+        "w4a16": (lambda: awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None),
                   w4_bytes + m * k * 2 + out, ref4),
-        "w8a8": (lambda: kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16),
+        "w8a8": (lambda: scaled_mm(qa, qw, sa, sw, None, torch.bfloat16),
                  n * k + m * k + out + 4 * (m + n), ref8),
         "w8a8 linear": (lambda: _w8a8_linear(x, qw, sw), n * k + m * k * 3 + out, ref8),
-        "fp8": (lambda: kernels.scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out,
+        "fp8": (lambda: scaled_mm(qa8, qw8, sa8, sw8, None, torch.bfloat16), n * k + m * k + out,
                 ref_fp8),
     }
     awq = (ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None)
-    for name, kernel, (lo, hi) in (("w4a16 gemv", gemv.awq_gemv_triton, (1, 8)),
-                                   ("w4a16 mma", kernels.awq_gemm_triton, (1, 64))):
-        if x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
-            found[name] = (functools.partial(kernel, x, *awq), w4_bytes + m * k * 2 + out, ref4)
-    if x.is_cuda and m <= kernels.AWQ_LARGE_M:  # K-contiguous words; fp16 scales, fp32 zeros: 6 B per group
+    gemv, kernels, repacked = layer("gemv"), layer("kernels"), layer("repacked")
+    for name, module, kernel, (lo, hi) in (("w4a16 gemv", gemv, "awq_gemv_triton", (1, 8)),
+                                           ("w4a16 mma", kernels, "awq_gemm_triton", (1, 64))):
+        if module is not None and x.is_cuda and lo <= m <= hi:  # the Triton kernels themselves: CUDA only
+            found[name] = (functools.partial(getattr(module, kernel), x, *awq), w4_bytes + m * k * 2 + out,
+                           ref4)
+    if repacked is not None and x.is_cuda and m <= repacked.AWQ_LARGE_M:  # fp16 scales, fp32 zeros: 6 B a group
         name, kernel = (("w4a16 gemv repacked", repacked.awq_gemv_repacked_triton) if m == 1 else
                         ("w4a16 mma repacked", repacked.awq_mma_repacked_triton))
         found[name] = (functools.partial(kernel, x, *ops["repacked"], GROUP, None),
@@ -130,8 +147,8 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
 
 
 def _w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
-    qa, sa = kernels.quantize_per_token(x, "int8")
-    return kernels.scaled_mm(qa, qw, sa, sw, None, torch.bfloat16)
+    qa, sa = quantize_per_token(x, "int8")
+    return scaled_mm(qa, qw, sa, sw, None, torch.bfloat16)
 
 
 def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int,
@@ -183,7 +200,7 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
         return [{"BLOCK_N": bn, "GPS": gps, "SPLIT_K": sp, "num_warps": w, "num_stages": st}
                 for (bn, gps, w), st, sp in itertools.product(tiles, (3, 4), (1, 4)) if groups >= gps * sp]
     if kind == "awq_mma_repacked":  # 3 x 2 x 2 x 4 x 2 = 96: columns, warps, stages, split-K, tiles a step
-        bm = repacked.awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
+        bm = layer("repacked").awq_mma_repacked_config(m, n, k, GROUP, sms)["BLOCK_M"]
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sp, "K_TILES": kt, "num_warps": w,
                  "num_stages": st}
                 for bn, w, st, sp, kt in itertools.product((64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8), (1, 2))
@@ -197,21 +214,24 @@ def tune_configs(kind: str, m: int, n: int = 4096, k: int = 4096) -> list[dict]:
 
 def _tune_jobs(ops: dict, x: torch.Tensor) -> dict:
     (qa, sa), (qa8, sa8) = quantize_rowwise(x, "int8"), quantize_rowwise(x, "fp8")
-    jobs = {"fp8": (lambda c: kernels.scaled_mm_triton(qa8, ops["fp8"][0], sa8, ops["fp8"][1], None,
-                                                         torch.bfloat16, c), "mm"),
-            "w8a8": (lambda c: kernels.scaled_mm_triton(qa, ops["int8"][0], sa, ops["int8"][1], None,
-                                                          torch.bfloat16, c), "mm")}
+    gemv, kernels, repacked = layer("gemv"), layer("kernels"), layer("repacked")
+    jobs = {}
     awq = (x, ops["qweight"], ops["qzeros"], ops["scales"], GROUP, None)
-    if x.shape[0] <= kernels.AWQ_LARGE_M:
-        jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
-    if x.shape[0] <= 8:
+    if kernels is not None:
+        jobs["fp8"] = (lambda c: kernels.scaled_mm_triton(qa8, ops["fp8"][0], sa8, ops["fp8"][1], None,
+                                                          torch.bfloat16, c), "mm")
+        jobs["w8a8"] = (lambda c: kernels.scaled_mm_triton(qa, ops["int8"][0], sa, ops["int8"][1], None,
+                                                           torch.bfloat16, c), "mm")
+        if x.shape[0] <= kernels.AWQ_LARGE_M:
+            jobs["w4a16 mma"] = (lambda c: kernels.awq_gemm_triton(*awq, c), "awq")
+    if gemv is not None and x.shape[0] <= 8:
         jobs["w4a16 gemv"] = (lambda c: gemv.awq_gemv_triton(*awq, c), "awq_gemv")
-    if 1 < x.shape[0] <= kernels.AWQ_LARGE_M:
-        jobs["w4a16 mma repacked"] = (lambda c: repacked.awq_mma_repacked_triton(x, *ops["repacked"], GROUP, None,
-                                                                                 c), "awq_mma_repacked")
-    if x.shape[0] == 1:
-        jobs["w4a16 gemv repacked"] = (lambda c: repacked.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP, None,
-                                                                               c), "awq_gemv_repacked")
+    if repacked is not None and 1 < x.shape[0] <= repacked.AWQ_LARGE_M:
+        jobs["w4a16 mma repacked"] = (lambda c: repacked.awq_mma_repacked_triton(x, *ops["repacked"], GROUP,
+                                                                                 None, c), "awq_mma_repacked")
+    if repacked is not None and x.shape[0] == 1:
+        jobs["w4a16 gemv repacked"] = (lambda c: repacked.awq_gemv_repacked_triton(x, *ops["repacked"], GROUP,
+                                                                                   None, c), "awq_gemv_repacked")
     return jobs
 
 
@@ -239,11 +259,11 @@ def tune_shape(name: str, k: int, n: int, ms: list[int], device: torch.device,
             rows.append({"shape": name, "M": m, "system": system, "default us": default * 1e6,
                          "best us": best_t * 1e6, "speedup": default / best_t, "best config": str(best)})
             if system == "w4a16 gemv repacked":  # a line for repacked.MEASURED_REPACKED
-                best = best or repacked.awq_gemv_repacked_config(n, k, GROUP, gemv.num_sms(device))
+                best = best or layer("repacked").awq_gemv_repacked_config(n, k, GROUP, num_sms(device))
                 print(f"    ({n}, {k}): {best},  # {name}: {best_t * 1e6:.1f} us, "
                       f"{torch.cuda.get_device_name(device)}", flush=True)
             if system == "w4a16 mma repacked":  # an entry for repacked.MEASURED_MMA_REPACKED
-                c = best or repacked.awq_mma_repacked_config(m, n, k, GROUP, gemv.num_sms(device))
+                c = best or layer("repacked").awq_mma_repacked_config(m, n, k, GROUP, num_sms(device))
                 print(f"    ({n}, {k}, {c['BLOCK_M']}): ({c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']}, "
                       f"{c['SPLIT_K']}, {c.get('K_TILES', 1)}),  # {name} M={m}: {best_t * 1e6:.1f} us", flush=True)
     release_memory()
@@ -268,46 +288,49 @@ def _repacked_summary(rows: list[dict], tuned: list[dict]) -> list[dict]:
 
 
 def run(cfg: DictConfig) -> dict:
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    model, ms = str(cfg.model), [int(m) for m in cfg.ms]
-    if not cuda:
-        print("note: no GPU: a smoke run of the torch references on tiny shapes; it says nothing about speed",
-              flush=True)
-        model, ms = "tiny", [1, 32]
-    shapes = layer_shapes(model)
-    unknown = sorted(set(cfg.shapes or shapes) - set(shapes))
-    if unknown:
-        raise ValueError(f"shapes {unknown} are unknown; choose from {sorted(shapes)}")
-    peak = measure_matmul_flops(device, n=None if cuda else 256)
-    copy = measure_copy_bandwidth(device)
-    rows, tuned = [], []
-    for name in cfg.shapes or shapes:
-        k, n = shapes[name]
-        only = cfg.get("systems")
-        shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats),
-                               None if only is None else list(only))
-        print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
-                                      f"{GROUP}")
-        rows += shape_rows
-        if cfg.tune and cuda:
-            systems = cfg.get("tune_systems")
-            shape_tuned = tune_shape(name, k, n, ms, device, None if systems is None else list(systems))
-            print_table(shape_tuned, title=f"tile sweep, {name}")
-            tuned += shape_tuned
-    summary = _repacked_summary(rows, tuned)
-    if summary:
-        print_table(summary, title="M = 1 W4A16: GEMV (AutoAWQ layout), repacked GEMV (default, best swept), "
-                                   "tinygemm, bf16 cuBLAS (us)")
-    print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
-          "(read + write)", flush=True)
-    record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,
-              "copy_TBps": copy / 1e12, "rows": rows, "tuned": tuned,
-              "config": config_record(cfg)}
-    path = Path(hydra_run_dir()) / "bench.json"
-    write_json(path, record)
-    print(f"wrote {path}", flush=True)
-    return record
+    """Everything `main` does, callable without Hydra (tests); `performance_layers=false`: the
+    paper path's torch references alone."""
+    with performance_layers(cfg.get("performance_layers", True)):
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda" if cuda else "cpu")
+        model, ms = str(cfg.model), [int(m) for m in cfg.ms]
+        if not cuda:
+            print("note: no GPU: a smoke run of the torch references on tiny shapes; it says nothing about speed",
+                  flush=True)
+            model, ms = "tiny", [1, 32]
+        shapes = layer_shapes(model)
+        unknown = sorted(set(cfg.shapes or shapes) - set(shapes))
+        if unknown:
+            raise ValueError(f"shapes {unknown} are unknown; choose from {sorted(shapes)}")
+        peak = measure_matmul_flops(device, n=None if cuda else 256)
+        copy = measure_copy_bandwidth(device)
+        rows, tuned = [], []
+        for name in cfg.shapes or shapes:
+            k, n = shapes[name]
+            only = cfg.get("systems")
+            shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats),
+                                   None if only is None else list(only))
+            print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
+                                          f"{GROUP}")
+            rows += shape_rows
+            if cfg.tune and cuda:
+                systems = cfg.get("tune_systems")
+                shape_tuned = tune_shape(name, k, n, ms, device, None if systems is None else list(systems))
+                print_table(shape_tuned, title=f"tile sweep, {name}")
+                tuned += shape_tuned
+        summary = _repacked_summary(rows, tuned)
+        if summary:
+            print_table(summary, title="M = 1 W4A16: GEMV (AutoAWQ layout), repacked GEMV (default, best swept), "
+                                       "tinygemm, bf16 cuBLAS (us)")
+        print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
+              "(read + write)", flush=True)
+        record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,
+                  "copy_TBps": copy / 1e12, "rows": rows, "tuned": tuned,
+                  "config": config_record(cfg)}
+        path = Path(hydra_run_dir()) / "bench.json"
+        write_json(path, record)
+        print(f"wrote {path}", flush=True)
+        return record
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="bench")

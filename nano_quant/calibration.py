@@ -75,7 +75,7 @@ def input_stats(model: CausalLM, samples: torch.Tensor, batch_size: int = 8,
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in decoder_linears(model).items()]
     try:
         for batch in tqdm(samples.split(batch_size), desc="calibrate", disable=not progress):
-            model.model(batch.to(dev))  # the decoder stack only: the LM head's logits are not needed
+            model.model(batch.to(dev))  # the decoder stack only: no LM head logits
     finally:
         for h in handles:
             h.remove()

@@ -36,12 +36,13 @@ def check_quantization(quantization: object, model: str = "DIR") -> None:
     if not isinstance(quantization, str):
         raise TypeError(f"quantization must be a str or None, got {type(quantization).__name__}")
     if quantization in CALIBRATED:
-        raise ValueError(f"quantization={quantization!r} needs calibration: run `python -m nano_quant.quantize "
-                         f"model={model} method={quantization} out=DIR` and load DIR")
+        raise ValueError(f"quantization={quantization!r} needs calibration: run `python -m "
+                         f"nano_quant.quantize model={model} method={quantization} out=DIR` and "
+                         "load DIR")
     if quantization not in ON_THE_FLY:
-        raise ValueError(f"quantization must be one of {list(ON_THE_FLY)} or None, got {quantization!r} "
-                         f"(awq / smoothquant checkpoints are made offline by `python -m nano_quant.quantize` "
-                         "and load with quantization unset)")
+        raise ValueError(f"quantization must be one of {list(ON_THE_FLY)} or None, got "
+                         f"{quantization!r} (awq / smoothquant checkpoints are made offline by "
+                         "`python -m nano_quant.quantize` and load with quantization unset)")
 
 
 def quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig) -> nn.Module:
@@ -51,7 +52,8 @@ def quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig) -> nn.Module:
     return W8A8Linear.from_linear(linear, qcfg.format)
 
 
-def empty_quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig, dtype: torch.dtype) -> nn.Module:
+def empty_quantized_linear(linear: nn.Linear, qcfg: QuantizationConfig,
+                           dtype: torch.dtype) -> nn.Module:
     """The same layer with uninitialised buffers on the meta device, for a checkpoint to fill in."""
     bias = linear.bias is not None
     with torch.device("meta"):
@@ -68,8 +70,9 @@ def skip_fn(qcfg: QuantizationConfig):
 
 
 @torch.no_grad()
-def quantize_model(model: CausalLM, method: str, samples: torch.Tensor | None = None, alpha: float = 0.5,
-                   awq: AWQConfig | None = None, progress: bool = True, **config: Any) -> QuantizationConfig:
+def quantize_model(model: CausalLM, method: str, samples: torch.Tensor | None = None,
+                   alpha: float = 0.5, awq: AWQConfig | None = None, progress: bool = True,
+                   **config: Any) -> QuantizationConfig:
     """Quantize `model` in place with one of the METHODS; return (and set as `model.quantization_config`)
     the config its checkpoint carries. `samples` (n, seqlen) calibrate awq / smoothquant (default: 128 ×
     512 tokens of the stdlib corpus); `alpha` is SmoothQuant's migration strength; `config` overrides
@@ -81,10 +84,11 @@ def quantize_model(model: CausalLM, method: str, samples: torch.Tensor | None = 
         smooth_lm(model, input_stats(model, samples, progress=progress), alpha)
     elif method == "awq":
         awq = awq or AWQConfig(group_size=qcfg.group_size, zero_point=qcfg.zero_point)
-        if (awq.group_size, awq.zero_point, awq.bits) != (qcfg.group_size, qcfg.zero_point, qcfg.bits):
+        ours = (awq.group_size, awq.zero_point, awq.bits)
+        if ours != (qcfg.group_size, qcfg.zero_point, qcfg.bits):
             raise ValueError(f"awq (group_size={awq.group_size}, zero_point={awq.zero_point}, "
-                             f"bits={awq.bits}) disagrees with the checkpoint's quantization_config "
-                             f"{qcfg.to_dict()}")
+                             f"bits={awq.bits}) disagrees with the checkpoint's "
+                             f"quantization_config {qcfg.to_dict()}")
         awq_model(model, samples, awq, progress=progress)
     replace_linears(model, lambda name, fc: quantized_linear(fc, qcfg), skip_fn(qcfg))
     model.quantization_config = qcfg

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from nano_flashattn.registry import performance_layers
 from shared.bench import print_table, write_json
 from shared.data import corpus_tokens, sequential_batches
 from shared.hydra_utils import hydra_run_dir
 from shared.model import CausalLM
 
 from .checkpoint import load_quantized_model, quantization_config_of
-from .layers import kernels  # noqa: F401  (registers the Triton kernels for CUDA tensors)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,24 +62,26 @@ def config_record(cfg: DictConfig) -> dict:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Everything `main` does, callable without Hydra (tests)."""
-    if not cfg.get("model"):
-        raise ValueError("model=DIR is required: a checkpoint directory (float or quantized)")
-    path = Path(str(cfg.model))
-    device, dtype = resolve_device(cfg.device), resolve_dtype(str(cfg.dtype))
-    qcfg = quantization_config_of(path)
-    model = load_quantized_model(path, device, dtype).eval()
-    tokens = corpus_tokens(str(cfg.split), corpus=str(cfg.corpus))
-    if cfg.max_tokens:
-        tokens = tokens[: int(cfg.max_tokens) + 1]
-    t0 = time.perf_counter()
-    result = perplexity(model, tokens, int(cfg.seq_len), int(cfg.batch_size), progress=True)
-    row = {"model": str(path), "quantization": qcfg.to_dict() if qcfg else None, "corpus": str(cfg.corpus),
-           "split": str(cfg.split), "seq_len": int(cfg.seq_len), "dtype": str(cfg.dtype), **result,
-           "seconds": time.perf_counter() - t0}
-    print_table([{k: v for k, v in row.items() if k != "quantization"}], title="held-out perplexity")
-    write_json(Path(hydra_run_dir()) / "perplexity.json", row)
-    return row
+    """Everything `main` does, callable without Hydra (tests); `performance_layers=false`: the
+    paper path's torch references alone."""
+    with performance_layers(cfg.get("performance_layers", True)):
+        if not cfg.get("model"):
+            raise ValueError("model=DIR is required: a checkpoint directory (float or quantized)")
+        path = Path(str(cfg.model))
+        device, dtype = resolve_device(cfg.device), resolve_dtype(str(cfg.dtype))
+        qcfg = quantization_config_of(path)
+        model = load_quantized_model(path, device, dtype).eval()
+        tokens = corpus_tokens(str(cfg.split), corpus=str(cfg.corpus))
+        if cfg.max_tokens:
+            tokens = tokens[: int(cfg.max_tokens) + 1]
+        t0 = time.perf_counter()
+        result = perplexity(model, tokens, int(cfg.seq_len), int(cfg.batch_size), progress=True)
+        row = {"model": str(path), "quantization": qcfg.to_dict() if qcfg else None, "corpus": str(cfg.corpus),
+               "split": str(cfg.split), "seq_len": int(cfg.seq_len), "dtype": str(cfg.dtype), **result,
+               "seconds": time.perf_counter() - t0}
+        print_table([{k: v for k, v in row.items() if k != "quantization"}], title="held-out perplexity")
+        write_json(Path(hydra_run_dir()) / "perplexity.json", row)
+        return row
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="perplexity")

@@ -19,8 +19,9 @@ import torch
 INT8_MAX = 127
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FORMATS = ("int8", "fp8")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # packed nibble i (bits 4i..4i+3) holds column AWQ_ORDER[i] of 8
-AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(j) for j in range(8))  # column j of 8 sits at bit AWQ_SHIFTS[j]
+# Packed nibble i (bits 4i..4i+3) holds column AWQ_ORDER[i] of 8; column j of 8 sits at bit AWQ_SHIFTS[j].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(j) for j in range(8))
 
 
 def check_format(fmt: str) -> None:
@@ -35,8 +36,8 @@ def check_bits(bits: int) -> None:
 
 def check_group_size(in_features: int, group_size: int) -> None:
     if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
-        raise ValueError(f"group_size ({group_size!r}) must be a positive int dividing the input dimension "
-                         f"K = {in_features}")
+        raise ValueError(f"group_size ({group_size!r}) must be a positive int dividing the input "
+                         f"dimension K = {in_features}")
 
 
 def quantize_rowwise(t: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +61,8 @@ def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
-def quantize_groupwise(w: torch.Tensor, group_size: int = 128, bits: int = 4, zero_point: bool = True,
-                       scale_dtype: torch.dtype = torch.float16
+def quantize_groupwise(w: torch.Tensor, group_size: int = 128, bits: int = 4,
+                       zero_point: bool = True, scale_dtype: torch.dtype = torch.float16
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Group-wise round-to-nearest of a weight (out, in) along its input dimension (AWQ §3's Q(·)).
 
@@ -100,7 +101,8 @@ def dequantize_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 def fake_quantize_groupwise(w: torch.Tensor, group_size: int = 128, bits: int = 4,
                             zero_point: bool = True) -> torch.Tensor:
     """Q(w): quantize then dequantize, in w's dtype (the error AWQ's search minimizes)."""
-    return dequantize_groupwise(*quantize_groupwise(w, group_size, bits, zero_point), group_size).to(w.dtype)
+    q, scales, zeros = quantize_groupwise(w, group_size, bits, zero_point)
+    return dequantize_groupwise(q, scales, zeros, group_size).to(w.dtype)
 
 
 def pack_awq(q: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from shared.model import Attention, CausalLM, DecoderLayer
 from .calibration import ChannelStats
 
 
-def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+def smoothing_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor],
+                      alpha: float) -> torch.Tensor:
     """Eq. 4: s_j = max|X_j|^α / max|W_j|^(1−α), W_j the input channel j of every weight (out_i, K) that
     reads X; fp32, shape (K,). Both maxima are floored at 1e-5 (a dead channel would give 0 or inf)."""
     if not 0.0 <= alpha <= 1.0:
@@ -77,10 +78,12 @@ def smooth_layer(layer: DecoderLayer, stats: dict[str, ChannelStats], prefix: st
     """Smooth the four Linear inputs of one decoder layer (table above); `stats` by HF Linear name."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    s = smoothing_factors(stats[prefix + "self_attn.q_proj"].absmax, [fc.weight for fc in qkv], alpha)
+    s = smoothing_factors(stats[prefix + "self_attn.q_proj"].absmax, [fc.weight for fc in qkv],
+                          alpha)
     fold_scales(layer.input_layernorm, qkv, s)
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    s = smoothing_factors(stats[prefix + "mlp.gate_proj"].absmax, [fc.weight for fc in gate_up], alpha)
+    s = smoothing_factors(stats[prefix + "mlp.gate_proj"].absmax, [fc.weight for fc in gate_up],
+                          alpha)
     fold_scales(layer.post_attention_layernorm, gate_up, s)
     s = smoothing_factors(kv_channels(stats[prefix + "self_attn.o_proj"].absmax, attn),
                           [kv_channels(attn.o_proj.weight.abs(), attn)], alpha)

@@ -1,4 +1,5 @@
-"""The W4A16 GEMV for decode-sized M (a performance layer beside `kernels.py`, which dispatches to it).
+"""The W4A16 GEMV for decode-sized M (a performance layer at the "awq_gemm" point: it registers for one
+row of x on CUDA, before `kernels.py`, which takes the other rows).
 
 AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at batch 1 the GEMM is a
 GEMV, HBM traffic is the weight, and 4-bit weights move ~4x fewer bytes than 16-bit ones — provided the
@@ -14,12 +15,7 @@ with a lop3 and a magic exponent; the same trick in fp32, which Triton can expre
   point and scale are applied once per group of G rows (AWQ §3's grid is per group):
   Σ_k x_k (q_kn − z_n) s_n = s_n (Σ_k x_k q_kn − z_n Σ_k x_k).
 
-Split-K partial sums go to a (SPLIT_K, M, N) fp32 buffer that `_split_k_sum_kernel` reduces (+ bias) in a
-fixed order: the result is the same on every run, which a captured CUDA graph's replay is compared against,
-and every buffer's size depends only on shapes, so it is capture-safe. fp32 atomics into a zeroed buffer
-would save the second launch but not the memset, and would sum in a different order on every run.
-`split_k_epilogue` (used by repacked.py's kernels) keeps the fixed order without the second launch: the
-slice that finishes a tile last, found by a self-resetting ticket counter, does the sum.
+Split-K partial sums are reduced in a fixed order (`split_k.py`).
 """
 
 from __future__ import annotations
@@ -30,88 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from shared.kernels import use_triton
 from shared.kernels.launch import cdiv
+
+from ..linear import REGISTRY
+from .split_k import num_sms, split_k_partials, split_k_reduce
 
 # fp32 with exponent 2^23 and an empty mantissa: OR-ing an integer q < 2^23 into it gives the float 2^23 + q.
 _MAGIC_BITS = tl.constexpr(0x4B000000)
 _MAGIC = tl.constexpr(8388608.0)
-
-
-@functools.lru_cache(maxsize=16)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's stand-in)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@triton.jit
-def _split_k_sum_kernel(P, BIAS, OUT, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
-TICKETS = 1 << 16  # output tiles one launch of a kernel with `split_k_epilogue` may have
-
-
-def split_k_tickets(device: torch.device) -> torch.Tensor:
-    """The int32 counters `split_k_epilogue` takes tickets from, one buffer per device and stream: every launch
-    leaves them at zero, so kernels that follow each other on a stream share it (CUDA-graph replays too)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _TICKETS:  # kept for good: a launch in flight may still count on it
-        _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[key]
-
-
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-@triton.jit
-def split_k_epilogue(acc, offs, ok, OUT, PART, TICKETS, ticket, pid_k, MN, N, BIAS, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """Store a program's fp32 sum `acc` over its slice of K (the slices: grid axis 1) for the output elements
-    `offs` of an (M, N) output (MN = M·N; `ok` masks): the whole sum (+ bias) when SPLIT is False. Else its
-    partial goes to PART (slice-major), and the slice that finishes a tile last (a ticket counter, acq_rel at
-    GPU scope, taken after a barrier) sums the tile's partials in slice order — the same result on every run,
-    whichever slice is last — adds the bias, stores, and resets the counter: no second launch and no memset."""
-    if SPLIT:
-        tl.store(PART + pid_k * MN + offs, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        if tl.atomic_add(TICKETS + ticket, 1) == tl.num_programs(1) - 1:
-            acc = tl.zeros_like(acc)
-            for s in range(tl.num_programs(1)):  # .cg: from L2, where the other slices' stores are
-                acc += tl.load(PART + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
-            tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(TICKETS + ticket, 0)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + offs % N, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
-def split_k_partials(out: torch.Tensor, split_k: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Where a split-K kernel writes: `out` itself when one program sums all of K and there is no bias,
-    else a (split_k, M, N) fp32 buffer for `split_k_reduce`."""
-    if split_k == 1 and bias is None:
-        return out
-    return torch.empty(split_k, *out.shape, device=out.device, dtype=torch.float32)
-
-
-def split_k_reduce(partial: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """out = Σ_s partial[s] (+ bias), in a fixed order; nothing to do if the kernel wrote `out` directly."""
-    if partial is not out:
-        mn, block = out.numel(), 1024
-        _split_k_sum_kernel[(cdiv(mn, block),)](partial, bias if bias is not None else partial, out, mn,
-                                                out.shape[1], SPLIT_K=partial.shape[0],
-                                                HAS_BIAS=bias is not None, BLOCK=block)
-    return out
+# Rows of x up to which the GEMV takes the W4A16 product (its work grows with M, a tensor-core kernel's
+# does not). Set from `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`, `w4a16 mma`).
+AWQ_GEMV_MAX_M = 1
 
 
 def _launch(kernel, picker, name: str, x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor,
@@ -215,3 +141,10 @@ def awq_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     memory-bound decoding): weights read once as packed words, scale and zero applied once per group."""
     return _launch(_awq_gemv_kernel, awq_gemv_config, "awq_gemv", x, qweight, qzeros, scales, group_size, bias,
                    config)
+
+
+def _applies(x: torch.Tensor, *args, **kwargs) -> bool:
+    return use_triton(x) and x.shape[0] <= AWQ_GEMV_MAX_M
+
+
+REGISTRY.register("awq_gemm", awq_gemv_triton, applies=_applies)

@@ -1,7 +1,8 @@
 """Triton kernels for the quantized linears (a performance layer: the math is `linear.py`'s torch references).
 
-Importing this module registers them in `nano_quant.linear.OPS` for CUDA tensors (CPU tensors keep the
-references); the entry points import it, a forker may delete it and everything still runs, slower.
+Importing this module (`linear.REGISTRY` does, on its first lookup) registers them at the points
+"quantize_per_token", "scaled_mm" and "awq_gemm" for CUDA tensors (CPU tensors keep the references); a
+forker may delete it and everything still runs, slower.
 
 * `quantize_per_token_triton` — one program per token: absmax, scale, round, in one pass over HBM
   (the row is re-read from L1/L2 for the second sweep).
@@ -12,8 +13,8 @@ references); the entry points import it, a forker may delete it and everything s
   unpacks the eight nibbles in AutoAWQ's order, applies zero points and scales in registers and feeds the
   16-bit tile to the tensor cores: HBM traffic is the 4-bit weight (plus 1/G of scales). K is split over
   several programs (partial sums reduced by a second small kernel) so that a few output tiles still fill
-  every SM. For large M the GEMM is compute-bound and `awq_dequantize_triton` + cuBLAS is faster; for a
-  few rows the CUDA-core GEMV of `gemv.py` is faster: `awq_gemm` picks by M (the AWQ_* constants below).
+  every SM. For large M the GEMM is compute-bound and `awq_dequantize_triton` + cuBLAS is faster: `awq_gemm`
+  picks by M (AWQ_LARGE_M). For one row the CUDA-core GEMV of `gemv.py` is faster; it registers first.
 
 Under `TRITON_INTERPRET=1` these run on CPU tensors (the tests); the interpreter computes bf16 wrongly, so
 CPU tests use fp16 / fp32 activations.
@@ -31,18 +32,15 @@ import triton.language as tl
 from shared.kernels import use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
-from .. import linear
-from ..quant import FP8_MAX, INT8_MAX, check_format, quantize_rowwise
-from .gemv import awq_gemv_triton, num_sms, split_k_partials, split_k_reduce
+from ..linear import REGISTRY
+from ..quant import FP8_MAX, INT8_MAX, check_format
+from .split_k import num_sms, split_k_partials, split_k_reduce
 
 # Adding then subtracting 1.5·2^23 rounds an fp32 |x| < 2^22 to the nearest integer, ties to even (as
 # torch.round), with plain IEEE adds: portable to every Triton version and to its interpreter.
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # a jitted kernel may read only constexpr globals
-# W4A16 dispatch by M (rows of x): up to AWQ_GEMV_MAX_M the CUDA-core GEMV (`gemv.py`; its work grows with M,
-# a tensor-core kernel's does not), then up to AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once,
-# then a cuBLAS GEMM. Set from `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 gemv`,
-# `w4a16 mma`).
-AWQ_GEMV_MAX_M = 1
+# W4A16 dispatch by M (rows of x): up to AWQ_LARGE_M `awq_gemm_triton`; above it dequantize once, then a
+# cuBLAS GEMM. Set from `python -m nano_quant.bench ms=[1,4,8,16,32,64]` (rows `w4a16 mma`, `bf16`).
 AWQ_LARGE_M = 64
 
 
@@ -255,32 +253,23 @@ def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     return w
 
 
-# ------------------------------------------------------------------ dispatch: Triton on CUDA tensors
+# ------------------------------------------------------------------ registration: CUDA tensors
 
-def quantize_per_token(x: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_per_token_triton(x, fmt) if use_triton(x) else _REFERENCE["quantize_per_token"](x, fmt)
-
-
-def scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):  # the OPS signature
-    if use_triton(a):
-        return scaled_mm_triton(a, b, scale_a, scale_b, bias, out_dtype)
-    return _REFERENCE["scaled_mm"](a, b, scale_a, scale_b, bias, out_dtype)
-
-
-def awq_gemm(x, qweight, qzeros, scales, group_size, bias):  # the OPS signature
-    if not use_triton(x):
-        return _REFERENCE["awq_gemm"](x, qweight, qzeros, scales, group_size, bias)
-    m = x.shape[0]
-    if m <= AWQ_GEMV_MAX_M:
-        return awq_gemv_triton(x, qweight, qzeros, scales, group_size, bias)
-    if m <= AWQ_LARGE_M:
+def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+             group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The W4A16 product by M: dequantizing in registers up to AWQ_LARGE_M rows, else once, then cuBLAS."""
+    if x.shape[0] <= AWQ_LARGE_M:
         return awq_gemm_triton(x, qweight, qzeros, scales, group_size, bias)
     out = x @ awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
     return out if bias is None else out + bias
 
 
-# Tile-size pickers; `nano_quant.tuning` may replace them with measured choices.
+def _on_cuda(x: torch.Tensor, *args, **kwargs) -> bool:
+    return use_triton(x)
+
+
+# Tile-size pickers (a call may pass `config=` instead, as the bench's sweep does).
 CONFIGS: dict[str, Callable[..., dict]] = {"scaled_mm": scaled_mm_config, "awq_gemm": awq_gemm_config}
-_REFERENCE = {"quantize_per_token": quantize_rowwise, "scaled_mm": linear.scaled_mm_torch,
-              "awq_gemm": linear.awq_gemm_torch}
-linear.OPS.update(quantize_per_token=quantize_per_token, scaled_mm=scaled_mm, awq_gemm=awq_gemm)
+REGISTRY.register("quantize_per_token", quantize_per_token_triton, applies=_on_cuda)
+REGISTRY.register("scaled_mm", scaled_mm_triton, applies=_on_cuda)
+REGISTRY.register("awq_gemm", awq_gemm, applies=_on_cuda)

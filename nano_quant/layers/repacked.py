@@ -1,5 +1,6 @@
 """AWQ W4A16 over a K-contiguous repacked copy of the weight (a performance layer beside `gemv.py` and
-`kernels.py`, which read AutoAWQ's layout; the checkpoint keeps AutoAWQ's format).
+`kernels.py`, which read AutoAWQ's layout; the checkpoint keeps AutoAWQ's format). It registers at the
+"module_swap" point: `linear.swap_modules(model)` makes a model's AWQ layers on CUDA RepackedGemvWQLinear.
 
 AWQ's speedup is memory-bound decoding (Lin et al., MLSys 2024, §4: TinyChat): at a few rows of x the GEMM
 reads the weight once, and 4-bit weights move ~4x fewer bytes than 16-bit ones, provided the
@@ -17,7 +18,8 @@ The zero point is pre-multiplied: Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−
   scale, zero and the 2^e offset applied once per tile of a group.
 * `dequantize_repacked_triton` — more rows: the (N, K) weight once per call, for cuBLAS.
 * `RepackedGemvWQLinear`, `use_repacked_gemv` — a WQLinear_GEMM that builds the copy and dispatches;
-  `drop_autoawq` frees AutoAWQ's tensors when only serving needs the layer.
+  `drop_autoawq` frees AutoAWQ's tensors when only serving needs the layer (`swap_modules(model,
+  serving_only=True)`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from nano_flashattn.registry import layers_enabled
 from shared.kernels import pdl_args, pdl_prologue, pdl_release, silu_and_mul, use_triton
 from shared.kernels.launch import cdiv, next_pow2
 
-from ..linear import WQLinear_GEMM
+from ..linear import REGISTRY, WQLinear_GEMM
 from ..quant import unpack_awq
-from .gemv import TICKETS, num_sms, split_k_epilogue, split_k_tickets
-from .kernels import AWQ_LARGE_M
+from .split_k import TICKETS, num_sms, split_k_epilogue, split_k_tickets
 
 # `repack_for_gemv` turns AutoAWQ's (K, N/8) words into (N, K/8) words, each holding eight values of K of one
 # output column (TinyChat's and tinygemm's GEMV layouts are K-contiguous too): a program that owns a few
@@ -45,6 +47,9 @@ from .kernels import AWQ_LARGE_M
 # the zero point is pre-multiplied, Σ_k x_k (q_k − z) s = s Σ_k x_k q_k + (−z s) Σ_k x_k, so the kernels
 # need no zero unpack.
 CHUNK = 32  # values of K per chunk of four words; a group must hold whole chunks
+# Rows of x up to which the repacked kernels run; above it the copy is dequantized for cuBLAS (H200, llama3-8b
+# layer at M = 64: 146.5 µs against bf16's 158.0, 2026-12-02).
+AWQ_LARGE_M = 64
 _OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # 2^e of `_pair`'s 16-bit values 2^e + q
 
 # The best M = 1 config per weight shape (N, K) on an H200, from `python -m nano_quant.bench tune=true
@@ -184,7 +189,7 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     comes off once per word; only the 2^16 nibbles take their magic off per weight, which keeps the running sum
     below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
     magic off per weight). Then acc += s·part + (−z·s)·Σx."""
-    pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+    pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (shared.kernels)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
@@ -586,7 +591,7 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         fits = 1 <= rows <= AWQ_LARGE_M
-        on_gpu = x.dtype in (torch.float16, torch.bfloat16) and use_triton(x)
+        on_gpu = x.dtype in (torch.float16, torch.bfloat16) and use_triton(x) and layers_enabled()
         if (fits and on_gpu) or getattr(self, "repacked_only", False):
             if getattr(self, "qweight_t", None) is None:  # built once, on the first call that needs it
                 self.build_repacked()
@@ -610,7 +615,7 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
         `forward`, then `shared.kernels.silu_and_mul`."""
         rows = x.numel() // self.in_features
         if (1 <= rows <= AWQ_LARGE_M and x.dtype in (torch.float16, torch.bfloat16) and use_triton(x)
-                and self.bias is None and self.out_features % 2 == 0):
+                and layers_enabled() and self.bias is None and self.out_features % 2 == 0):
             if getattr(self, "qweight_t", None) is None:
                 self.build_repacked()
             kernel = awq_gemv_repacked_triton if rows == 1 else awq_mma_repacked_triton
@@ -622,10 +627,10 @@ class RepackedGemvWQLinear(WQLinear_GEMM):
 
 
 def use_repacked_gemv(model: torch.nn.Module, drop_autoawq: bool = False) -> torch.nn.Module:
-    """A performance layer, off unless called: every WQLinear_GEMM of `model` whose group holds whole chunks
-    (a multiple of 32) becomes a RepackedGemvWQLinear in place with its repacked tensors built now (before any
-    CUDA-graph capture); with `drop_autoawq`, AutoAWQ's tensors are freed (the layers can then not be saved).
-    Other layers keep AutoAWQ's kernels. Returns the model."""
+    """Every WQLinear_GEMM of `model` whose group holds whole chunks (a multiple of 32) becomes a
+    RepackedGemvWQLinear in place with its repacked tensors built now (before any CUDA-graph capture); with
+    `drop_autoawq`, AutoAWQ's tensors are freed (the layers can then not be saved). Other layers keep
+    AutoAWQ's kernels. Returns the model. `linear.swap_modules` calls it for a model on CUDA."""
     for m in model.modules():
         if type(m) is WQLinear_GEMM and m.group_size % CHUNK == 0:
             m.__class__ = RepackedGemvWQLinear
@@ -633,3 +638,15 @@ def use_repacked_gemv(model: torch.nn.Module, drop_autoawq: bool = False) -> tor
             if drop_autoawq:
                 m.drop_autoawq()
     return model
+
+
+def _swap(model: torch.nn.Module, serving_only: bool = False) -> None:
+    use_repacked_gemv(model, drop_autoawq=serving_only)
+
+
+def _has_awq_on_cuda(model: torch.nn.Module, **kwargs) -> bool:
+    return any(type(m) is WQLinear_GEMM and m.group_size % CHUNK == 0 and use_triton(m.qweight)
+               for m in model.modules())
+
+
+REGISTRY.register("module_swap", _swap, applies=_has_awq_on_cuda)

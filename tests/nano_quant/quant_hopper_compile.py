@@ -9,7 +9,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nano_quant import gemv, kernels
+from nano_quant.layers import gemv, kernels, split_k
 
 DIVISIBLE = ("N", "NP", "K", "stride_am", "stride_bn", "stride_cm", "stride_xm", "stride_qw")
 
@@ -46,7 +46,7 @@ def main() -> None:
     ir = build(kernels._awq_gemm_kernel, awq, {"GROUP_SIZE": 128, **cfg}, **opts)
     assert "async_copy" in ir, "the W4A16 GEMM lost its pipeline"
     reduce = {"P": "*fp32", "BIAS": "*bf16", "OUT": "*bf16", "MN": "i32", "N": "i32"}
-    build(gemv._split_k_sum_kernel, reduce, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024})
+    build(split_k._split_k_sum_kernel, reduce, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024})
     small = awq | {"NP": "i32", "stride_qw": "i32"}
     small = {key: small[key] for key in ("X", "QW", "QZ", "S", "OUT", "M", "N", "NP", "K", "stride_xm",
                                          "stride_qw", "SPLIT_K")}

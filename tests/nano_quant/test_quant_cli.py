@@ -51,6 +51,10 @@ def test_quantize_then_perplexity(checkpoint, tmp_path):
     # a random model predicts almost uniformly: perplexity near the vocabulary size, AWQ barely moves it
     assert 1 < ppl["float"] < 10_000 and abs(ppl["awq"] / ppl["float"] - 1) < 0.1
     assert json.loads(Path("perplexity.json").read_text())["ppl"] == ppl["awq"]
+    # the paper path alone (on CPU tensors no kernel applies: the same number)
+    off = perplexity.run(config("perplexity", model=tmp_path / "awq", corpus="docs", max_tokens=2048,
+                                dtype="fp32", device="cpu", performance_layers=False))
+    assert off["ppl"] == ppl["awq"]
 
 
 @pytest.mark.slow  # ~3-13 s; runs in the repository suite, not again in the package's fork
@@ -78,6 +82,8 @@ def test_bad_inputs(checkpoint, tmp_path):
         perplexity.run(config("perplexity"))
     with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16', 'fp32'\], got 'int4'"):
         perplexity.run(config("perplexity", model=checkpoint, dtype="int4"))
+    with pytest.raises(TypeError, match="performance_layers must be a bool, got str"):
+        perplexity.run(config("perplexity", model=checkpoint, performance_layers="maybe"))
     with pytest.raises(ValueError, match=r"methods \['gptq'\] are unknown"):
         quality.run(config("quality", model=checkpoint, methods="[awq,gptq]"))
 

@@ -1,4 +1,4 @@
-"""nano_quant.gemv under the Triton interpreter: the W4A16 GEMV equals AWQ's dequantize-
+"""nano_quant.layers.gemv under the Triton interpreter: the W4A16 GEMV equals AWQ's dequantize-
 then-matmul reference (AutoAWQ GEMM layout) on random weights: odd M, N not a multiple of BLOCK_N, several
 groups of K split unevenly over programs, bias on and off, fp16 / fp32 activations (the interpreter computes
 bf16 wrongly; bf16 is tested on the GPU). Outputs are poisoned (NaN) before each kernel runs. Tolerance as in
@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_quant_kernels import poisoned, within_fa_rule  # noqa: F401 (a fixture)
 
-from nano_quant import gemv, kernels
+from nano_quant.layers import gemv
 from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,10 +46,6 @@ def test_default_configs(poisoned):  # noqa: F811
     assert within_fa_rule(gemv.awq_gemv_triton(*args), exact, low)
     cfg = gemv.awq_gemv_config(1, 4096, 4096, 128, 132)
     assert cfg["SPLIT_K"] * 4096 // cfg["BLOCK_N"] >= 2 * 132 and 128 % cfg["BLOCK_K"] == 0
-
-
-def test_dispatch_thresholds_are_ordered():
-    assert 1 <= kernels.AWQ_GEMV_MAX_M <= kernels.AWQ_LARGE_M
 
 
 def test_bad_arguments():

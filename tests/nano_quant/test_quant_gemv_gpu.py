@@ -1,4 +1,4 @@
-"""nano_quant.gemv on a CUDA GPU (run by hand: `python -m pytest -m gpu tests/nano_quant`): the W4A16 GEMV
+"""nano_quant.layers.gemv on a CUDA GPU (run by hand: `python -m pytest -m gpu tests/nano_quant`): the W4A16 GEMV
 in bf16 on llama3-8b layer shapes and ragged ones, against a float64 evaluation of the same
 INT4 weights and against torch's tinygemm (`_weight_int4pack_mm`), default and swept configs; and the
 dispatch inside a captured CUDA graph replays bit for bit."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nano_quant import gemv, kernels, repacked
 from nano_quant.bench import tune_configs, weights
-from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
+from nano_quant.layers import gemv, repacked
+from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm, awq_gemm_torch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -65,10 +65,10 @@ def test_dispatch_under_cuda_graph(m):
     layer = WQLinear_GEMM.from_linear(torch.nn.Linear(4096, 6144, bias=True, device=DEV), 128)
     bias = layer.bias.to(torch.bfloat16)
     x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
-    eager = kernels.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
+    eager = awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
+        out = awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, bias)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)  # split-K sums in a fixed order

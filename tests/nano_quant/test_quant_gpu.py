@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nano_quant import kernels, load_quantized_model, quantize_model, save_quantized
-from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch, scaled_mm_torch
+from nano_quant import load_quantized_model, quantize_model, save_quantized
+from nano_quant.layers import kernels
+from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm, awq_gemm_torch, scaled_mm_torch
 from nano_quant.quant import quantize_rowwise
 from shared.config import ModelConfig
 from shared.model import build_model
@@ -79,7 +80,7 @@ def test_fp8_gemm_vs_torch_scaled_mm(m, n, k):
 def test_awq_gemm_vs_reference_and_tinygemm(m, k, n):
     layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=False, device=DEV), 128)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    ours = kernels.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, None)
+    ours = awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 128, None)
     w = awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, 128)
     exact = x.double() @ w.double()
     low = awq_gemm_torch(x, layer.qweight, layer.qzeros, layer.scales, 128, None)
@@ -89,7 +90,7 @@ def test_awq_gemm_vs_reference_and_tinygemm(m, k, n):
 
         ops = weights(k, n, torch.device(DEV))
         peer = torch.ops.aten._weight_int4pack_mm(x, ops["int4pack"], 128, ops["scales_and_zeros"])
-        mine = kernels.awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], 128, None)
+        mine = awq_gemm(x, ops["qweight"], ops["qzeros"], ops["scales"], 128, None)
         ref = x.double() @ ops["w4_dense"].double().t()
         assert rel(mine, ref) <= 2 * rel(peer, ref) + 1e-3
 

@@ -1,4 +1,4 @@
-"""nano_quant.repacked's M = 1 GEMV and M = 2..64 tensor-core kernel under the Triton interpreter: `repack_for_gemv` of random
+"""nano_quant.layers.repacked's M = 1 GEMV and M = 2..64 tensor-core kernel under the Triton interpreter: `repack_for_gemv` of random
 AutoAWQ-packed weights, then the kernel equals AWQ's dequantize-then-matmul reference (`awq_gemm_torch`):
 N not a multiple of BLOCK_N, K a multiple of the group size but not always of a step's groups (masked),
 group sizes 32 / 64 / 96 (words padded to a power of two) / 128, one to four groups a step, split-K with a
@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_quant_kernels import poisoned, within_fa_rule  # noqa: F401 (a fixture)
 
-from nano_quant import repacked
+from nano_quant.layers import repacked
 from nano_quant.linear import WQLinear_GEMM, awq_dequantize_torch, awq_gemm_torch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
