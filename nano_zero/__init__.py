@@ -1,7 +1,8 @@
 """nano_zero: ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054) stages 0–3 with bf16 mixed precision.
 
 `ZeroDataParallel` wraps any nn.Module; `ZeroEngine` trains shared.model with it under shared.train's loop;
-`nano_zero.ledger` holds the memory and communication ledgers (§3.1, §7, Figure 1).
+`nano_zero.ledger` holds the memory and communication ledgers (§3.1, §7, Figure 1), which measure a
+ZeroDataParallel from outside (`memory_report(model)`, `count_communication(model)`).
 """
 
 import importlib
@@ -12,6 +13,7 @@ from typing import Any
 _EXPORTS = {
     "ZeroEngine": "nano_zero.engine", "init_like_build_model": "nano_zero.engine",
     "CommCounter": "nano_zero.ledger", "MemoryReport": "nano_zero.ledger", "figure1": "nano_zero.ledger",
+    "count_communication": "nano_zero.ledger", "memory_report": "nano_zero.ledger",
     "ZeroDataParallel": "nano_zero.zero", "default_units": "nano_zero.zero",
 }
 

@@ -14,7 +14,8 @@ trained, minus what was allocated before it was built), model-state memory by §
 the measured ledger. `baseline_json=<a 1-GPU run's bench.json>` adds the scaling efficiency
 tok/s(N) / (N · tok/s(1)). Writes `bench.json` in the Hydra run directory. On CPU, `quick=true` is a smoke
 run (tiny model, fp32, a few steps): numbers from gloo mean nothing (docs/ARCHITECTURE.md: gloo emulates
-reduce-scatter with an all-reduce).
+reduce-scatter with an all-reduce). `performance_layers=false` runs every system with shared.model's
+kernels on their paper paths.
 
     torchrun --nproc-per-node 2 -m nano_zero.bench model=1b
     python -m nano_zero.bench quick=true
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from nano_flashattn.registry import performance_layers
 from nano_zero.engine import ZeroEngine
 from nano_zero.ledger import formula_for
 from shared.accounting import flops_per_token, param_count
@@ -192,7 +194,8 @@ def run(cfg: DictConfig) -> dict:
         matmul = measure_matmul_flops(env.device)
         datasheet = cfg.peak_tflops * 1e12 if cfg.get("peak_tflops") else datasheet_bf16_flops(env.device)
         peaks = ({"datasheet": datasheet} if datasheet else {}) | {"measured matmul": matmul}
-        rows = [bench_one(name, mcfg, tcfg, env.device, warmup, steps, peaks) for name in cfg.systems]
+        with performance_layers(bool(cfg.performance_layers)):  # the peers' kernels too
+            rows = [bench_one(name, mcfg, tcfg, env.device, warmup, steps, peaks) for name in cfg.systems]
         if cfg.get("baseline_json"):
             base = {r["system"]: r["tokens/s"] for r in json.loads(Path(cfg.baseline_json).read_text())["rows"]}
             for r in rows:
@@ -203,6 +206,7 @@ def run(cfg: DictConfig) -> dict:
             for r in rows:
                 r[f"vs {peer}"] = r["tokens/s"] / ref if ref else None
         record = {"bench": "nano_zero", "world_size": env.world_size, "model": param_count(mcfg),
+                  "performance_layers": bool(cfg.performance_layers),
                   "dtype": tcfg.dtype, "global_batch": tcfg.global_batch_size, "seq_len": tcfg.seq_len,
                   "micro_batch": tcfg.micro_batch_size, "quick": quick, "matmul_TFLOPs_measured": matmul / 1e12,
                   "peak_TFLOPs_datasheet": datasheet / 1e12 if datasheet else None, "rows": rows}

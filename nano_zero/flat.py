@@ -47,8 +47,10 @@ class FlatUnit:
                   fp32 master weights and AdamW moments of this rank's shard (stage 0: of everything).
     """
 
-    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], rank: int, world: int) -> None:
-        ordered = [np for np in named_params if decays(np[1])] + [np for np in named_params if not decays(np[1])]
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], rank: int,
+                 world: int) -> None:
+        # decayed parameters first (sorted is stable: each group keeps its order)
+        ordered = sorted(named_params, key=lambda np: not decays(np[1]))
         self.name, self.rank, self.world = name, rank, world
         self.slots: list[Slot] = []
         offset = 0
@@ -71,7 +73,8 @@ class FlatUnit:
         self.ready = 0  # parameters whose gradient arrived in the current backward pass
         self.reduced = False  # gradient reduced in the current backward pass
         self.gathered = False  # stage 3: `full` holds the parameters
-        self.pending: object | None = None  # stage 3: an in-flight prefetch all-gather (a c10d Work)
+        # stage 3: an in-flight prefetch all-gather (a c10d Work)
+        self.pending: object | None = None
 
     # --------------------------------------------------------------- shard geometry
     def shard_slice(self, rank: int | None = None) -> slice:
@@ -112,9 +115,9 @@ class FlatUnit:
 
 
 @torch.no_grad()
-def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-           decay_numel: int) -> None:
+def adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+           exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
+           eps: float, weight_decay: float, decay_numel: int) -> None:
     """AdamW (Loshchilov & Hutter 2019; decoupled weight decay) on one flat fp32 shard, in place.
 
     Op for op what torch.optim.AdamW's single-tensor path does, so a sharded step equals torch's step

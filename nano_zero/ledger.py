@@ -3,13 +3,15 @@
 Memory (§3.1): mixed-precision Adam keeps 2Ψ bytes of bf16/fp16 parameters, 2Ψ of gradients and KΨ of
 optimizer state, K = 12 (fp32 master 4Ψ, momentum 4Ψ, variance 4Ψ). Stage 1 (Pos) divides the K part by
 N, stage 2 (Pos+g) also the gradients, stage 3 (Pos+g+p) also the parameters:
-16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N. The formula is `shared.accounting.training_memory`; this module
+16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N. The formula is `shared.accounting.training_memory`; `memory_report`
 measures what an engine actually holds (storage bytes of its buffers) and prints the two side by side.
 
 Communication (§7.2): data parallelism's all-reduce is a reduce-scatter plus an all-gather, 2Ψ elements
 per rank per step; stages 1 and 2 do exactly that (reduce-scatter the gradients, all-gather the updated
 parameters): 2Ψ. Stage 3 all-gathers the parameters twice (forward and backward) and reduce-scatters the
-gradients once: 3Ψ. `CommCounter` counts the elements (and bytes) each collective moves, in that unit.
+gradients once: 3Ψ. `CommCounter` counts the elements (and bytes) each collective moves, in that unit;
+`count_communication(model)` wraps a ZeroDataParallel's plain collectives (nano_zero.collectives) so they
+count. The engine asks for it (`ZeroEngine.last_step_comm`); the paper path imports none of this.
 
     python -m nano_zero.ledger          # Figure 1 for the paper's Ψ = 7.5B, N = 64, K = 12
 """
@@ -19,12 +21,15 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from nano_zero.collectives import Collectives
 from shared.accounting import TrainingMemory, training_memory
-from shared.dist import all_gather_single, reduce_scatter_single
+
+if TYPE_CHECKING:
+    from nano_zero.zero import ZeroDataParallel
 
 GB = 1e9  # the paper's Figure 1 uses decimal gigabytes
 
@@ -61,43 +66,40 @@ class CommCounter:
         self.bytes.clear()
 
 
-class Collectives:
-    """The three collectives ZeRO needs, counted, over `group`; without a process group (or with one
-    rank) they are local copies, so a single process runs the same code."""
+class CountedCollectives:
+    """`collectives.Collectives` that add each collective's elements to `counter` (§7's unit) and run it.
 
-    def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
-        self.group, self.counter = group, counter
-        self.distributed = dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world = dist.get_world_size(group) if self.distributed else 1
+    An all-gather or reduce-scatter counts the size of the full buffer, an all-reduce twice its size;
+    scalar sums (`all_reduce_scalar`) pass through uncounted."""
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False, count: bool = True):
-        if count:
-            self.counter.add("all_gather", out.numel(), out.element_size())
-        if self.distributed and out.numel():  # a unit without parameters has nothing to move
-            return all_gather_single(out, shard, group=self.group, async_op=async_op)
-        if out.data_ptr() != shard.data_ptr():
-            out.copy_(shard)
-        return None
+    def __init__(self, inner: Collectives, counter: CommCounter) -> None:
+        self.inner, self.counter = inner, counter
+        self.group, self.distributed = inner.group, inner.distributed
+        self.rank, self.world = inner.rank, inner.world
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        self.counter.add("all_gather", out.numel(), out.element_size())
+        return self.inner.all_gather(out, shard, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         self.counter.add("reduce_scatter", full.numel(), full.element_size())
-        if self.distributed and full.numel():
-            return reduce_scatter_single(out, full, group=self.group, async_op=async_op)
-        if out.data_ptr() != full.data_ptr():
-            out.copy_(full)
-        return None
+        return self.inner.reduce_scatter(out, full, async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         self.counter.add("all_reduce", 2 * t.numel(), t.element_size())
-        if self.distributed and t.numel():
-            dist.all_reduce(t, group=self.group)
+        self.inner.all_reduce(t)
 
     def all_reduce_scalar(self, t: torch.Tensor) -> torch.Tensor:
-        """Uncounted SUM of a few numbers (loss, squared gradient norm)."""
-        if self.distributed:
-            dist.all_reduce(t, group=self.group)
-        return t
+        return self.inner.all_reduce_scalar(t)
+
+
+def count_communication(model: ZeroDataParallel) -> CommCounter:
+    """Count every collective `model` runs from now on, checkpoint gathers included (it wraps
+    `model.comm`); the counter, the same one when asked twice. `ZeroEngine.last_step_comm` is one step's."""
+    if isinstance(model.comm, CountedCollectives):
+        return model.comm.counter
+    model.comm = CountedCollectives(model.comm, CommCounter())
+    return model.comm.counter
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,6 +154,31 @@ def formula_for(num_params: int, stage: int, dp: int, compute_dtype: torch.dtype
     master = 0 if compute_dtype == torch.float32 else 4
     return training_memory(num_params, stage, dp, param_bytes=size, grad_bytes=size, master_bytes=master,
                            moment_bytes=8)
+
+
+def memory_report(model: ZeroDataParallel) -> MemoryReport:
+    """Bytes `model` holds on this rank, measured from its buffers, beside §3.1's formula."""
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    params = grads = master = moments = buffers = 0
+    for u in model.units:
+        if model.stage == 3:
+            params += nbytes(u.param_shard)
+            buffers += u.full.untyped_storage().nbytes() + nbytes(u.grad_full)
+        else:
+            params += nbytes(u.full)
+        if model.stage in (0, 1):
+            grads += nbytes(u.grad_full)
+        else:
+            grads += nbytes(u.grad_shard)
+            if model.stage == 2:
+                buffers += nbytes(u.grad_full)
+        master += 0 if model.dtype == torch.float32 else nbytes(u.master)  # fp32: the master is the param
+        moments += nbytes(u.exp_avg) + nbytes(u.exp_avg_sq)
+    psi = sum(u.numel for u in model.units)
+    return MemoryReport(model.stage, model.world, psi, params, grads, master, moments, buffers,
+                        formula_for(psi, model.stage, model.world, model.dtype))
 
 
 def figure1(num_params: float = 7.5e9, dp: int = 64, k: int = 12) -> list[dict]:

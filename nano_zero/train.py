@@ -1,8 +1,9 @@
 """Train shared.model with ZeRO: `torchrun --nproc-per-node N -m nano_zero.train zero.stage=3 model=tiny`.
 
 A Hydra app (configs in nano_zero/configs): `zero.*` picks the stage, `model=` a model file (any ModelConfig
-field is overridable, `model.num_hidden_layers=2`), `train.*` the loop (shared.train.TrainConfig). Without
-torchrun it runs as one process. The run directory gets Hydra's config, `metrics.jsonl` and `checkpoint/`
+field is overridable, `model.num_hidden_layers=2`), `train.*` the loop (shared.train.TrainConfig);
+`performance_layers=false` runs shared.model's kernels on their paper paths (nano_zero itself has no
+performance layer). Without torchrun it runs as one process. The run directory gets Hydra's config, `metrics.jsonl` and `checkpoint/`
 (HF format, plus `resume/` with one ZeRO shard per rank: `train.resume_from=<run>/checkpoint`).
 """
 
@@ -25,7 +26,9 @@ def run(cfg: DictConfig) -> list[dict]:
         out_dir = hydra_run_dir()
         tcfg = to_dataclass(TrainConfig, cfg.train, out_dir=out_dir)
         mcfg = model_config_from(cfg.model)
-        engine = ZeroEngine(mcfg, tcfg, int(cfg.zero.stage), device=env.device, prefetch=bool(cfg.zero.prefetch))
+        engine = ZeroEngine(mcfg, tcfg, int(cfg.zero.stage), device=env.device,
+                            prefetch=bool(cfg.zero.prefetch),
+                            performance_layers=cfg.get("performance_layers", True))
         log0(f"nano_zero: stage {engine.stage}, {env.world_size} rank(s), {env.backend}, out_dir {out_dir}")
         log0(engine.memory_report().format(env.rank))
         peak_flops = peak_flops_from(cfg, env.device)

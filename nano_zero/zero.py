@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nano_zero.collectives import Collectives
 from nano_zero.flat import FlatUnit, adamw_
-from nano_zero.ledger import Collectives, CommCounter
 from nano_zero.stage3 import Stage3Mixin
 from nano_zero.state import ZeroStateMixin
 from shared.train import clip_coefficient, weak_hook
@@ -65,24 +65,24 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
 
     def __init__(self, module: nn.Module, stage: int, *, units: list[nn.Module] | None = None,
                  dtype: torch.dtype = torch.float32, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.0, group: dist.ProcessGroup | None = None,
-                 init_fn: InitFn | None = None, seed: int = 0, prefetch: bool = True,
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 group: dist.ProcessGroup | None = None, init_fn: InitFn | None = None,
+                 seed: int = 0, prefetch: bool = True,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         self.module, self.stage, self.dtype = module, stage, dtype
         self.betas, self.eps, self.weight_decay, self.prefetch = betas, eps, weight_decay, prefetch
-        self.counter = CommCounter()
-        self.comm = Collectives(group, self.counter)
+        self.comm = Collectives(group)  # plain; nano_zero.ledger.count_communication counts them
         self.rank, self.world = self.comm.rank, self.comm.world
         self.adam_step = 0
         self._sync = True
         self._callback_queued = False
         self._pending: list[tuple[object | None, Callable[[], None]]] = []
         self._alias = dtype == torch.float32  # fp32: master weights are (a slice of) the parameters
-        self.blocks, self.root, self.device = self._partition(units if units is not None else default_units(module),
-                                                              device)
+        units = units if units is not None else default_units(module)
+        self.blocks, self.root, self.device = self._partition(units, device)
         self.units = [self.root, *self.blocks]
         self._unit_of = {id(s.param): u for u in self.units for s in u.slots}
         self._materialize(init_fn, seed)
@@ -96,24 +96,28 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
             self._install_stage3_hooks()
 
     # =============================================================== setup
-    def _partition(self, unit_modules: list[nn.Module], device) -> tuple[list[FlatUnit], FlatUnit, torch.device]:
+    def _partition(self, unit_modules: list[nn.Module], device: torch.device | str | None
+                   ) -> tuple[list[FlatUnit], FlatUnit, torch.device]:
         names = {id(m): n for n, m in self.module.named_modules()}
         params = dict(self.module.named_parameters())
         for name, p in params.items():
             if not p.requires_grad:
-                raise ValueError(f"parameter {name!r} is frozen (requires_grad=False): ZeRO partitions trainable "
-                                 "parameters only; make it a buffer or drop it from the module")
+                raise ValueError(f"parameter {name!r} is frozen (requires_grad=False): ZeRO "
+                                 "partitions trainable parameters only; make it a buffer or drop "
+                                 "it from the module")
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) > 1:
-            raise ValueError(f"parameters have mixed dtypes {sorted(map(str, dtypes))}: ZeRO keeps one flat "
-                             "buffer per unit; give the module one dtype (`dtype=` sets the compute dtype)")
+            raise ValueError(f"parameters have mixed dtypes {sorted(map(str, dtypes))}: ZeRO keeps "
+                             "one flat buffer per unit; give the module one dtype (`dtype=` sets "
+                             "the compute dtype)")
         devices = {p.device for p in params.values()}
         if len(devices) > 1:
             raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}")
         if device is None:
             device = next(iter(devices), torch.device("cpu"))
-            if device.type == "meta":
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            if device.type == "meta":  # materialise where the compute runs
+                cuda = torch.cuda.is_available()
+                device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         owner: dict[int, str] = {}
         blocks = []
         for m in unit_modules:
@@ -126,8 +130,9 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
             named = list(m.named_parameters(prefix=qual))
             for pname, p in named:
                 if id(p) in owner:
-                    raise ValueError(f"parameter {pname!r} is shared by units {owner[id(p)]!r} and {qual!r}: "
-                                     "a parameter must belong to one unit (put both users in one unit)")
+                    raise ValueError(f"parameter {pname!r} is shared by units {owner[id(p)]!r} "
+                                     f"and {qual!r}: a parameter must belong to one unit (put both "
+                                     "users in one unit)")
                 owner[id(p)] = qual
             blocks.append(FlatUnit(qual, named, self.rank, self.world))
         root = [(n, p) for n, p in params.items() if id(p) not in owner]
@@ -144,23 +149,29 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
                 self._adopt(u, u.flatten_params(torch.float32).to(self.device))
             return
         if not all(on_meta):
-            raise ValueError("the module is partly on the meta device: materialise it fully or not at all")
+            raise ValueError("the module is partly on the meta device: materialise it fully or not "
+                             "at all")
         if init_fn is None:
-            raise ValueError("a module on the meta device needs init_fn to initialise its parameters")
+            raise ValueError("a module on the meta device needs init_fn to initialise its "
+                             "parameters")
         self._replace_meta_params()
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        order = [m for m in self.module.modules() if any(True for _ in m.parameters(recurse=False))]
-        last = {id(self._unit_of[id(p)]): i for i, m in enumerate(order) for p in m.parameters(recurse=False)}
+        def own(m: nn.Module) -> list[nn.Parameter]:
+            return list(m.parameters(recurse=False))
+
+        order = [m for m in self.module.modules() if own(m)]
+        last = {id(self._unit_of[id(p)]): i for i, m in enumerate(order) for p in own(m)}
         staging: dict[int, torch.Tensor] = {}
         for i, m in enumerate(order):
-            for u in {id(self._unit_of[id(p)]): self._unit_of[id(p)] for p in m.parameters(recurse=False)}.values():
-                if id(u) not in staging:  # open the unit: an fp32 staging buffer its parameters view
+            for u in {id(self._unit_of[id(p)]): self._unit_of[id(p)] for p in own(m)}.values():
+                if id(u) not in staging:  # open the unit: an fp32 buffer its parameters view
                     staging[id(u)] = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
                     u.point_params_at(staging[id(u)])
             init_fn(m, gen)
-            for p in m.parameters(recurse=False):
+            for p in own(m):
                 u = self._unit_of[id(p)]
-                if last[id(u)] == i and id(u) in staging:  # the unit's last module: keep the shard, drop the rest
+                # the unit's last module: keep the shard, drop the rest
+                if last[id(u)] == i and id(u) in staging:
                     self._adopt(u, staging.pop(id(u)))
         for u in self.units:  # a unit with no parameters
             if u.master is None:
@@ -172,7 +183,8 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
         fresh = {}
         for u in self.units:
             for s in u.slots:
-                fresh[id(s.param)] = nn.Parameter(torch.empty(0, dtype=s.param.dtype, device=self.device))
+                empty = torch.empty(0, dtype=s.param.dtype, device=self.device)
+                fresh[id(s.param)] = nn.Parameter(empty)
                 s.param = fresh[id(s.param)]
         for m in self.module.modules():
             for k, p in m._parameters.items():
@@ -301,7 +313,8 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
                 sl_grads.append(u.grad_full)
             elif self.stage == 1:
                 g = u.grad_full[u.shard_slice()]
-                self.comm.reduce_scatter(g, u.grad_full)  # in place: my shard of the sum lands in my slice
+                # in place: my shard of the sum lands in my slice
+                self.comm.reduce_scatter(g, u.grad_full)
                 sl_grads.append(g)
             else:
                 sl_grads.append(u.grad_shard)
@@ -312,7 +325,8 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
         for g in sl_grads:
             sq += torch.linalg.vector_norm(g, dtype=acc).double() ** 2
         if self.stage >= 1:
-            self.comm.all_reduce_scalar(sq)  # each rank holds a disjoint shard: sum of squares adds up
+            # each rank holds a disjoint shard: the sums of squares add up
+            self.comm.all_reduce_scalar(sq)
         norm = float(sq.sqrt())
         coef = clip_coefficient(norm, max_norm)
         self.adam_step += 1
@@ -320,14 +334,14 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
         for u, g in zip(self.units, sl_grads):
             g32 = g.float() * coef if coef < 1.0 else g.float()
             decay = u.decay_numel if self.stage == 0 else u.decay_numel_in_shard()
-            adamw_(u.master, g32, u.exp_avg, u.exp_avg_sq, step=self.adam_step, lr=lr, beta1=beta1, beta2=beta2,
-                   eps=self.eps, weight_decay=self.weight_decay, decay_numel=decay)
-        self._publish_params(count=True)
+            adamw_(u.master, g32, u.exp_avg, u.exp_avg_sq, step=self.adam_step, lr=lr, beta1=beta1,
+                   beta2=beta2, eps=self.eps, weight_decay=self.weight_decay, decay_numel=decay)
+        self._publish_params()
         for u in self.units:
             (u.grad_full if self.stage in (0, 1) else u.grad_shard).zero_()
         return norm
 
-    def _publish_params(self, count: bool) -> None:
+    def _publish_params(self) -> None:
         """Copy updated master weights into the compute-dtype parameters (all-gather in stages 1, 2)."""
         for u in self.units:
             if self.stage == 0:
@@ -337,7 +351,7 @@ class ZeroDataParallel(Stage3Mixin, ZeroStateMixin, nn.Module):
                 mine = u.full[u.shard_slice()]
                 if not self._alias:
                     mine.copy_(u.master)
-                self.comm.all_gather(u.full, mine, count=count)
+                self.comm.all_gather(u.full, mine)
             elif not self._alias:
                 u.param_shard.copy_(u.master)
 

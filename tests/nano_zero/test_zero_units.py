@@ -10,6 +10,7 @@ from torch import nn
 
 from nano_zero import ZeroDataParallel, ZeroEngine, init_like_build_model
 from nano_zero.flat import FlatUnit, adamw_
+from nano_zero.ledger import count_communication
 from shared.config import ModelConfig
 from shared.data import TokenBatches
 from shared.model import build_model
@@ -78,7 +79,7 @@ def test_world1_every_stage_equals_local_engine(dtype):
         for k, t in ref_state.items():
             torch.testing.assert_close(state[k], t, atol=1e-6, rtol=0, msg=f"stage {stage} {k}")
         if dtype == "bf16":  # the compute copy is the bf16 rounding of the master
-            engine.model._publish_params(count=False)
+            engine.model._publish_params()
             for u in engine.model.units:
                 if stage < 3:
                     assert torch.equal(u.full[u.shard_slice()], u.master.to(torch.bfloat16))
@@ -160,12 +161,14 @@ def test_generic_module_stage3_reshards_after_forward_and_backward():
     """A plain nn.Module: at rest stage 3 holds no full parameters; a tied-free toy still trains."""
     torch.manual_seed(0)
     zm = ZeroDataParallel(_Two(), 3, weight_decay=0.0)
+    counter = count_communication(zm)
+    assert count_communication(zm) is counter  # wrapped once
     assert all(u.full.untyped_storage().nbytes() == 0 for u in zm.units)
     x = torch.randn(5, 4)
     zm(x).pow(2).sum().backward()
     assert all(u.full.untyped_storage().nbytes() == 0 and u.grad_full is None for u in zm.units)
-    assert zm.counter.elements["all_gather"] == 2 * sum(u.padded for u in zm.units)
-    assert zm.counter.elements["reduce_scatter"] == sum(u.padded for u in zm.units)
+    assert counter.elements["all_gather"] == 2 * sum(u.padded for u in zm.units)
+    assert counter.elements["reduce_scatter"] == sum(u.padded for u in zm.units)
     before = zm.full_state_dict()
     zm.step(1e-2)
     after = zm.full_state_dict()
@@ -180,20 +183,21 @@ def test_stage2_reduces_during_backward_and_not_under_no_sync():
     (blocks[1]'s bucket before blocks[0]'s backward), its full gradients freed; no_sync() moves nothing."""
     torch.manual_seed(0)
     zm = ZeroDataParallel(_Two(), 2)
+    counter = count_communication(zm)
     seen = []
 
     def when_blocks0_backward_starts(module, args, out):
-        out.register_hook(lambda g: seen.append(zm.counter.elements["reduce_scatter"]))
+        out.register_hook(lambda g: seen.append(counter.elements["reduce_scatter"]))
 
     zm.module.blocks[0].register_forward_hook(when_blocks0_backward_starts)
     x = torch.randn(5, 4)
     with zm.no_sync():
         zm(x).sum().backward()
-    assert zm.counter.total_elements == 0 and all(u.grad_full is not None for u in zm.blocks)
+    assert counter.total_elements == 0 and all(u.grad_full is not None for u in zm.blocks)
     zm(x).sum().backward()
     b0, b1 = zm.blocks
     assert seen == [0, b1.padded]  # no_sync pass: nothing; sync pass: blocks[1] reduced mid-backward
-    assert zm.counter.elements["reduce_scatter"] == b0.padded + b1.padded and zm.root.numel == 0
+    assert counter.elements["reduce_scatter"] == b0.padded + b1.padded and zm.root.numel == 0
     assert all(u.grad_full is None and u.slots[0].param.grad is None for u in zm.blocks)
     bias = next(s for s in b1.slots if s.name == "blocks.1.bias")
     grad = b1.grad_shard[bias.offset:bias.offset + bias.numel]  # world 1: the shard is everything
