@@ -99,6 +99,28 @@ def test_an_explicit_request_names_the_layer():
         REGISTRY.require("marlin", "marlin=true")
 
 
+@pytest.mark.gpu
+def test_fast_by_default_on_cuda():
+    """On CUDA a plain quantized linear runs the kernels without any import or switch (one row: the GEMV,
+    more: the tensor-core GEMM), performance_layers(False) runs the torch references, and the two agree;
+    swap_modules gives the AWQ layer the repacked kernels, which agree too."""
+    fc = torch.nn.Linear(4096, 1024, bias=True, device="cuda")
+    w8, w4 = W8A8Linear.from_linear(fc), WQLinear_GEMM.from_linear(fc, 128)
+    for rows in (1, 16):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        w = (w4.qweight, w4.qzeros, w4.scales, 128, None)
+        assert REGISTRY.select("awq_gemm", x, *w) is (gemv.awq_gemv_triton if rows == 1 else kernels.awq_gemm)
+        fast8, fast4 = w8(x), w4(x)
+        with performance_layers(False):
+            assert REGISTRY.select("awq_gemm", x, *w) is None
+            ref8, ref4 = w8(x), w4(x)
+        torch.testing.assert_close(fast8, ref8, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fast4, ref4, rtol=2e-2, atol=2e-2)
+        model = swap_modules(torch.nn.Sequential(WQLinear_GEMM.from_linear(fc, 128)))
+        assert type(model[0]) is repacked.RepackedGemvWQLinear
+        torch.testing.assert_close(model(x), ref4, rtol=2e-2, atol=2e-2)
+
+
 # --------------------------------------------------------------------------- deleting a layer file
 def outputs() -> dict[str, torch.Tensor]:
     """A W8A8 and an AWQ W4A16 linear (several rows and one) and a tiny model quantized both ways (its
