@@ -6,10 +6,10 @@ communication. Forward and backward alike: autograd runs each backward op on its
 Keeps two micro-batches' activations alive instead of one; pp = 1 (the pipeline schedules order
 micro-batches themselves) and an even number of micro-batches per rank.
 
-On by default where it applies and was measured: one GPU (tp = pp = dp = 1), an even number of
-micro-batches. One H200, the 1.1B shape of configs/model/1b.yaml, micro-batch 8, 2026-12-01: +2.1% over the
-eager step (two streams fill the gaps between kernels) for +23 GiB of activations (BENCHMARKS.md);
-`parallel.overlap_micro_batches=false` gives that memory back. With tp > 1 it runs when asked for.
+Runs when asked for (`parallel.overlap_micro_batches=true`), not by default: it trades memory for speed.
+One H200, the 1.1B shape of configs/model/1b.yaml, micro-batch 8, 2026-12-01: +2.1% over the eager step
+(two streams fill the gaps between kernels) for +23 GiB of activations (BENCHMARKS.md) — a run that fits
+without it may not fit with it, and the default must never turn a run that fits into one that does not.
 """
 
 from __future__ import annotations
@@ -134,12 +134,9 @@ class PairedMicroBatchesEngine(MegatronEngine):
         return loss_sum
 
 
-def measured_to_help(parallel: ParallelConfig, cfg: TrainConfig, device: torch.device) -> bool:
-    """On by default: one GPU and an even number of micro-batches, where it was measured (module
-    docstring)."""
-    per_rank = cfg.global_batch_size // (cfg.micro_batch_size * parallel.dp)
-    one_gpu = device.type == "cuda" and parallel.tp == parallel.pp == parallel.dp == 1
-    return one_gpu and per_rank % 2 == 0
+def on_by_default(parallel: ParallelConfig, cfg: TrainConfig, device: torch.device) -> bool:
+    """Never on by default: two micro-batches' activations at once may not fit (module docstring)."""
+    return False
 
 
-REGISTRY.register("engine_class", PairedMicroBatchesEngine, applies=measured_to_help)
+REGISTRY.register("engine_class", PairedMicroBatchesEngine, applies=on_by_default)

@@ -83,14 +83,14 @@ def test_engine_class_stacks_asked_and_applying_layers():
     both = engine_class(ParallelConfig(), cfg, CPU, LayerConfig(cuda_graph=True, tp_comm_overlap=True))
     assert [c.__name__ for c in both.__mro__[1:4]] == ["CUDAGraphEngine", "TPCommOverlapEngine",
                                                        "MegatronEngine"]
-    # auto: where each layer was measured to help
+    # auto: where each layer was measured to help; the pairs (more memory) only when asked for
     assert names(engine_class(ParallelConfig(tp=2), cfg, CUDA)) == ["tp_comm_overlap"]
-    assert names(engine_class(ParallelConfig(), cfg, CUDA)) == ["cuda_graph", "overlap_micro_batches"]
-    odd = train_config(micro_batch_size=4)  # one micro-batch: no pairs
-    assert names(engine_class(ParallelConfig(), odd, CUDA)) == ["cuda_graph"]
+    assert names(engine_class(ParallelConfig(), cfg, CUDA)) == ["cuda_graph"]
+    pairs = LayerConfig(overlap_micro_batches=True)
+    assert names(engine_class(ParallelConfig(), cfg, CUDA, pairs)) == ["cuda_graph", "overlap_micro_batches"]
     assert engine_class(ParallelConfig(pp=2), cfg, CUDA) is MegatronEngine
     off = LayerConfig(cuda_graph=False)
-    assert names(engine_class(ParallelConfig(), cfg, CUDA, off)) == ["overlap_micro_batches"]
+    assert engine_class(ParallelConfig(), cfg, CUDA, off) is MegatronEngine
     # the one switch: the paper path alone, here and in every kernel shared.model calls
     paper = LayerConfig(performance_layers=False)
     assert engine_class(ParallelConfig(tp=2), cfg, CUDA, paper) is PaperPathEngine
