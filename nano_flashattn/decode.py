@@ -35,12 +35,15 @@ NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
-def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q, group, qk_scale,
-                         window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                         stride_bt, stride_ob, stride_ot, stride_oh, stride_os, stride_lb, stride_lt,
-                         stride_lh, stride_ls, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                         PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
+                         seqlen_q, group, qk_scale, window_right,
+                         stride_qb, stride_qt, stride_qh,
+                         stride_kb, stride_kt, stride_kh, stride_bt,
+                         stride_ob, stride_ot, stride_oh, stride_os,
+                         stride_lb, stride_lt, stride_lh, stride_ls,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
 
     Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
@@ -56,7 +59,8 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
-    q_ptrs = Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = (Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh
+              + offs_d[None, :])
     q = load_tile(q_ptrs, row_ok[:, None], d_ok[None, :], True, pad_d)
 
     k_len = tl.load(cache_seqlens + b)
@@ -66,41 +70,51 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, seqlen_q
     else:
         k_off = b64 * stride_kb + hk * stride_kh
         bt_row = block_table  # unused
-    # this sequence's keys cut into num_splits slices of whole tiles: a short context is split as finely as a
-    # long one (the capacity, a bound known on the host, would leave all its keys to the first slices)
+    # this sequence's keys cut into num_splits slices of whole tiles: a short context is split as
+    # finely as a long one (the capacity, a bound known on the host, would leave all its keys to the
+    # first slices)
     split_len = tl.cdiv(tl.cdiv(k_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, k_len)
     # token t sits at key position t + k_len - seqlen_q (bottom-right aligned, as in the forward);
     # keys past the slice end `hi` are masked like keys past the sequence end
     diag = k_len - seqlen_q
-    full_hi = tl.minimum(hi, diag + window_right + 1)  # the last key that token 0 (the first) may see
+    # the last key that token 0 (the first) may see
+    full_hi = tl.minimum(hi, diag + window_right + 1)
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo=lo, hi=full_hi, n=hi,
-                              shift=diag, lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
-                              stride_kt=stride_kt, stride_kp=stride_kb, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=False,
+    k_base, v_base = K + k_off, V + k_off
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, t,
+                              lo=lo, hi=full_hi, n=hi, shift=diag,
+                              lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kb,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=False,
                               DOT_PRECISION=DOT_PRECISION)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, K + k_off, V + k_off, bt_row, t, lo=full_hi, hi=hi, n=hi,
-                              shift=diag, lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
-                              stride_kt=stride_kt, stride_kp=stride_kb, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, t,
+                              lo=full_hi, hi=hi, n=hi, shift=diag,
+                              lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kb,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                               DOT_PRECISION=DOT_PRECISION)
-    empty = l_i == 0.0  # an empty slice (past the sequence end) has weight exp(-inf) = 0 in the combine
+    # an empty slice (past the sequence end) has weight exp(-inf) = 0 in the combine
+    empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
-    o_ptrs = Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + split * stride_os
+    o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+              + split * stride_os)
     o_ok = row_ok[:, None] & d_ok[None, :]
     tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
-    tl.store(LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls, lse, mask=row_ok)
+    lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
+    tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
-def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
+def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge the slices of one (sequence, token, head) row: O = sum_s exp(L_s - L) O_s, L = logsumexp_s L_s
     (the online softmax's rescaling, once across slices)."""
     r = tl.program_id(0).to(tl.int64)
@@ -130,7 +144,8 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
     return max(1, min(target // programs, longest, 128))
 
 
-def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits, config=None):
+def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits,
+                   config=None):
     """Launch Flash-Decoding. q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with
     block_table. Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
@@ -139,11 +154,13 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     heads_k = k_cache.shape[2]
     group = heads_q // heads_k
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]  # a bound: no sync
+    # a bound on every sequence's length, known without a device sync
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))  # tl.dot wants >= 16 rows
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * heads_k * row_blocks
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, paged, programs)
+    config = config or decode_config(head_dim, q.dtype, q.device, paged, programs)
+    block_n, num_warps, num_stages = config
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
@@ -155,23 +172,27 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     else:
         o_part = torch.empty(batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32,
                              device=q.device)
-        lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32,
+                               device=q.device)
         s_strides = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
         return out, lse.transpose(1, 2)
     _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
         block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
-        window_right=0 if causal else NO_WINDOW, stride_qb=q.stride(0), stride_qt=q.stride(1),
-        stride_qh=q.stride(2), stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_bt=block_table.stride(0) if paged else 0,
+        window_right=0 if causal else NO_WINDOW,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_bt=block_table.stride(0) if paged else 0,
         stride_ob=o_part.stride(0), stride_ot=o_part.stride(1), stride_oh=o_part.stride(2),
-        stride_os=s_strides[0], stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1),
-        stride_lh=lse_part.stride(2), stride_ls=s_strides[1], HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        stride_os=s_strides[0],
+        stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1), stride_lh=lse_part.stride(2),
+        stride_ls=s_strides[1],
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _combine_kernel[(batch * seqlen_q * heads_q,)](
-            O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits, HEAD_DIM=head_dim,
-            BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits))
+            O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits))
     return out, lse.transpose(1, 2)

@@ -30,7 +30,8 @@ from .configs import block_d, fwd_config
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 log-sum-exp back to natural log
-LOG2E_C, LN2_C = tl.constexpr(LOG2E), tl.constexpr(LN2)  # the same, as compile-time constants for kernels
+# the same, as compile-time constants for kernels
+LOG2E_C, LN2_C = tl.constexpr(LOG2E), tl.constexpr(LN2)
 
 
 @triton.jit
@@ -72,7 +73,8 @@ def visible(rows, cols, shift, lo_w, hi_w, n):
 
 
 @triton.jit
-def kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp,
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Element offsets of key/value rows `offs_n` of one sequence.
 
     Contiguous: row j is j * stride_kt past the sequence's first row. Paged (vLLM's PagedAttention):
@@ -85,8 +87,9 @@ def kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED: tl.constexpr, PAG
 
 
 @triton.jit
-def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift, lo_w, hi_w, qk_scale,
-              stride_kt, stride_kp, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift, lo_w, hi_w,
+              qk_scale, stride_kt, stride_kp,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
     """Algorithm 1, lines 6-11, over the key tiles j in [lo, hi): S = Q_i K_j^T, online softmax, O += P V_j.
@@ -100,25 +103,28 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv = kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED, PAGE_SIZE)
         # line 7: load K_j (transposed) and, below, V_j
-        k_t = load_tile(k_base + kv[None, :] + offs_d[:, None], offs_n[None, :] < n, d_ok[:, None], MASKED,
-                        pad_d)
+        k_t = load_tile(k_base + kv[None, :] + offs_d[:, None], offs_n[None, :] < n, d_ok[:, None],
+                        MASKED, pad_d)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # line 8: S_ij = Q_i K_j^T
         if MASKED:
-            s = tl.where(visible(offs_m, offs_n, shift, lo_w, hi_w, n), s * qk_scale, float("-inf"))
+            seen = visible(offs_m, offs_n, shift, lo_w, hi_w, n)
+            s = tl.where(seen, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead, so that
             # exp2(-inf - (-inf)) = NaN never happens and its p stays exactly 0
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # line 9: m_ij; qk_scale > 0 commutes with max
+            # line 9: m_ij (qk_scale > 0 commutes with max), then P~_ij: one FMA + one exp2 per score
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-            p = tl.math.exp2(s * qk_scale - m_use[:, None])  # line 9: P~_ij, one FMA + one exp2 per score
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)  # line 9: rescale what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)  # line 9: l_ij
-        v = load_tile(v_base + kv[:, None] + offs_d[None, :], offs_n[:, None] < n, d_ok[None, :], MASKED,
-                      pad_d)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # line 10
+        v = load_tile(v_base + kv[:, None] + offs_d[None, :], offs_n[:, None] < n, d_ok[None, :],
+                      MASKED, pad_d)
+        # line 10: O_ij = diag(alpha) O_i(j-1) + P~_ij V_j
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -138,21 +144,24 @@ def seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.con
 # Lengths, the block table's row stride (the widest block table of an engine step) and the LSE's head stride
 # (= the step's token count) change from call to call; Triton would compile a variant per "multiple of 16" /
 # "equals 1" pattern of each, mid-serving (a ~1 s stall: an H200 serving run built one inside a timed rate).
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right", "stride_bt",
-                               "stride_lse_h"])
-def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, seqlen_q, seqlen_k, group,
-                qk_scale, window_left, window_right, stride_qt, stride_qh, stride_kt, stride_kh, stride_kp,
-                stride_bt, stride_lse_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
+                               "stride_bt", "stride_lse_h"])
+def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
+                seqlen_q, seqlen_k, group, qk_scale, window_left, window_right,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_bt, stride_lse_h,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Algorithm 1, lines 4-15, for one query tile Q_i of one head of one sequence (line 3's loop is the grid:
     (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch))."""
     pid_m = tl.program_id(0)
-    if REVERSE:  # causal: the last query tiles see the most keys; start them first so the tail is short
+    # causal: the last query tiles see the most keys; start them first so the tail is short
+    if REVERSE:
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN)
+    q_start, q_len, k_start, k_len = seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k,
+                                                VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
@@ -177,32 +186,40 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, seql
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     diag = k_len - q_len  # bottom-right alignment: query i sits at key position i + diag
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
-    lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left, hi_w=window_right,
-                                          n=k_len, BLOCK=BLOCK_N)
-    # lines 6-11 in three runs: the left window edge (masked), the fully visible middle (no mask arithmetic),
-    # the causal diagonal / right window edge / sequence end (masked)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo=lo, hi=full_lo,
-                              n=k_len, shift=diag, lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
-                              stride_kt=stride_kt, stride_kp=stride_kp, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+    lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left,
+                                          hi_w=window_right, n=k_len, BLOCK=BLOCK_N)
+    # lines 6-11 in three runs: the left window edge (masked), the fully visible middle (no mask
+    # arithmetic), the causal diagonal / right window edge / sequence end (masked)
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m,
+                              lo=lo, hi=full_lo, n=k_len, shift=diag,
+                              lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kp,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                               DOT_PRECISION=DOT_PRECISION)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo=full_lo, hi=full_hi,
-                              n=k_len, shift=diag, lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
-                              stride_kt=stride_kt, stride_kp=stride_kp, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=False,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m,
+                              lo=full_lo, hi=full_hi, n=k_len, shift=diag,
+                              lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kp,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=False,
                               DOT_PRECISION=DOT_PRECISION)
-    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo=full_hi, hi=hi,
-                              n=k_len, shift=diag, lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
-                              stride_kt=stride_kt, stride_kp=stride_kp, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                              BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+    acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m,
+                              lo=full_hi, hi=hi, n=k_len, shift=diag,
+                              lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
+                              stride_kt=stride_kt, stride_kp=stride_kp,
+                              HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                               DOT_PRECISION=DOT_PRECISION)
 
-    # line 12: O_i = diag(l_i)^-1 acc; line 13: L_i = m_i + log(l_i). A row that saw no key: O = 0, L = -inf.
+    # line 12: O_i = diag(l_i)^-1 acc; line 13: L_i = m_i + log(l_i).
+    # A row that saw no key: O = 0, L = -inf.
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
     o_ptrs = Out + q_off + offs_m[:, None] * stride_qt + offs_d[None, :]  # line 14: write O_i
-    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    o_ok = row_ok[:, None] & d_ok[None, :]
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
     tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)  # line 15: write L_i
 
 
@@ -211,22 +228,22 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,
-                      window_left, window_right, config=None):
+def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table,
+                      scale, window_left, window_right, config=None):
     """Launch Algorithm 1. q: (total_q, Hq, D); k, v: (total_k, Hk, D), or (pages, page_size, Hk, D)
     with block_table. Dense batches pass cu_seqlens None and seqlen_q/k per sequence; varlen batches
     pass the max lengths. Returns out (total_q, Hq, D) and lse (Hq, total_q) fp32.
 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `configs.fwd_config`."""
     head_dim = q.shape[2]
-    return launch_forward(_fwd_kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-                          block_table, scale, window_left, window_right,
-                          config or fwd_config(head_dim, q.dtype, q.device), HEAD_DIM=head_dim,
-                          BLOCK_D=block_d(head_dim))
+    config = config or fwd_config(head_dim, q.dtype, q.device)
+    return launch_forward(_fwd_kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q,
+                          cu_seqlens_k, block_table, scale, window_left, window_right, config,
+                          HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
 
 
-def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table, scale,
-                   window_left, window_right, config, **head_axis):
+def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                   block_table, scale, window_left, window_right, config, **head_axis):
     """Algorithm 1's grid (line 3's loop: one program per query tile, query head and sequence) for `kernel`;
     `head_axis`: the kernel's head-dim constexprs."""
     total_q, heads_q = q.shape[:2]
@@ -238,11 +255,14 @@ def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_
     paged = block_table is not None
     kernel[(cdiv(seqlen_q, block_m), heads_q, batch)](
         Q=q, K=k, V=v, Out=out, LSE=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        block_table=block_table, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=heads_q // k.shape[-2],
-        qk_scale=scale * LOG2E, window_left=window_left, window_right=window_right,
-        stride_qt=q.stride(-3), stride_qh=q.stride(-2), stride_kt=k.stride(-3), stride_kh=k.stride(-2),
-        stride_kp=k.stride(0) if paged else 0, stride_bt=block_table.stride(0) if paged else 0,
-        stride_lse_h=lse.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=cu_seqlens_q is not None,
+        block_table=block_table, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        group=heads_q // k.shape[-2], qk_scale=scale * LOG2E,
+        window_left=window_left, window_right=window_right,
+        stride_qt=q.stride(-3), stride_qh=q.stride(-2),
+        stride_kt=k.stride(-3), stride_kh=k.stride(-2), stride_kp=k.stride(0) if paged else 0,
+        stride_bt=block_table.stride(0) if paged else 0, stride_lse_h=lse.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=cu_seqlens_q is not None,
         PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, REVERSE=window_right == 0,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **head_axis)
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        **head_axis)
     return out, lse
