@@ -367,6 +367,7 @@ def main(argv=None, sweep: dict | None = None) -> dict:
 
 
 def run(args: argparse.Namespace, argv, sweep: dict | None) -> dict:
+    """The bench with parsed `args`, in the performance-layer context `main` set."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     import triton
