@@ -23,6 +23,20 @@ def test_bench_quick_writes_json(tmp_path):
     assert saved["decode"][0]["ours_paged16"] > 0 and saved["decode"][0]["head_dim"] == 64
     md = (tmp_path / "bench.md").read_text()
     assert "| hd | causal | seqlen |" in md and "| hd | causal | seqlen | pass | ours | vs hd128 |" in md
+    assert saved["env"]["performance_layers"] is True and saved["env"]["missing_layers"] == []
+
+
+def test_bench_paper_path_switch(monkeypatch):
+    """--paper-path: the run's lookups find no layer; the switch ends with the run."""
+    from nano_flashattn.registry import layers_enabled
+
+    args = bench.parse_args(["--paper-path", "--no-gluon-forward"])
+    assert args.paper_path and args.no_gluon_forward
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda args, argv, sweep: seen.append(layers_enabled()))
+    bench.main(["--paper-path"])
+    bench.main([])
+    assert seen == [False, True] and layers_enabled()
 
 
 def test_bench_sweep_names_the_tool(capsys):
