@@ -23,6 +23,7 @@ from .checks import check_dense, check_kernel_dtype, check_kernel_head_dim, chec
 from .decode import decode_forward
 from .dispatch import REGISTRY
 from .forward import attention_forward
+from .registry import layers_enabled, performance_layers
 
 PAPER_KERNELS: dict[str, Callable] = {
     "forward": attention_forward, "backward": attention_backward, "decode": decode_forward,
@@ -42,6 +43,9 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, scale, left, right):
         ctx.launch_args = dict(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale=scale,
                                window_left=left, window_right=right)
+        # autograd runs the backward on a thread of its own, outside the forward's context: carry the
+        # performance-layer switch across, so a paper-path forward gets a paper-path backward
+        ctx.layers = layers_enabled()
         out, lse = run_kernel("forward", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               block_table=None, **ctx.launch_args)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -51,8 +55,9 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = run_kernel("backward", do=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_q,
-                                cu_seqlens_k=cu_k, **ctx.launch_args)
+        with performance_layers(ctx.layers):
+            dq, dk, dv = run_kernel("backward", do=dout, q=q, k=k, v=v, out=out, lse=lse,
+                                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **ctx.launch_args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

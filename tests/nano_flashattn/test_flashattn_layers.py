@@ -55,6 +55,26 @@ def test_a_registered_forward_and_backward_run_where_they_apply():
     remove_fwd()  # removing twice is harmless
 
 
+def test_the_backward_keeps_the_forwards_switch_on_another_thread():
+    """Autograd runs a CUDA backward on a thread of its own, outside the forward's context: a forward run
+    under performance_layers(False) must still get the paper path's backward there."""
+    import threading
+
+    q, k, v = (torch.randn(1, 20, 2, 32, dtype=torch.float16) for _ in range(3))
+    bwd = []
+    remove = REGISTRY.register("backward", _recording_layer("backward", bwd))
+    try:
+        qq = q.clone().requires_grad_()
+        with fa.performance_layers(False):
+            out = fa.flash_attn_func_triton(qq, k, v, causal=True)
+        thread = threading.Thread(target=lambda: out.sum().backward())  # a fresh context, layers on
+        thread.start()
+        thread.join()
+        assert qq.grad is not None and not bwd
+    finally:
+        remove()
+
+
 def test_a_registered_decode_runs_and_the_first_that_applies_wins():
     q = torch.randn(2, 1, 4, 32, dtype=torch.float16)
     kc, vc = torch.randn(2, 24, 2, 32, dtype=torch.float16), torch.randn(2, 24, 2, 32, dtype=torch.float16)
