@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outputs)
     layers = llm.engine.layers_applied
-    print(f"layers applied: {', '.join(layers) or 'none (the paper path alone)'}")
+    print(f"layers applied: {', '.join(layers) or 'none'}")
     print(f"Total: {tokens}tok, Time: {t:.2f}s, Throughput: {tokens / t:.2f}tok/s", flush=True)
     llm.shutdown()
     return {"output_tokens": tokens, "seconds": t, "output_tok_per_s": tokens / t, "layers_applied": layers}

@@ -102,7 +102,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     tokens = sum(len(o.token_ids) for o in outs)
     steps, phases = max(timer.num_steps, 1), timer.seconds
     layers = llm.engine.layers_applied
-    print(f"layers applied: {', '.join(layers) or 'none (the paper path alone)'}", flush=True)
+    print(f"layers applied: {', '.join(layers) or 'none'}", flush=True)
     print("per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in timer.per_step_ms().items())
           + "  (execute includes prepare, the launches and the wait for the sampled tokens; 0 when steps "
             "overlap, which launch and wait apart)", flush=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from nano_vllm import gemv
+from nano_vllm.layers import gemv
 from nano_vllm.layers.gemv import (
     GemvConfig,
     GemvLinear,

@@ -35,7 +35,7 @@ def test_timeline_sees_every_step(qwen3_ckpt, overlap):
 def test_gemv_bench_runs_under_the_interpreter(monkeypatch):
     """Every code path of the bench, not its numbers: each timing is one call (the interpreter runs a launch
     in ~0.1 s per few dozen programs, so the sweep's tiles are the larger ones of its grid)."""
-    from nano_vllm import bench_gemv
+    from nano_vllm.bench import gemv as bench_gemv
     from nano_vllm.layers.gemv import GemvConfig
     from shared.accounting import Ceilings
 
