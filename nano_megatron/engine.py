@@ -30,6 +30,7 @@ from nano_megatron.tensor_parallel import (
     apply_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+from shared.checkpoint import load_resume_file
 from shared.config import ModelConfig
 from shared.dist import all_gather_single
 from shared.model import CausalLM, build_model
@@ -299,7 +300,8 @@ class MegatronEngine:
             raise FileNotFoundError(f"no resume shard {str(path)!r}: was the run saved with "
                                     f"tp={self.grid.tp}, pp={self.grid.pp}? (resharding a resume "
                                     "checkpoint is not supported)")
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        keys = ("grid", "master", "optimizer")
+        state = load_resume_file(path, keys, "nano_megatron resume shard", self.device)
         saved = state["grid"]
         if (saved["tp"], saved["pp"]) != (self.grid.tp, self.grid.pp):
             raise ValueError(f"resume state was saved with tp={saved['tp']}, pp={saved['pp']}, "

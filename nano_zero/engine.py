@@ -22,6 +22,7 @@ from torch import nn
 from nano_flashattn.registry import performance_layers as layers_switch
 from nano_zero.ledger import MemoryReport, count_communication, memory_report
 from nano_zero.zero import ZeroDataParallel
+from shared.checkpoint import load_resume_file
 from shared.config import ModelConfig
 from shared.model import CausalLM, init_module_
 from shared.train import StepResult, TrainConfig, check_seq_len, next_token_loss
@@ -91,7 +92,8 @@ class ZeroEngine:
         if not path.is_file():
             raise FileNotFoundError(f"no ZeRO shard {path.name} in {str(directory)!r} (saved with another "
                                     "world size?)")
-        self.model.load_shard_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+        keys = ("stage", "world", "geometry", "adam_step", "units")
+        self.model.load_shard_state_dict(load_resume_file(path, keys, "ZeRO resume shard", self.device))
 
     def memory_report(self) -> MemoryReport:
         """What this rank holds beside §3.1's formula (nano_zero.ledger.memory_report)."""

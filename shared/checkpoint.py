@@ -8,7 +8,7 @@ save loads in `transformers`, in nano_vllm, and back here.
 Every file is written under a temporary name in the same directory, fsynced and renamed over the old one,
 in an order that keeps the directory loadable at every instant: a save killed half-way leaves the previous
 checkpoint (or the new one), never a truncated file. A corrupt or truncated file raises an error that
-names it.
+names it; so does a resume file that torch cannot read, and a resume checkpoint of another model.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ SINGLE_NAME = "model.safetensors"
 # Tensors some HF checkpoints carry that are recomputed here, never learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SAFETENSORS_ERRORS = (getattr(safetensors, "SafetensorError", OSError), OSError, ValueError)
+# The ModelConfig fields that decide which tensors a model has and their shapes: a resume checkpoint must
+# agree on all of them (rope_theta or max_position_embeddings may change between runs, e.g. to extend context).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -287,11 +291,49 @@ def resume_directory(path: str | os.PathLike) -> Path:
     return p
 
 
+def load_resume_file(path: str | os.PathLike, keys: tuple[str, ...], what: str,
+                     map_location: str | torch.device | None = None) -> dict[str, Any]:
+    """`torch.load` (weights only) of one file of a resume directory, which must hold a dict with `keys`.
+
+    A file torch cannot read (garbage, truncated, another format) or one without those keys is a
+    ValueError naming the file and saying it is not a `what` file (torch's own error is chained)."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:  # unreadable or missing: the OS error names the file already
+        raise
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, KeyError... by content
+        raise ValueError(f"{str(path)!r} is not a {what} file: torch.load cannot read it "
+                         f"({type(e).__name__}): a corrupt, truncated or foreign file") from e
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        held = f"a dict without {missing}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise ValueError(f"{str(path)!r} is not a {what} file: it holds {held}")
+    return state
+
+
+def check_same_model(path: str | os.PathLike, model_config: ModelConfig,
+                     argument: str = "train.resume_from") -> None:
+    """ValueError unless the checkpoint directory's config.json describes a model of `model_config`'s
+    shape (`SHAPE_FIELDS`); the message names the directory and every field that differs."""
+    saved = read_config(path)
+    diff = [f"{name} {getattr(saved, name)!r} in the checkpoint, {getattr(model_config, name)!r} in this run"
+            for name in SHAPE_FIELDS if getattr(saved, name) != getattr(model_config, name)]
+    if diff:
+        raise ValueError(f"{argument}: checkpoint {str(path)!r} holds another model than this run's "
+                         f"({'; '.join(diff)}): resume with the model it was trained with (its config.json)")
+
+
 def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data: TokenBatches) -> int:
-    """Restore the engine, the data stream and the RNG; return the step to continue from."""
+    """Restore the engine, the data stream and the RNG; return the step to continue from.
+
+    Checks first that the checkpoint holds a model of the engine's shape (`check_same_model`, against
+    the config.json beside the resume directory) and that the loop state is one (`load_resume_file`)."""
     directory = resume_directory(path)
+    if (directory.parent / "config.json").is_file():
+        check_same_model(directory.parent, engine.model_config)
     own = _loop_state_file(directory, get_rank())
-    loop = torch.load(own if own.is_file() else _loop_state_file(directory, 0), weights_only=True)
+    loop = load_resume_file(own if own.is_file() else _loop_state_file(directory, 0),
+                            ("step", "data", "rng"), "loop-state")
     engine.load_resume_state(directory)
     data.load_state_dict(loop["data"])
     torch.set_rng_state(loop["rng"]["cpu"])

@@ -39,6 +39,7 @@ from shared.accounting import flops_per_token
 from shared.checkpoint import (  # a training run's checkpoints live beside the HF format they write
     CHECKPOINT_DIR,
     RESUME_DIR,
+    load_resume_file,
     load_training_checkpoint,
     resume_directory,
     save_training_checkpoint,
@@ -322,7 +323,8 @@ class LocalEngine:
                    Path(directory) / "local_engine.pt")
 
     def load_resume_state(self, directory: Path) -> None:
-        state = torch.load(Path(directory) / "local_engine.pt", map_location=self.device, weights_only=True)
+        state = load_resume_file(Path(directory) / "local_engine.pt", ("master", "optimizer"),
+                                 "LocalEngine resume", self.device)
         self.opt.load(state["master"], state["optimizer"])
 
 
@@ -362,8 +364,9 @@ def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
     file) and appends it to `out_dir/metrics.jsonl`: step, loss, lr, grad_norm, tokens_per_s (global),
     mfu (per-device `peak_flops` × world size; None when no peak is given). Saves every `save_every` steps
     and at the end (see `save_training_checkpoint`) and reports where; `resume_from` continues the same
-    data stream, schedule and RNG (metrics.jsonl keeps only the steps up to the resumed one).
-    Call on every rank; the batch-size and sequence-length checks raise before any collective, on every
+    data stream, schedule and RNG (metrics.jsonl keeps only the steps up to the resumed one); a checkpoint
+    already past the run's last step (`train.steps`, or `train.stop_at`) is a ValueError raised before
+    anything is written, as one at that step has nothing to train. Call on every rank; the batch-size and sequence-length checks raise before any collective, on every
     rank alike.
     """
     check_batch_sizes(cfg, engine.dp_world_size)
@@ -375,6 +378,13 @@ def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
     if cfg.resume_from:
         start = load_training_checkpoint(engine, cfg.resume_from, data)
     end = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+    name = "train.stop_at" if cfg.stop_at is not None else "train.steps"
+    if start > end:  # its weights are of step `start`: saving them as step `end` would be a lie
+        raise ValueError(f"train.resume_from: checkpoint {str(cfg.resume_from)!r} is at step {start}, past "
+                         f"{name}={end}: nothing to train (set {name} above {start} to continue the run)")
+    if start == end and cfg.resume_from and is_main:
+        report(f"train.resume_from: checkpoint {str(cfg.resume_from)!r} is at step {start} = {name}: "
+               "nothing to train")
     out = Path(cfg.out_dir)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)

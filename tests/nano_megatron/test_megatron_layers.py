@@ -125,6 +125,32 @@ def test_seq_len_longer_than_the_model_raises_before_any_collective(one_rank):
         MegatronEngine(model_config(), ParallelConfig(), train_config(seq_len=4096))
 
 
+def test_resume_shard_errors_name_the_file(one_rank, tmp_path):
+    """A garbage resume shard is a ValueError naming it; a checkpoint of another model names the difference
+    before any shard is read (shared.checkpoint.check_same_model)."""
+    from shared.train import train
+
+    mc = model_config(vocab_size=4096)  # the corpus's tokenizer
+    cfg = train_config(steps=1, out_dir=str(tmp_path / "a"))
+    engine = MegatronEngine(mc, ParallelConfig(), cfg)
+    train(engine, cfg)
+    engine.close()
+    ckpt = tmp_path / "a" / "checkpoint"
+    shard = ckpt / "resume" / "megatron-pp000-tp000.pt"
+    shard.write_bytes(b"not a checkpoint")
+    resumed = train_config(steps=2, out_dir=str(tmp_path / "b"), resume_from=str(ckpt))
+    engine = MegatronEngine(mc, ParallelConfig(), resumed)
+    with pytest.raises(ValueError, match=rf"'{shard}' is not a nano_megatron resume shard file: torch.load "
+                                         "cannot read it"):
+        train(engine, resumed)
+    engine.close()
+    engine = MegatronEngine(mc.replace(num_hidden_layers=3), ParallelConfig(), resumed)
+    with pytest.raises(ValueError, match=rf"checkpoint '{ckpt}' holds another model than this run's "
+                                         r"\(num_hidden_layers 2 in the checkpoint, 3 in this run\)"):
+        train(engine, resumed)
+    engine.close()
+
+
 def test_layer_engines_validate_before_any_collective(one_rank):
     mc, cfg = model_config(), train_config()
     with pytest.raises(ValueError, match="parallel.cuda_graph needs a CUDA device"):

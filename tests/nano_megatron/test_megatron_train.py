@@ -149,3 +149,28 @@ def test_bench_system_names_map_to_parallel_configs():
                                                          "tp_comm_overlap": None}
     for bad in ("tp_sp_sp", "tp_fast", "dtensor_tp", "pp_1f1b", "tpsp"):
         assert tp_parallel_config(bad, 2) is None
+
+
+def test_cli_refuses_a_resume_past_the_end_or_of_another_model(runs, tmp_path):
+    """`train.resume_from` of the single run's step-3 checkpoint: with train.steps=2 the trainer exits
+    non-zero naming the step and the key (and writes no checkpoint); with another model it names the
+    checkpoint and the difference."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ckpt = runs / "single" / "checkpoint"
+    cases = {"past": [*COMMON, "train.steps=2"], "model": [*COMMON, "train.steps=5", "model.num_hidden_layers=3"]}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "nano_megatron.train", *args,
+                                     f"train.resume_from={ckpt}", f"hydra.run.dir={tmp_path / name}"],
+                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, args in cases.items()}
+    out = {}
+    for name, proc in procs.items():
+        try:
+            out[name] = proc.communicate(timeout=240)[0]
+        finally:
+            proc.kill()
+        assert proc.returncode != 0, out[name][-2000:]
+        assert not (tmp_path / name / "checkpoint").exists()
+    assert (f"ValueError: train.resume_from: checkpoint '{ckpt}' is at step 3, past train.steps=2: nothing "
+            "to train") in out["past"], out["past"][-2000:]
+    assert (f"ValueError: train.resume_from: checkpoint '{ckpt}' holds another model than this run's "
+            "(num_hidden_layers 2 in the checkpoint, 3 in this run)") in out["model"], out["model"][-2000:]

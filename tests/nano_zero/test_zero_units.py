@@ -157,6 +157,29 @@ def test_bad_inputs_get_clear_errors():
         ZeroEngine(TINY, TrainConfig(seq_len=4096), 3)
 
 
+def test_resume_shard_errors_name_the_file(tmp_path):
+    """A garbage ZeRO shard is a ValueError naming it; a checkpoint of another model names the difference
+    before any shard is read (shared.checkpoint.check_same_model)."""
+    from shared.train import train
+
+    cfg = TrainConfig(steps=1, global_batch_size=4, micro_batch_size=2, seq_len=16, out_dir=str(tmp_path / "a"))
+    train(ZeroEngine(TINY, cfg, 3), cfg)
+    ckpt = tmp_path / "a" / "checkpoint"
+    shard = ckpt / "resume" / "zero-rank00000.pt"
+    shard.write_bytes(b"not a checkpoint")
+    resumed = TrainConfig(steps=2, global_batch_size=4, micro_batch_size=2, seq_len=16,
+                          out_dir=str(tmp_path / "b"), resume_from=str(ckpt))
+    with pytest.raises(ValueError, match=rf"'{shard}' is not a ZeRO resume shard file: torch.load cannot read"):
+        train(ZeroEngine(TINY, resumed, 3), resumed)
+    torch.save({"stage": 3}, shard)
+    with pytest.raises(ValueError, match=rf"'{shard}' is not a ZeRO resume shard file: it holds a dict without "
+                                         r"\['world', 'geometry', 'adam_step', 'units'\]"):
+        train(ZeroEngine(TINY, resumed, 3), resumed)
+    with pytest.raises(ValueError, match=rf"checkpoint '{ckpt}' holds another model than this run's "
+                                         r"\(vocab_size 4096 in the checkpoint, 8192 in this run\)"):
+        train(ZeroEngine(TINY.replace(vocab_size=8192), resumed, 3), resumed)
+
+
 def test_generic_module_stage3_reshards_after_forward_and_backward():
     """A plain nn.Module: at rest stage 3 holds no full parameters; a tied-free toy still trains."""
     torch.manual_seed(0)

@@ -230,3 +230,54 @@ def test_resume_point_survives_a_save_killed_between_its_renames(tmp_path):
     (ckpt / "resume").rename(ckpt / "resume.old")
     assert resume_directory(ckpt) == ckpt / "resume.old"
     assert train(LocalEngine(TINY, cfg), _cfg(tmp_path / "b", steps=3, resume_from=str(ckpt)))[0]["step"] == 3
+
+
+def test_resume_past_the_last_step_is_refused_and_writes_nothing(tmp_path):
+    """A checkpoint of step 4 resumed with train.steps=2 (or stop_at=3) holds weights of step 4: the run
+    refuses before writing, instead of saving them labelled step 2. At step 4 itself: nothing to train."""
+    train(LocalEngine(TINY, _cfg(tmp_path / "a", steps=4)), _cfg(tmp_path / "a", steps=4))
+    ckpt = tmp_path / "a" / "checkpoint"
+    for kw, name in (({"steps": 2}, "train.steps=2"), ({"steps": 8, "stop_at": 3}, "train.stop_at=3")):
+        cfg = _cfg(tmp_path / "b", resume_from=str(ckpt), **kw)
+        with pytest.raises(ValueError, match=rf"train.resume_from: checkpoint '{ckpt}' is at step 4, past "
+                                             rf"{name}: nothing to train \(set {name[:-2]} above 4"):
+            train(LocalEngine(TINY, cfg), cfg)
+        assert not (tmp_path / "b").exists()
+    before = torch.load(ckpt / "resume" / "loop-rank00000.pt", weights_only=True)
+    assert before["step"] == 4 and before["data"]["step"] == 4  # the resumed checkpoint is left as it was
+    cfg = _cfg(tmp_path / "c", steps=4, resume_from=str(ckpt))
+    assert train(LocalEngine(TINY, cfg), cfg) == []
+    loop = torch.load(tmp_path / "c" / "checkpoint" / "resume" / "loop-rank00000.pt", weights_only=True)
+    assert loop["step"] == loop["data"]["step"] == 4
+
+
+def test_resume_of_another_model_names_the_checkpoint_and_the_difference(tmp_path):
+    cfg = _cfg(tmp_path / "a", steps=1)
+    train(LocalEngine(TINY, cfg), cfg)
+    ckpt = tmp_path / "a" / "checkpoint"
+    other = TINY.replace(num_hidden_layers=2, hidden_size=64, head_dim=16)
+    cfg = _cfg(tmp_path / "b", steps=2, resume_from=str(ckpt / "resume"))
+    with pytest.raises(ValueError, match=rf"train.resume_from: checkpoint '{ckpt}' holds another model than "
+                                         r"this run's \(hidden_size 128 in the checkpoint, 64 in this run; "
+                                         r"num_hidden_layers 1 in the checkpoint, 2 in this run; head_dim 32 in "
+                                         r"the checkpoint, 16 in this run\)"):
+        train(LocalEngine(other, cfg), cfg)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("content", [b"\x80\x02garbage", b"", "a dict without the loop's keys"])
+def test_unreadable_resume_files_name_the_file(tmp_path, content):
+    cfg = _cfg(tmp_path / "a", steps=1)
+    train(LocalEngine(TINY, cfg), cfg)
+    resume = tmp_path / "a" / "checkpoint" / "resume"
+    for name, what in (("loop-rank00000.pt", "loop-state"), ("local_engine.pt", "LocalEngine resume")):
+        saved = (resume / name).read_bytes()
+        if isinstance(content, str):
+            torch.save({"something": 1}, resume / name)
+        else:
+            (resume / name).write_bytes(content)
+        held = r": it holds a dict without \[" if isinstance(content, str) else r": torch.load cannot read it"
+        cfg = _cfg(tmp_path / "b", steps=2, resume_from=str(resume.parent))
+        with pytest.raises(ValueError, match=rf"'{resume / name}' is not a {what} file{held}"):
+            train(LocalEngine(TINY, cfg), cfg)
+        (resume / name).write_bytes(saved)
