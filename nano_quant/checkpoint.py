@@ -9,14 +9,13 @@ tensor, the file and the config key, never a silently wrong model.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shared.checkpoint import _IGNORED_SUFFIXES, load_model, load_state_dict, save_checkpoint
+from shared.checkpoint import _IGNORED_SUFFIXES, load_model, load_state_dict, read_json, save_checkpoint
 from shared.config import ModelConfig
 from shared.model import CausalLM
 
@@ -33,9 +32,7 @@ def quantization_config_of(path: str | os.PathLike) -> QuantizationConfig | None
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no config.json at {str(file)!r}")
-    with open(file) as f:
-        d = json.load(f)
-    q = d.get("quantization_config")
+    q = read_json(file).get("quantization_config")
     return None if q is None else QuantizationConfig.from_dict(q, source=str(file))
 
 
@@ -44,7 +41,8 @@ def save_quantized(model: CausalLM, path: str | os.PathLike, qcfg: QuantizationC
     """Write `model` (quantized in place by `quantize_model`) as an HF directory: the quantized buffers
     as they are (int32 `qweight` / `qzeros`, fp16 `scales`; int8 or fp8 `weight`, fp32 `weight_scale`),
     every other floating tensor in `dtype` (AutoAWQ writes fp16; None keeps them), and config.json with
-    `quantization_config`."""
+    `quantization_config`, written once after the tensors (shared.checkpoint.save_checkpoint): a save
+    killed at any instant never leaves quantized tensors under a float config."""
     qcfg = qcfg or getattr(model, "quantization_config", None)
     if qcfg is None:
         raise ValueError("model has no quantization_config: quantize it with quantize_model or pass qcfg")
@@ -52,15 +50,10 @@ def save_quantized(model: CausalLM, path: str | os.PathLike, qcfg: QuantizationC
     for name, t in model.state_dict().items():
         keep = name.endswith((*_QUANTIZED, ".scales")) or not t.is_floating_point() or t.element_size() == 1
         state[name] = t if keep or dtype is None else t.to(dtype)
-    p = save_checkpoint(state, model.config, path)
-    with open(p / "config.json") as f:
-        hf = json.load(f)
-    hf["quantization_config"] = qcfg.to_dict()
-    float_dtype = dtype or model.model.embed_tokens.weight.dtype
-    hf["torch_dtype"] = hf["dtype"] = str(float_dtype).removeprefix("torch.")
-    with open(p / "config.json", "w") as f:
-        json.dump(hf, f, indent=2)
-    return p
+    float_dtype = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    # config.json is written once, after the tensors and atomically, already saying they are quantized
+    extra = {"quantization_config": qcfg.to_dict(), "torch_dtype": float_dtype, "dtype": float_dtype}
+    return save_checkpoint(state, model.config, path, config_extra=extra)
 
 
 def _layout_dtype(name: str, meta: torch.Tensor) -> torch.dtype | None:

@@ -7,8 +7,11 @@ save loads in `transformers`, in nano_vllm, and back here.
 
 Every file is written under a temporary name in the same directory, fsynced and renamed over the old one,
 in an order that keeps the directory loadable at every instant: a save killed half-way leaves the previous
-checkpoint (or the new one), never a truncated file. A corrupt or truncated file raises an error that
-names it; so does a resume file that torch cannot read, and a resume checkpoint of another model.
+checkpoint (or the new one), never a truncated file. config.json goes last, written once with everything
+it says (a caller's additions such as a `quantization_config` included); a save whose config.json differs
+from the one in place removes that one first, so a kill leaves no config.json (an error naming the
+directory) rather than new tensors under a config that does not describe them. A corrupt or truncated
+file raises an error that names it; so does a resume file that torch cannot read, and a resume checkpoint of another model.
 """
 
 from __future__ import annotations
@@ -158,11 +161,13 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_checkpoint(model: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig, path: str | os.PathLike,
-                    max_shard_size: int | str = "2GB", dtype: torch.dtype | None = None) -> Path:
+                    max_shard_size: int | str = "2GB", dtype: torch.dtype | None = None,
+                    config_extra: dict[str, Any] | None = None) -> Path:
     """Write `config.json` + safetensors shards (with HF's index file when there is more than one).
 
     `model` may be a CausalLM or a consolidated state dict (what the parallel trainers gather on rank 0).
-    Overwriting a checkpoint is safe against a kill at any instant (see the module docstring).
+    `config_extra` is merged into config.json (e.g. a `quantization_config` and the float dtype of a
+    quantized model). Overwriting a checkpoint is safe against a kill at any instant (module docstring).
     """
     state = model.state_dict() if isinstance(model, torch.nn.Module) else dict(model)
     if cfg.tie_word_embeddings:
@@ -184,6 +189,14 @@ def save_checkpoint(model: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig,
              else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for stale in p.glob(".*.tmp"):  # left by a save that was killed
         stale.unlink()
+    hf = cfg.to_hf()
+    first = next(iter(state.values()))
+    hf["torch_dtype"] = hf["dtype"] = str(dtype or first.dtype).removeprefix("torch.")
+    hf.update(config_extra or {})
+    config = p / "config.json"
+    if config.is_file() and _json_or_none(config) != json.loads(json.dumps(hf)):
+        config.unlink()  # its tensors are about to be replaced by ones it does not describe
+        _fsync_dir(p)
     # New shards first (a single file replaces the old one in one rename), then the index that names
     # them (or its removal), then config.json, and only then the old shards nobody names any more.
     for name, shard in zip(names, shards):
@@ -195,15 +208,19 @@ def save_checkpoint(model: CausalLM | dict[str, torch.Tensor], cfg: ModelConfig,
         _write_atomic(p / INDEX_NAME, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
     else:
         (p / INDEX_NAME).unlink(missing_ok=True)
-    hf = cfg.to_hf()
-    first = next(iter(state.values()))
-    hf["torch_dtype"] = hf["dtype"] = str(dtype or first.dtype).removeprefix("torch.")
-    _write_atomic(p / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
+    _write_atomic(config, lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
     for old in p.glob("*.safetensors"):  # never leave a stale shard that a loader would pick up
         if old.name not in names:
             old.unlink()
     _fsync_dir(p)
     return p
+
+
+def _json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _write_atomic(path: Path, write: Callable[[str], Any]) -> None:

@@ -255,3 +255,51 @@ def test_load_for_inference(tmp_path):
         load_for_inference(plain, quantization="awq")
     with pytest.raises(ValueError, match=r"quantization must be one of \[.*\] or None, got 'int4'"):
         load_for_inference(plain, quantization="int4")
+
+
+@pytest.mark.parametrize("before", ["empty", "float checkpoint"])
+def test_a_save_killed_at_any_step_never_leaves_quantized_tensors_under_a_float_config(tmp_path, monkeypatch,
+                                                                                     before):
+    """`save_quantized` killed before each file it writes (and before its closing directory sync), into an
+    empty directory or over a float checkpoint: the directory holds a float config with float tensors, a
+    quantized config with quantized tensors, or no config.json (an error naming it); never a mix."""
+    from shared import checkpoint
+
+    cfg = tiny_cfg()
+    model = trained_like(cfg)
+    quantize_model(model, "rtn-w4", group_size=G)
+    real = {name: getattr(checkpoint, name) for name in ("_write_atomic", "_fsync_dir")}
+    seen = []
+    for kill_at in range(10):
+        out = tmp_path / f"kill{kill_at}"
+        if before == "float checkpoint":
+            save_checkpoint(trained_like(cfg, seed=1), cfg, out)
+        calls = []
+
+        def killed(name, *args, calls=calls, kill_at=kill_at):
+            calls.append(name)
+            if len(calls) == kill_at + 1:
+                raise KeyboardInterrupt(f"killed before {name}{args[:1]}")
+            return real[name](*args)
+
+        for name in real:
+            monkeypatch.setattr(checkpoint, name, lambda *args, name=name: killed(name, *args))
+        try:
+            save_quantized(model, out)
+            done = True
+        except KeyboardInterrupt:
+            done = False
+        monkeypatch.undo()
+        if not (out / "config.json").is_file():
+            with pytest.raises(FileNotFoundError, match="no config.json"):
+                load_quantized_model(out)
+            seen.append("no config")
+        else:
+            quantized_config = "quantization_config" in json.loads((out / "config.json").read_text())
+            quantized_tensors = any(k.endswith(".qweight") for k in load_file(out / "model.safetensors"))
+            assert quantized_config == quantized_tensors, f"killed at step {kill_at}: {calls}"
+            load_quantized_model(out)
+            seen.append("quantized" if quantized_config else "float")
+        if done:
+            break
+    assert done and seen[-1] == "quantized" and "no config" in seen, seen
