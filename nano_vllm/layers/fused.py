@@ -119,7 +119,7 @@ if HAS_TRITON:
                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         """Row r = (token t, head h) of the HEADS_Q + 2·HEADS_KV heads of q, k, v: rotated (RoFormer eq. 34,
         rotate_half, fp32) for q and k, as is for v; q → QOUT, k → KOUT and k, v → cache row SLOTS[t]."""
-        pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+        pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/launch.py)
         heads: tl.constexpr = HEADS_Q + 2 * HEADS_KV
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = rows < n_rows

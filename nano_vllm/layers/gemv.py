@@ -40,11 +40,6 @@ from nano_vllm.config import REGISTRY
 from shared.kernels import HAS_TRITON, use_triton
 from shared.kernels.launch import cdiv
 
-try:  # nano_quant's repacked W4 kernels, for a quantized model's AWQ layers (a fork may lack them)
-    from nano_quant.layers.repacked import use_repacked_gemv
-except ImportError:
-    use_repacked_gemv = None
-
 MAX_ROWS = 16  # the dot path pads the rows of x to 16
 # `gemv_max_tokens` when None: one-row steps (M = 1), where the measured tiles beat cuBLAS on every
 # llama3-8b shape (`python -m nano_vllm.bench gemv=true` prints the crossover). On an H200 (2026-12-01,
@@ -189,7 +184,7 @@ if HAS_TRITON:
                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                         PDL: tl.constexpr):  # fmt: skip
         """One row of x: products accumulated elementwise in fp32 registers, reduced once; no tensor cores."""
-        pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (nano_flashattn/pdl.py)
+        pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (nano_flashattn/launch.py)
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -314,12 +309,13 @@ def apply_gemv(runner: Any) -> None:
     `EngineConfig.gemv_max_tokens` rows, sharing one workspace; on CUDA, a quantized model's AWQ layers
     take nano_quant's repacked W4 kernels for steps of up to 64 rows."""
     max_rows = runner.config.gemv_max_tokens or DEFAULT_MAX_ROWS
-    quantized = getattr(runner.model, "quantization_config", None) is not None
-    if runner.device.type == "cuda" and quantized and use_repacked_gemv is not None:
-        # AWQ W4 layers: their own GEMV / tensor-core kernel for steps of 1 / 2-64 rows over a K-contiguous
-        # copy of the 4-bit weight, which replaces AutoAWQ's (prefill dequantizes it; nano_quant's
-        # layers/repacked.py).
-        use_repacked_gemv(runner.model, drop_autoawq=True)
+    if getattr(runner.model, "quantization_config", None) is not None:  # nano_quant loaded the model
+        from nano_quant.linear import swap_modules
+
+        # AWQ W4 layers on CUDA: nano_quant's module swap gives them their own GEMV / tensor-core kernel
+        # for steps of 1 / 2-64 rows over a K-contiguous copy of the 4-bit weight, which replaces
+        # AutoAWQ's (prefill dequantizes it); serving only, so AutoAWQ's tensors are freed.
+        swap_modules(runner.model, serving_only=True)
     # Exactly nn.Linear: a quantized model's decoder layers (nano_quant's W8A8Linear, WQLinear_GEMM) keep their
     # own kernels; its 16-bit LM head still takes the GEMV.
     linears = [m for m in runner.model.modules() if type(m) is nn.Linear]
