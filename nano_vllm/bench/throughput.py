@@ -18,9 +18,9 @@ takes the memory (`shared.bench.measure_ceilings`), reported beside the datashee
 The engine is a plain `LLM` of the config's model and `engine:` keys: fast by default (every performance
 layer that applies, nano_vllm/layers/), `performance_layers=false` the paper path alone, and
 `engine.<switch>=false` one layer off; the layers it applied are printed beside the step timing and
-written to bench.json (`layers_applied`). `step_timing.StepTimer` splits the timed run's steps into schedule, execute (prepare included) and
-postprocess, and its timeline gives host busy, device busy and device idle time per step (`timeline` in
-bench.json, drawn by `python -m shared.report`).
+written to bench.json (`layers_applied`). `step_timing.StepTimer` splits the timed run's steps into
+schedule, execute (prepare included) and postprocess, and its timeline gives host busy, device busy and
+device idle time per step (`timeline` in bench.json, drawn by `python -m shared.report`).
 
     python -m nano_vllm.bench                              # GPU: the workload above
     python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
@@ -46,7 +46,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nano_vllm.bench.step_timing import StepTimer
-from nano_vllm.config import LAYER_SWITCHES, engine_args_from
+from nano_vllm.config import engine_args_from
 from nano_vllm.engine import LLM
 from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
@@ -217,7 +217,6 @@ def run(cfg: DictConfig) -> dict:
     row, llm = run_ours(cfg, reqs)
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
     dtype = llm.engine.config.torch_dtype
-    switches = {k: getattr(llm.engine.config, k) for k in ("performance_layers", *LAYER_SWITCHES)}
     llm.shutdown()  # tensor-parallel workers too
     del llm
     release_memory()
@@ -250,8 +249,9 @@ def run(cfg: DictConfig) -> dict:
     record = {"bench": "nano_vllm", "model": str(cfg.model), "device": device, "dtype": str(dtype).removeprefix("torch."),
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": bandwidth / 1e9,
-              "matmul_TFLOPs": peak / 1e12, "performance_layers": switches, "layers_applied": layers, **bound, "rows": rows, "serving": serving,
-              "timeline": timeline, "memory": memory}
+              "matmul_TFLOPs": peak / 1e12, "layers_applied": layers,
+              "performance_layers": dict.fromkeys(layers, True),  # what shared.report labels a figure with
+              **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
