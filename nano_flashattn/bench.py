@@ -19,7 +19,9 @@
                (--no-host-descriptors: every program makes its own); the hopper_ws.py forward (Gluon,
                warp-specialised) runs dense head_dim 128 batches ahead of it (--no-gluon-forward), its
                backward dense head_dim 64/128 batches ahead of hopper.py's (--no-gluon-backward)
-    --quick:   tiny shapes, runs on a CPU in seconds (the reference path), for tests
+    --quick:   tiny shapes, runs on a CPU in seconds (the reference path); the default without a GPU,
+               which says so (--no-quick: the full grid on a CPU, minutes); a CPU run also says when
+               torch's threads outnumber the free cores (bench_host.oversubscription_warning)
 
 The config sweep that tunes the kernels' tables is `python tools/flashattn_sweep.py [these options]` (from a
 repository checkout: it sweeps, then runs this bench with the swept tables).
@@ -40,17 +42,20 @@ import torch
 import torch.nn.functional as F
 
 import nano_flashattn as fa
+from nano_flashattn.bench_host import oversubscription_warning
 from nano_flashattn.launch import is_sm90
 
 PEERS = [("sdpa_cudnn", "cudnn"), ("sdpa_flash", "flash")]  # the headline peer first
 CAUSAL = {"both": (False, True), "yes": (True,), "no": (False,)}
+QUICK = {"seqlens": [64, 128], "head_dims": [64], "tokens": 256, "hidden": 128, "decode_head_dims": [64],
+         "decode_batches": [2], "decode_contexts": [256], "pages": [16]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nano_flashattn.bench", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--quick", action="store_true", help="tiny shapes; on CPU runs the reference path in seconds"
-    )
+    p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
+                   help="tiny shapes (default without a GPU, where the full grid takes minutes; a shape "
+                        "option given still wins); --no-quick: the full grid anyway")
     p.add_argument("--out", default="bench_out/nano_flashattn", help="directory for bench.json and bench.md")
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128])
@@ -83,9 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sweep:  # the sweep is a tool, not part of the package (a non-editable install has no tools/)
         p.error("--sweep moved to the repository's tools/: run `python tools/flashattn_sweep.py [bench "
                 "options]`, which sweeps the config tables and then runs this bench with them")
-    if args.quick:
-        args.seqlens, args.head_dims, args.tokens, args.hidden = [64, 128], [64], 256, 128
-        args.decode_head_dims, args.decode_batches, args.decode_contexts, args.pages = [64], [2], [256], [16]
+    if args.quick is None:
+        args.quick = not torch.cuda.is_available()
+    if args.quick:  # QUICK replaces the defaults; a shape given on the command line still wins
+        for key, value in QUICK.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
     return args
 
 
@@ -235,7 +243,10 @@ def _decode_row(args, device, dtype, gen, head_dim, batch, ctx, heads_q, heads_k
 
 
 def _num(x, nd=1):
-    return f"{x:.{nd}f}" if isinstance(x, float) else "n/a"
+    """`nd` decimals, or two significant digits below 1 (a CPU's 0.012 TFLOP/s must not print as 0.0)."""
+    if not isinstance(x, float):
+        return "n/a"
+    return f"{x:.{nd}f}" if abs(x) >= 1 or x == 0 else f"{x:.2g}"
 
 
 def _ratio(a, b):
@@ -297,7 +308,7 @@ def markdown(result: dict) -> str:
     env, ceil = result["env"], result["ceilings"]
     lines = [
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: "
-        f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s, "
+        f"matmul {ceil['matmul_tflops']:.4g} TFLOP/s, copy {ceil['copy_tbps']:.4g} TB/s, "
         f"split_head {'on' if env.get('split_head') else 'off'}",
         "",
     ]
@@ -394,8 +405,16 @@ def run(args: argparse.Namespace, argv, sweep: dict | None) -> dict:
           f"gluon backward {'on' if env['gluon_backward'] else 'off'} | "
           f"host descriptors up to {env['host_descriptors_up_to']} keys"
           f"{' (hd64 forward: any length)' if env['host_descriptors_up_to'] else ''}")
-    ceil = result["ceilings"]
-    print(f"ceilings: matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
+    ceil = result["ceilings"]  # 4 significant digits: a CPU's matmul is 0.04 TFLOP/s, not "0"
+    print(f"ceilings: matmul {ceil['matmul_tflops']:.4g} TFLOP/s, copy {ceil['copy_tbps']:.4g} TB/s")
+    if args.quick:
+        print("note: quick run (no GPU, or --quick): tiny shapes (seqlen 64/128, head_dim 64, decode context "
+              "256) instead of flash-attn's benchmark grid (16k tokens, head_dim 64/96/128, decode contexts up "
+              "to 64k); numbers from this run say nothing about GPU throughput (--no-quick: the full grid)",
+              flush=True)
+    warning = oversubscription_warning(device)
+    if warning:
+        print(warning, flush=True)
     os.makedirs(args.out, exist_ok=True)
 
     def save():  # after every section, so that a run cut short still leaves its numbers

@@ -55,8 +55,10 @@ from shared.accounting import flops_per_token, param_count
 from shared.bench import (
     DATASHEET_BF16_TFLOPS,
     datasheet_bf16_flops,
+    format_rate,
     measure_matmul_flops,
     print_table,
+    report_oversubscription,
     write_json,
 )
 from shared.config import ModelConfig
@@ -198,6 +200,7 @@ def run(cfg: DictConfig) -> dict:
     owns_group = not dist.is_initialized()  # a caller's (test's) process group is left alone
     env = init_distributed(cfg.get("backend"))
     try:
+        report_oversubscription(env.device)  # on a CPU: torch's threads against the free cores
         out_dir = [hydra_run_dir()]
         dist.broadcast_object_list(out_dir, src=0)
         quick = bool(cfg.quick)
@@ -251,7 +254,7 @@ def run(cfg: DictConfig) -> dict:
             path = Path(out_dir[0]) / "bench.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, record)
-            print("MFU per GPU against " + " and ".join(f"{k} {v / 1e12:.4g} TFLOP/s" for k, v in peaks.items())
+            print("MFU per GPU against " + " and ".join(f"{k} {format_rate(v, 'FLOP/s')}" for k, v in peaks.items())
                   + (f" ({DATASHEET_BF16_TFLOPS:.0f}: dense bf16, H100/H200 SXM)" if datasheet and not cfg.peak_tflops
                      else ""), flush=True)
             print_table(rows, title=f"nano_megatron bench: {param_count(mcfg) / 1e6:,.1f}M params, "

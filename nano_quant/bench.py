@@ -41,10 +41,12 @@ from omegaconf import DictConfig
 from nano_flashattn.registry import layers_enabled, performance_layers
 from shared.bench import (
     benchmark,
+    format_rate,
     measure_copy_bandwidth,
     measure_matmul_flops,
     print_table,
     release_memory,
+    report_oversubscription,
     write_json,
 )
 from shared.config import resolve_model_config
@@ -298,6 +300,7 @@ def run(cfg: DictConfig) -> dict:
             print("note: no GPU: a smoke run of the torch references on tiny shapes; it says nothing about speed",
                   flush=True)
             model, ms = "tiny", [1, 32]
+            report_oversubscription(device)
         shapes = layer_shapes(model)
         unknown = sorted(set(cfg.shapes or shapes) - set(shapes))
         if unknown:
@@ -322,7 +325,8 @@ def run(cfg: DictConfig) -> dict:
         if summary:
             print_table(summary, title="M = 1 W4A16: GEMV (AutoAWQ layout), repacked GEMV (default, best swept), "
                                        "tinygemm, bf16 cuBLAS (us)")
-        print(f"limits on this device: bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s, copy {copy / 1e12:.2f} TB/s "
+        matmul = "bf16 matmul 8192^3" if cuda else "fp32 matmul 256^3"
+        print(f"limits on this device: {matmul} {format_rate(peak, 'FLOP/s')}, copy {format_rate(copy, 'B/s')} "
               "(read + write)", flush=True)
         record = {"bench": "nano_quant", "model": model, "ms": ms, "matmul_TFLOPs": peak / 1e12,
                   "copy_TBps": copy / 1e12, "rows": rows, "tuned": tuned,

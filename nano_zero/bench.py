@@ -41,7 +41,15 @@ from nano_flashattn.registry import performance_layers
 from nano_zero.engine import ZeroEngine
 from nano_zero.ledger import formula_for
 from shared.accounting import flops_per_token, param_count
-from shared.bench import datasheet_bf16_flops, measure_matmul_flops, print_table, release_memory, write_json
+from shared.bench import (
+    datasheet_bf16_flops,
+    format_rate,
+    measure_matmul_flops,
+    print_table,
+    release_memory,
+    report_oversubscription,
+    write_json,
+)
 from shared.data import TokenBatches
 from shared.dist import destroy_distributed, init_distributed
 from shared.hydra_utils import hydra_run_dir, model_config_from, to_dataclass
@@ -183,6 +191,7 @@ def run(cfg: DictConfig) -> dict:
         os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
     env = init_distributed(cfg.get("backend"))
     try:
+        report_oversubscription(env.device)  # on a CPU: torch's threads against the free cores
         quick = bool(cfg.quick)
         mcfg = model_config_from("tiny" if quick and env.device.type != "cuda" else cfg.model)
         if quick and env.device.type != "cuda":
@@ -216,7 +225,7 @@ def run(cfg: DictConfig) -> dict:
             print_table(rows, title=f"nano_zero bench: {param_count(mcfg) / 1e6:,.1f}M params, {env.world_size} "
                                     f"rank(s) ({env.backend}), {tcfg.dtype}, {tcfg.global_batch_size} x "
                                     f"{tcfg.seq_len} tokens/step; MFU per GPU against "
-                                    + " and ".join(f"{k} {v / 1e12:.4g} TFLOP/s" for k, v in peaks.items()))
+                                    + " and ".join(f"{k} {format_rate(v, 'FLOP/s')}" for k, v in peaks.items()))
             print(f"wrote {path}")
         return record
     finally:

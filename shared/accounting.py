@@ -243,6 +243,21 @@ MFU_MEASURED, MFU_DATASHEET = "MFU % (measured peak)", "MFU % (datasheet peak)"
 MBU_MEASURED, MBU_DATASHEET = "% of copy bandwidth (measured)", "% of HBM bandwidth (datasheet)"
 
 
+_SI = (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+
+
+def format_rate(per_second: float | None, unit: str) -> str:
+    """A rate with three significant digits and the SI prefix that puts it in [1, 1000): "989 TFLOP/s",
+    "145 GFLOP/s" (a CPU: not "0.1 TFLOP/s"), "3.35 TB/s", "25.1 GB/s"; `unit` is "FLOP/s", "B/s", ...;
+    "n/a" for None."""
+    if per_second is None:
+        return "n/a"
+    for prefix, scale in _SI:
+        if abs(per_second) >= 0.9995 * scale:  # 999.6e12 prints as 1 P..., never as 1e+03 T...
+            return f"{per_second / scale:.3g} {prefix}{unit}"
+    return f"{per_second:.3g} {unit}"
+
+
 def datasheet_for(device_name: str) -> tuple[float, float] | None:
     """(HBM bytes/s, dense bf16 FLOP/s) from DATASHEETS for a device name, or None if it is not listed."""
     return next((v for k, v in DATASHEETS.items() if k in device_name), None)
@@ -283,11 +298,11 @@ class Ceilings:
 
     def describe(self) -> str:
         """One line for a bench's printout."""
-        d = self.as_dict()
-        sheet = (f"; datasheet {d['datasheet_GBps']:,.0f} GB/s, {d['datasheet_TFLOPs']:,.0f} TFLOP/s bf16 "
-                 "dense" if d["datasheet_TFLOPs"] else "; no datasheet values for this device")
-        return (f"ceilings on {self.device}: measured copy {d['copy_GBps']:,.0f} GB/s (read + write), "
-                f"matmul {d['matmul_TFLOPs']:,.1f} TFLOP/s{sheet}")
+        sheet = (f"; datasheet {format_rate(self.datasheet_bytes_per_s, 'B/s')}, "
+                 f"{format_rate(self.datasheet_flops_per_s, 'FLOP/s')} bf16 dense"
+                 if self.datasheet_flops_per_s else "; no datasheet values for this device")
+        return (f"ceilings on {self.device}: measured copy {format_rate(self.copy_bytes_per_s, 'B/s')} "
+                f"(read + write), matmul {format_rate(self.matmul_flops_per_s, 'FLOP/s')}{sheet}")
 
 
 def _fmt_bytes(n: float) -> str:

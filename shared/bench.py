@@ -4,8 +4,12 @@
 
 Every bench in the repo times with `benchmark`, states its physical limits with
 `measure_copy_bandwidth` / `measure_matmul_flops` (reported through `mbu` / `mfu`; MFU also against the
-datasheet peak, `datasheet_bf16_flops`), prints with `print_table` and records with `write_json`, so numbers
-from different packages are comparable.
+datasheet peak, `datasheet_bf16_flops`), prints with `print_table` and `format_rate` (three significant
+digits and an SI prefix: a CPU's matmul reads "43 GFLOP/s", not "0.0 TFLOP/s") and records with
+`write_json`, so numbers from different packages are comparable. On a CPU a bench calls
+`report_oversubscription(device)` first: it prints `oversubscription_warning`'s line when torch's threads
+outnumber the cores free to run them (defined in nano_flashattn/bench_host.py, so the kernel library's
+own bench has it too).
 
     python -m shared.bench                  # GPU: 32768 tokens x 4096 hidden, bf16; CPU: a small smoke run
     python -m shared.bench --quick --json out.json
@@ -29,7 +33,8 @@ from typing import Any
 
 import torch
 
-from shared.accounting import Ceilings, datasheet_for
+from nano_flashattn.bench_host import oversubscription_warning
+from shared.accounting import Ceilings, datasheet_for, format_rate  # noqa: F401  (the benches' formatter)
 
 
 def _device_of(device: str | torch.device | None, args: tuple, kwargs: dict) -> torch.device:
@@ -98,6 +103,26 @@ def benchmark(
             end.record()
         torch.cuda.synchronize(dev)
     return statistics.median(s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends))
+
+
+def report_oversubscription(device: str | torch.device) -> str | None:
+    """On a CPU, print `oversubscription_warning` once per job and return it (None on a GPU or when the
+    threads fit). In a process group rank 0 samples the cores while the others wait at a barrier, so their
+    own work is not taken for another program's, and the job's ranks on this host count as its processes."""
+    if torch.device(device).type != "cpu":
+        return None
+    import torch.distributed as dist
+
+    group = dist.is_available() and dist.is_initialized()
+    warning = None
+    if not group or dist.get_rank() == 0:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if group else 1))
+        warning = oversubscription_warning(device, processes=ranks)
+        if warning:
+            print(warning, flush=True)
+    if group:
+        dist.barrier()
+    return warning
 
 
 def release_memory() -> None:

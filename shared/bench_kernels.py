@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from shared.bench import (
     benchmark,
     datasheet_bf16_flops,
+    format_rate,
     mbu,
     measure_copy_bandwidth,
     measure_matmul_flops,
     mfu,
     print_table,
+    report_oversubscription,
     write_json,
 )
 
@@ -259,11 +261,12 @@ def main(argv: list[str] | None = None) -> dict:
             "      not a kernel.",
             flush=True,
         )
+    report_oversubscription(a.device)
     compiled = cuda if a.compile is None else a.compile
     rec = run_kernel_bench(a.device, tokens, a.hidden, dtype, quick=a.quick, compiled=compiled)
     print(
-        f"physical limits on {a.device}: copy {rec['copy_GBps']:.0f} GB/s (read + write), "
-        f"matmul {rec['matmul_TFLOPs']:.1f} TFLOP/s ({rec['matmul']})"
+        f"physical limits on {a.device}: copy {format_rate(rec['copy_GBps'] * 1e9, 'B/s')} (read + write), "
+        f"matmul {format_rate(rec['matmul_TFLOPs'] * 1e12, 'FLOP/s')} ({rec['matmul']})"
     )
     model = a.model or ("qwen3-0.6b" if cuda else "tiny")
     if model != "none":
@@ -279,8 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "model" in rec:
         m = rec["model"]
         print_table(m["rows"], title=f"shared.model train step (fwd+bwd): batch {m['batch']} x "
-                                     f"{m['seq_len']} tokens, {m['dtype']}, {a.device}; MFU per GPU against the "
-                                     f"measured matmul peak ({m['peak_TFLOPs_measured']:.4g} TFLOP/s)"
+                                     f"{m['seq_len']} tokens, {m['dtype']}, {a.device}; MFU against the "
+                                     f"measured matmul peak ({format_rate(m['peak_TFLOPs_measured'] * 1e12, 'FLOP/s')})"
                                      + (f" and the datasheet's dense bf16 ({m['peak_TFLOPs_datasheet']:.0f} TFLOP/s)"
                                         if m["peak_TFLOPs_datasheet"] else ""))
     return rec

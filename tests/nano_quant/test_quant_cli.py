@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,9 +106,12 @@ def test_hydra_apps_as_documented(checkpoint, tmp_path):
                         ["nano_quant.perplexity", f"model={out}", "corpus=docs", "max_tokens=1024", "dtype=fp32"]):
                 proc = subprocess.run(app(*cmd), env=env, capture_output=True, text=True, timeout=600)
                 assert proc.returncode == 0, proc.stderr[-3000:]
-            _, stderr = bench.communicate(timeout=600)
+            stdout, stderr = bench.communicate(timeout=600)
         finally:
             bench.kill()  # no-op once it has exited
         assert bench.returncode == 0, stderr[-3000:]
+    # a CPU's limits with significant digits and an SI prefix (not "0 TFLOP/s")
+    assert re.search(r"limits on this device: fp32 matmul 256\^3 [1-9][\d.]* [kMGTP]?FLOP/s, copy [1-9][\d.]* "
+                     r"[kMGTP]?B/s", stdout), stdout[-2000:]
     assert (out / "model.safetensors").is_file() and (tmp_path / "nano_quant.bench" / "bench.json").is_file()
     assert torch.load  # the subprocesses ran the real apps

@@ -46,10 +46,14 @@ def test_torchrun_trainer_two_ranks_stage3(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_quick_runs_every_system(tmp_path):
+def test_bench_quick_runs_every_system(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module
 
+    import nano_zero.bench
     from nano_zero.bench import SYSTEMS, run
+
+    checked = []  # on a CPU the bench first asks whether torch's threads fit the free cores
+    monkeypatch.setattr(nano_zero.bench, "report_oversubscription", lambda device: checked.append(str(device)))
 
     with initialize_config_module(config_module="nano_zero.configs", version_base=None):
         # with shared.model's kernels on their paper paths, as `performance_layers=false` asks
@@ -60,7 +64,7 @@ def test_bench_quick_runs_every_system(tmp_path):
         record = run(cfg)
     finally:
         os.chdir(cwd)
-    assert [r["system"] for r in record["rows"]] == list(SYSTEMS)
+    assert [r["system"] for r in record["rows"]] == list(SYSTEMS) and checked == ["cpu"]
     assert record["performance_layers"] is False
     for r in record["rows"]:
         assert r["tokens/s"] > 0 and 8.0 < r["loss"] < 8.6  # one step from ln(4096) = 8.3

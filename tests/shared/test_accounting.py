@@ -195,9 +195,20 @@ def test_ceilings_label_mfu_and_mbu_against_both_peaks():
     d = c.as_dict()
     assert d == pytest.approx({"device": "NVIDIA H200", "copy_GBps": 4240, "matmul_TFLOPs": 797,
                                "datasheet_GBps": 4800, "datasheet_TFLOPs": 989})
-    assert "797.0 TFLOP/s" in c.describe() and "989 TFLOP/s" in c.describe()
-    unknown = Ceilings("cpu", 1e10, 1e11)
-    assert unknown.mfu(1e10)[MFU_DATASHEET] is None and "no datasheet" in unknown.describe()
+    assert c.describe() == ("ceilings on NVIDIA H200: measured copy 4.24 TB/s (read + write), matmul 797 "
+                            "TFLOP/s; datasheet 4.8 TB/s, 989 TFLOP/s bf16 dense")
+    cpu = Ceilings("cpu", 2.51e10, 4.3e10)  # a CPU's matmul reads in GFLOP/s, not "0.0 TFLOP/s"
+    assert cpu.mfu(1e10)[MFU_DATASHEET] is None
+    assert cpu.describe() == ("ceilings on cpu: measured copy 25.1 GB/s (read + write), matmul 43 GFLOP/s; "
+                              "no datasheet values for this device")
+
+
+def test_format_rate_keeps_three_digits_and_picks_the_prefix():
+    from shared.accounting import format_rate
+
+    assert [format_rate(v, "FLOP/s") for v in (989e12, 4.3e10, 1.234e9, 999.6e12, 12.0, None)] == [
+        "989 TFLOP/s", "43 GFLOP/s", "1.23 GFLOP/s", "1 PFLOP/s", "12 FLOP/s", "n/a"]
+    assert format_rate(3.35e12, "B/s") == "3.35 TB/s"
 
 
 def test_ceilings_are_measured_once_per_process(monkeypatch):

@@ -79,12 +79,18 @@ def test_write_json_adds_provenance(tmp_path):
     assert on_disk["dtype"] == "torch.bfloat16"
 
 
-def test_main_in_process(tmp_path, capsys):
+def test_main_in_process(tmp_path, capsys, monkeypatch):
+    import shared.bench
+
+    monkeypatch.setattr(shared.bench, "oversubscription_warning", lambda device, processes: f"warning: {device}")
     rec = main(
         ["--device", "cpu", "--quick", "--tokens", "8", "--hidden", "256", "--json", str(tmp_path / "k.json")]
     )
     out = capsys.readouterr().out
     assert "torch references" in out  # on CPU it says what it compares
+    assert "\nwarning: cpu\n" in out  # the CPU run asks whether torch's threads fit the free cores
+    limits = next(line for line in out.splitlines() if line.startswith("physical limits on cpu"))
+    assert "FLOP/s" in limits and "0.0 TFLOP/s" not in limits and "0.1 TFLOP/s" not in limits, limits
     ops = {r["op"].split(" (")[0] for r in rec["rows"]}
     assert ops == {"rms_norm fwd", "add+rms_norm fwd", "rms_norm bwd", "rope", "silu_and_mul"}
     assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rec["rows"])
@@ -151,3 +157,24 @@ def test_the_bench_functions_keep_their_shared_bench_names():
     assert shared.bench.run_model_bench is shared.bench_kernels.run_model_bench
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         shared.bench.nope  # noqa: B018
+
+
+def test_report_oversubscription_prints_the_warning_on_a_cpu_only(monkeypatch, capsys):
+    import nano_flashattn.bench_host
+    import shared.bench
+
+    assert shared.bench.oversubscription_warning is nano_flashattn.bench_host.oversubscription_warning
+    seen = []
+
+    def warning(device, processes):
+        seen.append((str(device), processes))
+        return "warning: too many threads"
+
+    monkeypatch.setattr(shared.bench, "oversubscription_warning", warning)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert shared.bench.report_oversubscription("cpu") == "warning: too many threads"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this host share its cores
+    shared.bench.report_oversubscription(torch.device("cpu"))
+    assert shared.bench.report_oversubscription("cuda") is None
+    assert seen == [("cpu", 1), ("cpu", 4)]
+    assert capsys.readouterr().out == "warning: too many threads\n" * 2
