@@ -201,3 +201,18 @@ def test_engine_reports_the_layers_it_applied_and_the_switch_turns_them_all_off(
             == [o.token_ids for o in paper.generate(prompts, greedy, use_tqdm=False)])
     with pytest.raises(ValueError, match="gemv_max_tokens=1 asks for the performance layer gemv"):
         LLM(qwen3_ckpt, **SMALL, performance_layers=False, gemv_max_tokens=1)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_the_bench_takes_the_switch(switch):
+    """`python -m nano_vllm.bench performance_layers=false` builds the paper-path engine (the server's
+    build: test_llm_api)."""
+    from omegaconf import OmegaConf
+
+    from nano_vllm.bench.throughput import make_llm
+
+    engine = {**SMALL, "device": "cpu", "fused_sampling": True if switch else None}
+    cfg = OmegaConf.create({"model": "tiny", "performance_layers": switch, "engine": engine})
+    llm = make_llm(cfg)
+    assert llm.engine.config.performance_layers is switch
+    assert llm.engine.layers_applied == (["fused_sampling"] if switch else [])

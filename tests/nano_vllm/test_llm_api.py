@@ -113,8 +113,10 @@ def test_serve_hydra_app_builds_a_server():
     from nano_vllm.serve.server import build
 
     with initialize_config_module(config_module="nano_vllm.configs", version_base=None):
-        cfg = compose(config_name="serve", overrides=["port=0", "engine.max_model_len=64", "served_model_name=t"])
+        cfg = compose(config_name="serve", overrides=["port=0", "engine.max_model_len=64", "served_model_name=t",
+                                                      "performance_layers=false"])
     server, loop = build(cfg)
+    assert loop.engine.config.performance_layers is False and loop.engine.layers_applied == []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
