@@ -8,8 +8,6 @@ one-rank case runs in the test process itself.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -420,11 +418,14 @@ def _rank1_fails_mid_step() -> None:
 
 
 def test_failing_rank_stops_the_others_without_hanging():
-    start = time.monotonic()
+    """Rank 1 raises in its 2nd forward while rank 0 waits on it in the pipeline: the job ends with rank 1's
+    error (DistributedError naming it first), and rank 0 is stopped rather than left waiting. A rank left
+    hanging would end the job at the generous deadline instead, as a TimeoutError naming the ranks that
+    never finished; no wall-clock bound, which a loaded machine breaks."""
     with pytest.raises(DistributedError, match="injected failure on the last pipeline stage") as info:
-        run_distributed(_rank1_fails_mid_step, 2, timeout_s=120.0)
+        run_distributed(_rank1_fails_mid_step, 2, timeout_s=600.0)
     assert info.value.rank == 1
-    assert time.monotonic() - start < 60.0
+    assert "injected failure" not in info.value.failures.get(0, "")  # rank 0 only ever waited on rank 1
 
 
 def test_engine_requires_global_batch_rows():
