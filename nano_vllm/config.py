@@ -49,7 +49,7 @@ class EngineConfig:
     model: an HF checkpoint directory (Llama / Qwen2 / Qwen3) or a shared.config preset name (random weights).
     device: "cuda" / "cuda:1" / "cpu"; None picks CUDA when available.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU), or bfloat16 / float16 / float32.
-    max_num_seqs: most sequences in one step (the decode batch).
+    max_num_seqs: most sequences in one step (the decode batch; 512, nano-vllm's default).
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
     max_model_len: longest sequence (prompt + output); None: the model's max_position_embeddings, at most 4096.
     block_size: tokens per KV block (a power of two >= 16, what the paged kernels accept).
@@ -90,7 +90,7 @@ class EngineConfig:
     model: str = "tiny"
     device: str | None = None
     dtype: str = "auto"
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None
     block_size: int = 16

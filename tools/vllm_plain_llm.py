@@ -10,8 +10,7 @@ draws (`random.seed(0)`; 256 prompts of `randint(100, 1024)` ids `randint(0, 100
 short warm-up request, then `llm.generate` timed. Prints the output tokens, seconds and output tokens/s,
 and the performance layers the engine applied. Put beside `python -m nano_vllm.bench` in one GPU call, it
 measures what a plain `LLM` gives against the bench (which adds a warm-up on 32 workload prompts and its
-step timing). nano-vllm's `LLM` runs up to 512 sequences at once; ours defaults to vLLM's 256, so the
-script passes 512, as the bench's config does.
+step timing).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=10000, help="prompt ids are drawn from [0, vocab]")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=512)
     return parser
 
 
@@ -57,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_token_ids, sampling_params = workload(args.num_seqs, args.min_input_len, args.max_input_len,
                                                  args.min_output_len, args.max_output_len, args.vocab)
     extra = {"performance_layers": False} if args.paper_path else {}
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **extra)
+    llm = LLM(args.model, max_model_len=args.max_model_len, **extra)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     t = time.perf_counter()
     outputs = llm.generate(prompt_token_ids, sampling_params, use_tqdm=False)

@@ -41,8 +41,7 @@ def test_the_script_draws_the_bench_workload(script, shape):
 @pytest.mark.parametrize("paper_path", [False, True])
 def test_the_script_runs_tiny(script, paper_path, capsys):
     args = ["--model", "tiny", "--num-seqs", "3", "--min-input-len", "8", "--max-input-len", "16",
-            "--min-output-len", "3", "--max-output-len", "5", "--vocab", "4000", "--max-model-len", "64",
-            "--max-num-seqs", "4"]
+            "--min-output-len", "3", "--max-output-len", "5", "--vocab", "4000", "--max-model-len", "64"]
     result = script.main(args + ["--paper-path"] * paper_path)
     _, params = script.workload(3, 8, 16, 3, 5, 4000)
     assert result["output_tokens"] == sum(p.max_tokens for p in params)
