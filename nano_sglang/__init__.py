@@ -10,11 +10,10 @@ compressed FSM and jump-forward.
     print(f.run(q="Hi", backend=sgl.RuntimeBackend(runtime))["a"])
 """
 
-from nano_sglang.backend import OpenAIBackend, RuntimeBackend
+from nano_sglang.backend import OpenAIBackend, Runtime, RuntimeBackend
 from nano_sglang.engine import SGLEngine
 from nano_sglang.lang import ProgramState, assistant, function, gen, select, system, user
 from nano_sglang.radix_cache import RadixCache
-from nano_sglang.runtime import Runtime
 from nano_sglang.scheduler import CacheAwareConfig
 
 __all__ = ["CacheAwareConfig", "OpenAIBackend", "ProgramState", "RadixCache", "Runtime", "RuntimeBackend",

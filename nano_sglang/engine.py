@@ -1,5 +1,6 @@
 """`SGLEngine`: the SGLang runtime (arXiv 2312.07104) as nano_vllm's `LLMEngine` with four parts swapped
-through its extension points; stepped by one thread (nano_sglang.runtime runs it for the frontend).
+through its extension points; stepped by one thread (nano_sglang.backend.runtime runs it for the
+frontend).
 
 * `sequence_cls = SGLSequence` — a request with a regex / JSON-schema constraint or prompt scoring;
 * `block_manager_cls = RadixBlockManager` — §3 RadixAttention: the radix tree as the prefix cache;

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 import nano_sglang as sgl
+from nano_sglang.backend.runtime import MIXED_CUDAGRAPH_SIZES
 from nano_sglang.block_manager import RadixBlockManager
 from nano_sglang.engine import SGLEngine
 from nano_sglang.model_runner import SGLModelRunner
-from nano_sglang.runtime import MIXED_CUDAGRAPH_SIZES
 from nano_sglang.scheduler import CacheAwareConfig, CacheAwareScheduler
 from nano_sglang.sequence import SGLSequence
 from nano_vllm import EngineConfig, SamplingParams

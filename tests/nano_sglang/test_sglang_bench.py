@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from nano_sglang.bench import run
+from nano_sglang.bench.programs import run
 
 
 @pytest.mark.slow

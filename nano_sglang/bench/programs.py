@@ -1,6 +1,6 @@
-"""`python -m nano_sglang.bench`: synthetic LLM programs on nano_sglang's radix cache against its peer,
-nano_vllm's hash prefix cache (prefix caching on), and against nano_vllm without prefix caching, in one run;
-plus JSON decoding with and without jump-forward (SGLang, arXiv 2312.07104, §6).
+"""`python -m nano_sglang.bench` (`run`): synthetic LLM programs on nano_sglang's radix cache against its
+peer, nano_vllm's hash prefix cache (prefix caching on), and against nano_vllm without prefix caching, in
+one run; plus JSON decoding with and without jump-forward (SGLang, arXiv 2312.07104, §6).
 
 A program is a list of calls; call j's prompt is everything before it (earlier prompts and outputs) plus
 new tokens, so later calls extend earlier ones, as in the paper's workloads. Shapes (configs/bench.yaml):
@@ -37,7 +37,6 @@ import random
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -285,12 +284,3 @@ def run(cfg: DictConfig) -> dict:
     write_json(path, record)
     print(f"wrote {path}", flush=True)
     return record
-
-
-@hydra.main(version_base=None, config_path="configs", config_name="bench")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
-
-
-if __name__ == "__main__":
-    main()
