@@ -10,7 +10,7 @@ with one GPU each) or call `instance_main` under torchrun. Every rank builds an 
     rank 0:    node.router.serve(...) per round, then stop_decodes(node.instance)
     ranks 1..: serve_decode(node.instance)      # until Stop
 
-The measurement layer (nano_distserve.measure) composes the same pieces with step logs, TTFT parts and
+The measured bench (nano_distserve.bench.measure) composes the same pieces with step logs, TTFT parts and
 KV-transfer timings: `run_disaggregated(..., main=measure.measured_instance_main)`.
 """
 

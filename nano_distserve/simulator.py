@@ -6,7 +6,7 @@ and Appendix A: the placement search needs attainment at many rates, far too man
   step that carries prefill), divided by a tensor-parallel speed-up. The paper derives
   the same shape from FLOP counts (its Appendix A: linear and quadratic prefill terms, linear decode
   terms); `LatencyModel.fit` fits it by least squares to steps measured by the real engine
-  (`StepRecord`s, logged by nano_distserve.measure), so the simulator predicts *this* engine on *this* GPU.
+  (`StepRecord`s, logged by nano_distserve.bench.measure), so the simulator predicts *this* engine on *this* GPU.
 * KV memory: every instance has `kv_tokens` of cache; a request reserves prompt + output tokens when
   admitted (conservative: no preemption is modelled). A disaggregated prefill instance keeps a request's
   prompt K/V until the decode instance has pulled it, so a full decode side backs up into the prefill side.

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nano_distserve.bench.measure import measured_instance_main
 from nano_distserve.disagg import DisaggConfig, run_disaggregated
 from nano_distserve.goodput import report
-from nano_distserve.measure import measured_instance_main
 from nano_vllm import LLM, SamplingParams
 from nano_vllm.loadgen import Request
 

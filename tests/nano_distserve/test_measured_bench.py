@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import nano_distserve
-from nano_distserve.bench import format_measured_table, run_measured
+from nano_distserve.bench.measured import format_measured_table, run_measured
 from nano_distserve.simulator import LatencyModel
 
 BENCH_YAML = Path(nano_distserve.__file__).parent / "configs" / "bench.yaml"
@@ -56,7 +56,7 @@ def test_measured_bench_reports_attainment_transfers_and_simulator_prediction():
 def test_interference_trace_plain_vs_chunked():
     """mode=interference on a CPU: the traces have the right shape (the times mean nothing here); the
     policies run in the order `interference.policies` names them."""
-    from nano_distserve.bench import format_interference_table, run_interference
+    from nano_distserve.bench.interference import format_interference_table, run_interference
 
     cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["interference"].update(decodes=4, prefill_tokens=256, chunk_tokens=64, steps_before=4, steps_after=2,
@@ -97,7 +97,7 @@ def test_measured_bench_runs_a_subset_of_systems():
 def test_interference_policies_are_checked(policies):
     """interference.policies: plain and/or chunked, each once, as a list; anything else is refused by name
     before an engine is built."""
-    from nano_distserve.bench import run_interference
+    from nano_distserve.bench.interference import run_interference
 
     cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
     cfg["interference"]["policies"] = policies

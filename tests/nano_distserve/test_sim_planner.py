@@ -12,9 +12,9 @@ import pytest
 from omegaconf import OmegaConf
 
 import nano_distserve
-from nano_distserve.bench import format_table, run_sim
+from nano_distserve.bench.measure import StepRecord
+from nano_distserve.bench.sim import format_table, run_sim
 from nano_distserve.goodput import find_goodput
-from nano_distserve.measure import StepRecord
 from nano_distserve.planner import plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS

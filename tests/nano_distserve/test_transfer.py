@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from ds_fakes import FakeRunner, SimNet
 
+from nano_distserve.bench.measure import MeasuredDecodeInstance, MeasuredPrefillInstance
 from nano_distserve.disagg import Router
 from nano_distserve.instance import DecodeInstance, PrefillInstance
 from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
-from nano_distserve.measure import MeasuredDecodeInstance, MeasuredPrefillInstance
 from nano_distserve.protocol import Renew, Stop
 from nano_distserve.transport import KVGeometry, handshake, register
 from nano_vllm.block_manager import BlockManager

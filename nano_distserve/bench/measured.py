@@ -1,35 +1,26 @@
-"""`python -m nano_distserve.bench`: colocated (plain, chunked prefill) vs disaggregated serving on the
-same GPUs — attainment-vs-rate curves and goodput per GPU under a Table 1 workload (DistServe, arXiv
-2401.09670, §6.2 / Fig. 8) — plus the planner's placement (Algorithm 1).
+"""`mode=measured` of `python -m nano_distserve.bench`: colocated (plain, chunked prefill) vs disaggregated
+serving on the same GPUs — attainment-vs-rate curves and goodput per GPU under a Table 1 workload
+(DistServe, arXiv 2401.09670, §6.2 / Fig. 8), measured with real engines beside the simulator.
 
-mode=interference traces step times while decodes run and a long prompt joins them (§2.3, Fig. 2).
-mode=sim runs the discrete-event simulator only (CPU, well under a minute). mode=measured serves a
-seeded workload open-loop (nano_vllm.loadgen) at each rate with real engines on `num_gpus` devices:
-colocated = `num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1
-decode instance (`disagg.run_disaggregated` with the measurement layer, nano_distserve.measure); it fits
-one `LatencyModel` per system to that system's own measured steps and simulates the same requests and
-arrivals beside each measurement. Every mode prints a table and writes bench.json (`shared.bench.write_json`:
-with date, GPU and versions) into the Hydra run directory.
+A seeded workload is served open-loop (nano_vllm.loadgen) at each rate on `num_gpus` devices: colocated =
+`num_gpus` nano_vllm replicas (plain, then chunked prefill), disaggregated = 1 prefill + 1 decode instance
+(`disagg.run_disaggregated_rounds` with the measurement of bench/measure.py). One `LatencyModel` is fitted
+per system to that system's own measured steps, and the same requests and arrivals are simulated beside
+each measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import math
-import statistics
 import time
-from pathlib import Path
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from nano_distserve.bench.measure import measured_instance_main, step_record, warmup_requests
 from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
 from nano_distserve.goodput import report, to_metrics
-from nano_distserve.measure import StepRecord, measured_instance_main, step_record, warmup_requests
-from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
+from nano_distserve.planner import colocated_goodput
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
 from nano_distserve.workloads import WORKLOADS
 from nano_vllm.bench.step_timing import StepTimer
@@ -37,57 +28,8 @@ from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.loadgen import Request, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import percentile, slo_attainment, summarize
-from nano_vllm.sampling_params import SamplingParams
-from shared.bench import KernelCompiles, release_memory, write_json
-from shared.bench import format_table as shared_format_table
-from shared.config import resolve_model_config
+from shared.bench import KernelCompiles
 from shared.dist import run_distributed
-from shared.hydra_utils import hydra_run_dir, to_dataclass
-
-
-def run_sim(cfg: dict) -> dict:
-    """The simulation-only bench; `cfg` has bench.yaml's keys. Returns the JSON-able result."""
-    w = WORKLOADS[cfg["workload"]].scaled(cfg.get("length_scale", 1.0), cfg.get("slo_scale", 1.0))
-    model = to_dataclass(LatencyModel, cfg["latency"])
-    base = to_dataclass(SimConfig, cfg["sim"])
-    lengths = w.lengths(cfg["num_requests"], cfg["seed"])
-    g = cfg["num_gpus"]
-    g_p, g_d = phase_goodputs(model, base, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=cfg["seed"])
-    placement = plan(g_p, g_d, g)
-    systems = {
-        "colocated": dataclasses.replace(base, mode="colocated", policy="plain", num_instances=g),
-        "colocated_chunked": dataclasses.replace(base, mode="colocated", policy="chunked", num_instances=g),
-        "disaggregated": dataclasses.replace(base, mode="disaggregated", num_prefill=placement.num_prefill,
-                                             tp_prefill=placement.tp_prefill, num_decode=placement.num_decode,
-                                             tp_decode=placement.tp_decode),
-    }
-    rows = []
-    for name, sc in systems.items():
-        curve = []
-        for rate in cfg["rates"]:
-            arr = poisson_arrivals(len(lengths), rate, cfg["seed"], cfg.get("burstiness", 1.0))
-            curve.append(slo_attainment(simulate(sc, model, lengths, arr), w.ttft_slo, w.tpot_slo))
-        goodput = colocated_goodput(model, sc, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"],
-                                    seed=cfg["seed"])
-        rows.append({"system": name, "gpus": sc.num_gpus, "goodput_req_s": goodput,
-                     "goodput_per_gpu": goodput / sc.num_gpus, "attainment": curve})
-    return {"mode": "sim", "workload": dataclasses.asdict(w), "rates": list(cfg["rates"]), "systems": rows,
-            "placement": {**dataclasses.asdict(placement),
-                          "planned_goodput_per_gpu": placement.goodput_per_gpu,
-                          "prefill_goodput_tp1": g_p(1), "decode_goodput_tp1": g_d(1)}}
-
-
-def format_table(result: dict) -> str:
-    rates = result["rates"]
-    head = f"{'system':<20}{'GPUs':>5}{'goodput/GPU':>13}  " + "".join(f"{f'@{r:g}':>7}" for r in rates)
-    lines = [head]
-    for row in result["systems"]:
-        lines.append(f"{row['system']:<20}{row['gpus']:>5}{row['goodput_per_gpu']:>13.3f}  "
-                     + "".join(f"{a:>7.2f}" for a in row["attainment"]))
-    p = result["placement"]
-    lines.append(f"planner (Algorithm 1): {p['num_prefill']}P(tp{p['tp_prefill']}) + {p['num_decode']}D"
-                 f"(tp{p['tp_decode']}), {p['planned_goodput_per_gpu']:.3f} req/s/GPU planned")
-    return "\n".join(lines)
 
 
 def colocated_replica(engine_args: dict, requests: list[Request],
@@ -292,119 +234,3 @@ def _fit_lines(result: dict) -> list[str]:
                          f"{f['c_prefill_step']:.2e} s, "
                          f"context in prefill steps +{f['c_mixed_context']:.2e} s/token")
     return lines
-
-
-def _interference_trace(engine: LLMEngine, prompts: list[list[int]], long_prompt: list[int],
-                        keep: SamplingParams, before: int, after: int) -> tuple[list[StepRecord], int]:
-    """Step `engine` through the decodes' prefills (untraced), `before` decode-only steps, the long prompt's
-    prefill and `after` more steps; returns the step log (each step timed by nano_vllm's StepTimer, from its
-    schedule to the end of its postprocess) and the index where the long prompt joined."""
-    sched, log = engine.scheduler, []
-    timer = StepTimer(engine, on_step=lambda out, seconds: log.append(step_record(out, seconds)))
-    seqs = [engine.add_request(p, keep) for p in prompts]
-    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-        engine.step()
-    log.clear()  # the decodes' own prefills are not traced
-    for _ in range(before):
-        engine.step()
-    engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    joined = len(log)
-    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
-        engine.step()
-    for _ in range(after):
-        engine.step()
-    timer.remove()
-    for seq in seqs:  # the decodes run to max_len otherwise: end them, their blocks go back to the pool
-        engine.abort_request(seq.request_id)
-    return log, joined
-
-
-def run_interference(cfg: dict) -> dict:
-    """§2.3 / Fig. 2's measurement: the wall time of each engine step while `decodes` requests decode, then
-    while one `prefill_tokens`-token prompt joins them; once with plain colocation (the whole prompt in one
-    step, every decode waits for it) and once with chunked prefill (Sarathi: at most `chunk_tokens` per step).
-    Each running decode gets its next token from the step that carries the prefill, so the ratio of the
-    slowest such step to the median decode-only step is the longest token gap a decode sees, relative to
-    its usual one: a per-step spike, which a request's TPOT (its mean gap) averages over all its steps.
-    `interference.policies` picks the policies and the order their engines are built in (default plain,
-    then chunked). Returns the step traces (StepRecord dicts)."""
-    c = cfg["interference"]
-    policies = c.get("policies") or ["plain", "chunked"]
-    if (not isinstance(policies, (list, tuple)) or not set(policies) <= {"plain", "chunked"}
-            or len(set(policies)) != len(policies)):
-        raise ValueError(f"interference.policies must list plain and/or chunked once each, got {policies!r}")
-    decodes, prefill, chunk = int(c["decodes"]), int(c["prefill_tokens"]), int(c["chunk_tokens"])
-    before, after = int(c["steps_before"]), int(c["steps_after"])
-    chunk_steps = -(-prefill // max(chunk - decodes, 1))
-    max_len = max(prefill + 8, int(c["decode_prompt"]) + before + after + chunk_steps + 64)
-    gen = torch.Generator().manual_seed(int(cfg["seed"]))
-    vocab = min(resolve_model_config(c["engine"]["model"]).vocab_size, 10000)
-    prompts = [torch.randint(0, vocab, (int(c["decode_prompt"]),), generator=gen).tolist()
-               for _ in range(decodes)]
-    long_prompt = torch.randint(0, vocab, (prefill,), generator=gen).tolist()
-    keep = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
-    rows, traces = [], {}
-    for policy in policies:  # one engine at a time, in this order (each sizes its KV cache from free memory)
-        budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
-        graphs = [int(v) for v in (c.get("mixed_cudagraph_sizes") or []) if int(v) <= budget]
-        engine = LLMEngine(EngineConfig(**{
-            **c["engine"], "max_num_batched_tokens": budget, "max_num_seqs": max(decodes + 1, 2),
-            "max_model_len": max_len, "enable_chunked_prefill": policy == "chunked",
-            "mixed_cudagraph_sizes": graphs, "enable_prefix_caching": False}))  # traced twice: no hits
-        # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
-        with KernelCompiles() as first:
-            _interference_trace(engine, prompts, long_prompt, keep, before, after)
-        print(f"{policy}, untimed first pass: {first.summary()}", flush=True)
-        with KernelCompiles() as compiles:
-            log, joined = _interference_trace(engine, prompts, long_prompt, keep, before, after)
-        engine.shutdown()
-        del engine
-        release_memory()  # the next policy's engine sizes its KV cache from free memory: this one goes first
-        base = statistics.median(r.seconds for r in log[:joined])
-        with_prefill = [r for r in log[joined:] if r.prefill_tokens > 0]
-        slowest = max(r.seconds for r in with_prefill)
-        rows.append({"policy": policy, "mixed-step CUDA graphs": max(graphs, default=0),
-                     "median decode-only step ms": 1e3 * base,
-                     "steps carrying the prefill": len(with_prefill),
-                     "slowest such step ms": 1e3 * slowest,
-                     "slowest prefill-carrying step / median decode step": slowest / base,
-                     "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:][:len(with_prefill)]),
-                     "kernels built while traced": len(compiles.names) if compiles.available else None})
-        traces[policy] = [dataclasses.asdict(r) for r in log]
-    return {"mode": "interference", "settings": dict(c), "rows": rows, "traces": traces}
-
-
-def format_interference_table(result: dict) -> str:
-    s = result["settings"]
-    lines = [f"{s['decodes']} running decodes ({s['engine']['model']}), then one {s['prefill_tokens']}-token "
-             f"prompt joins (chunked: {s['chunk_tokens']} tokens per step); traces in bench.json"]
-    lines.append(shared_format_table(result["rows"]))
-    return "\n".join(lines)
-
-
-@hydra.main(version_base=None, config_path="configs", config_name="bench")
-def main(cfg: DictConfig) -> None:
-    modes = {"sim": (run_sim, format_table), "measured": (run_measured, format_measured_table),
-             "interference": (run_interference, format_interference_table)}
-    if cfg.mode not in modes:
-        raise ValueError(f"mode must be one of {sorted(modes)}, got {cfg.mode!r}")
-    t0 = time.perf_counter()
-    run, fmt = modes[cfg.mode]
-    result = run(OmegaConf.to_container(cfg, resolve=True))
-    result["seconds"] = time.perf_counter() - t0
-    if "workload" in result:
-        w = result["workload"]
-        print(f"workload {w['name']}: TTFT SLO {w['ttft_slo']:g} s, TPOT SLO {w['tpot_slo']:g} s; joint SLO "
-              "attainment at each rate (req/s):")
-    out = Path(hydra_run_dir()) / "bench.json"
-    step_logs = result.pop("step_logs", None)
-    if step_logs is not None:
-        with gzip.open(out.with_name("steps.json.gz"), "wt") as f:
-            json.dump(step_logs, f)
-    write_json(out, result)
-    print(f"wrote {out} ({result['seconds']:.1f} s)")
-    print(fmt(result))
-
-
-if __name__ == "__main__":
-    main()
