@@ -29,14 +29,16 @@ def test_per_token_quant(dtype, m, k):
     q, s = kernels.quantize_per_token_triton(x, "int8")
     q_ref, s_ref = quantize_rowwise(x, "int8")
     # The GPU's amax / 127 may round the scale one fp32 ulp away from torch's: then a value sitting on a
-    # rounding boundary can land one integer step away.
+    # rounding boundary can land one integer step away. Such values are rare (a count, not a fraction: a
+    # 7 x 100 input has 700 values, and one of them on a boundary is already 0.14%).
     torch.testing.assert_close(s, s_ref, rtol=2**-22, atol=0)
-    assert (q.int() - q_ref.int()).abs().max() <= 1 and (q != q_ref).float().mean() < 1e-3
+    assert (q.int() - q_ref.int()).abs().max() <= 1
+    assert int((q != q_ref).sum()) <= max(4, 1e-3 * q.numel())
     q8, s8 = kernels.quantize_per_token_triton(x, "fp8")
     q8_ref, s8_ref = quantize_rowwise(x, "fp8")
     torch.testing.assert_close(s8, s8_ref, rtol=2**-22, atol=0)
     differ = (q8.float() != q8_ref.float())
-    assert differ.float().mean() < 5e-3  # a one-ulp scale difference moves values on a rounding boundary
+    assert int(differ.sum()) <= max(8, 5e-3 * differ.numel())  # a one-ulp scale moves boundary values
     assert torch.all((q8.float() - q8_ref.float()).abs() <= q8_ref.float().abs() * 2**-3 + 2**-9)
 
 
