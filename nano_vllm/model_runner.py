@@ -31,7 +31,7 @@ from nano_flashattn import trusted_metadata
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
 from nano_vllm.config import EngineConfig, apply_layers
 from nano_vllm.kv_cache import decide_num_blocks, kv_block_bytes, load_engine_model
-from nano_vllm.sampler import Sampler, SamplingTensors
+from nano_vllm.sampler import Sampler, SamplingTensors, seed64
 from nano_vllm.scheduler import SchedulerOutput
 from shared.config import ModelConfig
 from shared.model import CausalLM
@@ -248,7 +248,8 @@ class ModelRunner:
         if sp.seed is None or sp.greedy:
             return None
         if seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(sp.seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed64(sp.seed))
+            self.generators[seq.seq_id] = generator
         return self.generators[seq.seq_id]
 
     def release(self, seq) -> None:

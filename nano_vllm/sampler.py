@@ -8,7 +8,8 @@ The whole batch is sampled with a handful of tensor ops and no host sync until t
   E_i ~ Exp(1) picks token i with probability p_i (Gumbel-max in disguise), which needs no multinomial
   call and no sync;
 * a request with a seed draws its E from its own generator, so its tokens do not depend on what else is
-  in the batch.
+  in the batch. Any int is a seed (vLLM's API takes any): `seed64` folds it into the 64 bits a generator
+  takes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ import numpy as np
 import torch
 
 from nano_vllm.sampling_params import SamplingParams
+
+
+SEED_BITS = 2**64 - 1
+
+
+def seed64(seed: int) -> int:
+    """A request's seed as a generator's unsigned 64-bit seed: `seed & (2**64 - 1)`, so -1 is 2**64 - 1
+    and an int wider than 64 bits keeps its low 64 bits."""
+    return seed & SEED_BITS
 
 
 @dataclass

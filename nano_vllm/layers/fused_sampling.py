@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from nano_vllm.config import REGISTRY
-from nano_vllm.sampler import SamplingTensors, apply_top_k_top_p
+from nano_vllm.sampler import SamplingTensors, apply_top_k_top_p, seed64
 from nano_vllm.scheduler import SchedulerOutput
 from shared.kernels import HAS_TRITON, use_triton
 
@@ -135,13 +135,10 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
 
 
 def _seed32(seed: int) -> int:
-    """Fold a request's seed (any non-negative int) into 32 bits."""
-    folded = 0
-    while True:
-        folded ^= seed & MASK32
-        seed >>= 32
-        if not seed:
-            return folded
+    """Fold a request's seed (any int, taken as the paper path's 64 bits: `sampler.seed64`) into 32 bits:
+    the low half, xor the high half times an odd constant (a seed below 2^32 is itself; -1 is not 0)."""
+    seed = seed64(seed)
+    return (seed & MASK32) ^ ((seed >> 32) * MIX1 & MASK32)
 
 
 class FusedSampling:

@@ -58,7 +58,10 @@ def test_dispatch_and_seed_folding():
     logits = torch.randn(4, 50)
     assert sample_tokens(logits, temps, seeds, offsets).tolist() == sample_reference(logits, temps, seeds,
                                                                                       offsets).tolist()
-    assert _seed32(5) == 5 and _seed32((7 << 32) | 5) == 7 ^ 5 and 0 <= _seed32(2**100 + 3) < 2**32
+    assert _seed32(5) == 5 and _seed32((7 << 32) | 5) == 5 ^ (7 * 0x21F0AAAD) % 2**32
+    # any int: taken as its low 64 bits (the paper path's generator seed), so -1 is 2**64 - 1
+    assert _seed32(-1) == _seed32(2**64 - 1) != _seed32(0) and _seed32(2**64 + 3) == _seed32(3) == 3
+    assert all(0 <= _seed32(s) < 2**32 for s in (-(2**200), -7, 2**100 + 3))
 
 
 def test_engine_top_k_top_p_and_greedy(qwen3_ckpt, hf_greedy):

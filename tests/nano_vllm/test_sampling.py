@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -99,3 +101,27 @@ def test_seeded_requests_reproduce_through_the_engine():
     other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=8),
                               use_tqdm=False)[0].token_ids
     assert other_seed != alone
+
+
+@pytest.mark.parametrize("layers", [{"performance_layers": False}, {"fused_sampling": True}],
+                         ids=["paper_path", "fused_sampling"])
+def test_any_int_is_a_seed(layers):
+    """vLLM's API takes any int as a seed: a negative one or one wider than 64 bits is its low 64 bits
+    (`seed & (2**64 - 1)`), on the paper path's generators and in the fused layer's fold. The requests run
+    on a thread joined with a generous deadline, so a fold that never returns fails instead of hanging."""
+    llm = LLM("tiny", max_model_len=64, **layers)
+    seeds = [-1, 2**64 - 1, 2**70 + 9, 9, -(2**70), 0, 3]
+    outs: dict[int, list[int]] = {}
+
+    def run() -> None:
+        for seed in seeds:
+            sp = SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
+            outs[seed] = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), f"generation with seeds {seeds} did not finish"
+    assert len(outs) == len(seeds) and all(len(o) == 8 for o in outs.values())
+    assert outs[-1] == outs[2**64 - 1] and outs[2**70 + 9] == outs[9] and outs[-(2**70)] == outs[0]
+    assert outs[0] != outs[3]  # distinct seeds stay distinct streams
