@@ -139,6 +139,13 @@ class ProgramState:
         self.sync()
         return self._text
 
+    def get_meta_info(self, name: str) -> dict:
+        """How the primitive that filled `name` ended (SGLang's meta info): a `gen`'s "finish_reason"
+        ("stop"; "length" when max_tokens or max_model_len cut it, so a constrained value may not be a
+        whole match yet), a `select`'s "normalized_prompt_logprobs"."""
+        self.sync()
+        return self.meta[name]
+
     def sync(self) -> None:
         """Wait until every queued primitive has run; raise the first error one of them raised."""
         self._queue.join()
@@ -185,19 +192,23 @@ class ProgramState:
             self._stream.put(part)
             return
         if isinstance(part, Gen):
-            value = ""
-            for delta in self.backend.generate(self._text, part):
+            value, deltas = "", self.backend.generate(self._text, part)
+            while True:
+                try:
+                    delta = next(deltas)
+                except StopIteration as end:  # the backend returns how the generation ended
+                    meta = {"finish_reason": end.value}
+                    break
                 value += delta
                 self._stream.put(delta)
         else:  # select: the choice whose tokens the model finds likeliest after the text so far
             scores = self.backend.score_choices(self._text, part.choices)
             value = part.choices[max(range(len(scores)), key=scores.__getitem__)]
             self._stream.put(value)
-            if part.name:
-                self.meta[part.name] = {"normalized_prompt_logprobs": scores}
+            meta = {"normalized_prompt_logprobs": scores}
         self._text += value
         if part.name:
-            self.vars[part.name] = value
+            self.vars[part.name], self.meta[part.name] = value, meta
 
 
 class SglFunction:

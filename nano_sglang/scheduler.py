@@ -22,7 +22,8 @@ Two refinements from SGLang's runtime:
 
 `postprocess` also drives constrained decoding (nano_sglang.constrained): it advances each constrained
 request's FSM with the sampled token, finishes it when the FSM accepts and nothing may follow, and
-performs jump-forward (§4) by appending the forced string's tokens, which the next step prefills.
+performs jump-forward (§4) by appending the forced string's tokens, which the next step prefills; forced
+tokens count against `max_tokens` and `max_model_len`, and a request cut by either ends with "length".
 """
 
 from __future__ import annotations
@@ -148,37 +149,41 @@ class CacheAwareScheduler(Scheduler):
     # ------------------------------------------------------------------ constrained decoding
     def postprocess(self, out: SchedulerOutput, sampled: list[int],
                     now: float | None = None) -> list[SGLSequence]:
-        """nano_vllm's postprocess, then §4 for constrained requests: advance the FSM by the sampled token,
-        jump forward over the compressed edge it now stands on, finish when the FSM accepts and nothing may
-        follow."""
+        """nano_vllm's postprocess, then §4 for constrained requests: advance the FSM by the sampled
+        token, jump forward over the compressed edge it now stands on, finish when the FSM accepts and
+        nothing may follow ("stop") or when the request has no room left ("length")."""
         finished = super().postprocess(out, sampled, now)
         for seq, samples in zip(out.seqs, out.samples):
             constraint = seq.constraint
             if constraint is None or not samples or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished already (EOS in an accepting state, the length limit) or aborted
+            state = constraint.state  # before the sampled token: a jump re-reads that token's text
             constraint.advance(seq.token_ids[-1])
             forced = constraint.forced_string() if constraint.jump_forward else ""
             if forced:
-                self._jump_forward(seq, constraint, forced)
-            if constraint.is_terminal():
+                self._jump_forward(seq, constraint, state, forced)
+            reason = "stop" if constraint.is_terminal() else "length" if self._room(seq) == 0 else None
+            if reason is not None:
                 self.running.remove(seq)
-                self._finish(seq, "stop")
-                finished.append(seq)
-            elif seq.num_output_tokens >= seq.sampling_params.max_tokens or \
-                    seq.num_tokens >= self.config.max_model_len:
-                self.running.remove(seq)
-                self._finish(seq, "length")
+                self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, forced: str) -> None:
+    def _room(self, seq: SGLSequence) -> int:
+        """Tokens `seq` may still append: what is left of its max_tokens and of max_model_len."""
+        return min(seq.sampling_params.max_tokens - seq.num_output_tokens,
+                   self.config.max_model_len - seq.num_tokens)
+
+    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, state: int, forced: str) -> None:
         """§4 jump-forward: append the forced string without model calls. The last sampled token is not
         computed yet, so it is re-tokenized together with the forced string (a boundary token such as
-        `"` followed by `name` may merge differently); the next step prefills the new tokens."""
+        `"` followed by `name` may merge differently); the next step prefills the new tokens. Forced
+        tokens count against max_tokens and max_model_len: a jump is cut to the room left, and the FSM
+        reads, from `state` (where it stood before the sampled token), the text actually appended."""
         tok = constraint.tokenizer
-        ids = tok.encode(tok.decode(seq.token_ids[-1:]) + forced)
-        ids = ids[: self.config.max_model_len - seq.num_tokens + 1]  # never past max_model_len
+        ids = tok.encode(tok.decode(seq.token_ids[-1:]) + forced)[: self._room(seq) + 1]
         seq.token_ids[-1:] = ids
         seq.token_times.extend([seq.token_times[-1]] * (len(ids) - 1))
-        constraint.advance_string(forced)
+        constraint.state = state
+        constraint.advance_string(tok.decode(ids))
         constraint.num_jump_tokens += len(ids) - 1

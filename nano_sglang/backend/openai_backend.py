@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
+from collections.abc import Generator
 from urllib.parse import urlparse
 
 from nano_sglang.backend.runtime_backend import cut_at_stop
@@ -30,24 +30,28 @@ class OpenAIBackend:
             raise RuntimeError(f"server error {resp.status}: {resp.read().decode(errors='replace')}")
         return resp
 
-    def generate(self, text: str, g: Gen) -> Iterator[str]:
+    def generate(self, text: str, g: Gen) -> Generator[str, None, str | None]:
+        """Yield the text deltas of `g` after `text`; return the server's finish reason ("stop" for a stop
+        string cut here)."""
         if g.regex is not None or g.json_schema is not None:
             raise NotImplementedError("constrained gen needs the in-process runtime (RuntimeBackend)")
         resp = self._post({"prompt": text, "max_tokens": g.max_tokens, "temperature": g.temperature,
                            "stream": True})
-        sent = ""
+        sent, reason = "", None
         try:
             for line in resp:
                 line = line.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                delta = json.loads(line[6:])["choices"][0]["text"]
-                full, stopped = cut_at_stop(sent + delta, g.stop)
+                choice = json.loads(line[6:])["choices"][0]
+                reason = choice.get("finish_reason") or reason
+                full, stopped = cut_at_stop(sent + choice["text"], g.stop)
                 if full[len(sent):]:
                     yield full[len(sent):]
                 sent = full
                 if stopped:
-                    return  # closing the connection aborts the request on the server
+                    return "stop"  # closing the connection aborts the request on the server
+            return reason
         finally:
             resp.close()
 

@@ -39,6 +39,7 @@ class Handle:
     done: threading.Event = field(default_factory=threading.Event)
     seq: SGLSequence | None = None
     error: str | None = None
+    finish_reason: str | None = None  # "stop", "length" (max_tokens or max_model_len), "abort", "error"
     sent: int = 0
 
     def wait(self, timeout: float | None = None) -> SGLSequence:
@@ -88,8 +89,7 @@ class _HandleLoop(EngineLoop):
             self._end(handle, seq.finish_reason)
 
     def _end(self, handle: Handle, reason: str | None, error: str | None = None) -> None:
-        # A Handle keeps no finish reason (its sequence has it): wait/stream only tell an error from none.
-        handle.error = error
+        handle.finish_reason, handle.error = reason, error
         handle.done.set()
         handle.events.put(None)
 

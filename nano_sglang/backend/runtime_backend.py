@@ -7,7 +7,7 @@ the prefix's ids followed by each choice's own ids, so every choice shares the p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 from nano_sglang.backend.runtime import Runtime
 from nano_sglang.lang import Gen
@@ -34,7 +34,9 @@ class RuntimeBackend:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def generate(self, text: str, g: Gen) -> Iterator[str]:
+    def generate(self, text: str, g: Gen) -> Generator[str, None, str | None]:
+        """Yield the text deltas of `g` after `text`; return the finish reason ("stop" at EOS, the end of
+        a constraint's match or a stop string; "length" at max_tokens or max_model_len)."""
         ids = self._encode(text)
         params = SamplingParams(temperature=g.temperature, max_tokens=g.max_tokens)
         handle = self.runtime.submit(ids, params, regex=g.regex, json_schema=g.json_schema,
@@ -49,10 +51,11 @@ class RuntimeBackend:
             sent = full
             if stopped:
                 self.runtime.abort(handle)
-                return
-        full, _ = cut_at_stop(self.tokenizer.decode(out), g.stop)
+                return "stop"
+        full, stopped = cut_at_stop(self.tokenizer.decode(out), g.stop)
         if full[len(sent):] and full.startswith(sent):
             yield full[len(sent):]
+        return "stop" if stopped else handle.finish_reason
 
     def score_choices(self, text: str, choices: list[str]) -> list[float]:
         """Length-normalised log-probability of each choice after `text` (mean over the choice's tokens),

@@ -93,3 +93,35 @@ def test_masks_touch_only_the_constrained_rows_of_a_mixed_batch(ckpt, hf_greedy)
             assert re.fullmatch(pattern, engine.tokenizer.decode(seq.output_token_ids)), seq.output_token_ids
         else:
             assert seq.output_token_ids == hf_greedy(tuple(prompts[i]), 10)
+
+
+@pytest.mark.parametrize("pattern", [r"(a|b)*c{1000}", r"c{1000}"])
+def test_jump_forward_stops_at_max_tokens_and_says_length(ckpt, pattern):
+    """Forced tokens count against max_tokens: the jump is cut to what is left of the budget, the FSM
+    advances by what was appended, and the request ends with "length" (its text a prefix of a match)."""
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64))
+    seq = engine.add_request("x", SamplingParams(temperature=0.0, max_tokens=8), regex=pattern)
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = engine.tokenizer.decode(seq.output_token_ids)
+    assert len(seq.output_token_ids) == 8 and seq.finish_reason == "length", (text, seq.finish_reason)
+    assert seq.constraint.state == seq.constraint.fsm.step(0, text) and not re.fullmatch(pattern, text)
+
+
+def test_jump_forward_stops_at_max_model_len_and_says_length(ckpt):
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64))
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1000), regex=r"c{3000}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = engine.tokenizer.decode(seq.output_token_ids)
+    assert seq.num_tokens == 256 and seq.finish_reason == "length" and text == "c" * len(text)
+    assert seq.constraint.state == seq.constraint.fsm.step(0, text)
+    bm = engine.block_manager
+    assert bm.num_free_blocks + bm.tree.total_pages() == bm.num_blocks
+
+
+def test_a_jump_that_completes_the_match_within_the_budget_says_stop(ckpt):
+    engine = SGLEngine(EngineConfig(model=ckpt, max_model_len=256, max_num_seqs=8, num_kv_blocks=64))
+    for max_tokens in (8, 5):  # 5: the forced tokens fill the budget exactly and complete the match
+        out, = engine.generate(["x"], SamplingParams(temperature=0.0, max_tokens=max_tokens), regex=r"c{5}")
+        assert out.text == "ccccc" and out.outputs[0].finish_reason == "stop"

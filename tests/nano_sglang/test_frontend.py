@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import nano_sglang as sgl
+from nano_vllm import SamplingParams
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
 from nano_vllm.serve.engine_loop import EngineLoop
@@ -121,3 +122,17 @@ def test_against_nano_vllm_openai_server(ckpt, runtime):
         srv.server_close()
         loop.stop()
     json.dumps(remote.vars)
+
+
+def test_a_gen_cut_by_max_tokens_says_so(runtime):
+    """Jump-forward's forced tokens count against max_tokens; the program state reports how each gen
+    ended (SGLang's meta info), and a runtime handle carries the finish reason."""
+    backend = sgl.RuntimeBackend(runtime)
+    state = sgl.ProgramState(backend)
+    state += "x" + sgl.gen("v", max_tokens=8, regex=r"(a|b)*c{1000}") + sgl.gen("w", max_tokens=8, regex="c{5}")
+    assert len(runtime.tokenizer.encode(state["v"])) == 8 and state["w"] == "ccccc"
+    assert state.get_meta_info("v") == {"finish_reason": "length"} == state.meta["v"]
+    assert state.get_meta_info("w")["finish_reason"] == "stop"
+    handle = runtime.submit([5, 6], SamplingParams(temperature=0.0, max_tokens=4), regex=r"c{100}")
+    handle.wait(timeout=60)
+    assert handle.finish_reason == "length"
