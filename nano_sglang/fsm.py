@@ -6,15 +6,15 @@ outgoing character (a JSON key, punctuation), and a chain of such *singular tran
 into one edge labelled with a string. When decoding reaches the start of such an edge the whole string is
 forced, so it is appended without running the model ("jump-forward", `RegexFSM.forced_string`).
 
-The DFA itself comes from a regex (or a JSON schema written as one) through nano_sglang.regex_compiler, a
-tool module: parser, Thompson NFA, subset construction, dead states pruned.
+The DFA itself comes from a regex (or a JSON schema written as one) through nano_sglang.compiler: parser,
+Thompson NFA, subset construction, dead states pruned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nano_sglang.regex_compiler import json_schema_to_regex, regex_to_dfa
+from nano_sglang.compiler import json_schema_to_regex, regex_to_dfa
 
 __all__ = ["RegexFSM", "compile_regex", "json_schema_to_regex"]
 
@@ -69,7 +69,7 @@ class RegexFSM:
 
 
 def compile_regex(pattern: str) -> RegexFSM:
-    """Regex → DFA (nano_sglang.regex_compiler). Raises ValueError for invalid syntax or a regex that
-    matches no string."""
+    """Regex → DFA (nano_sglang.compiler). Raises ValueError for invalid or unsupported syntax or a regex
+    that matches no string."""
     trans, accept = regex_to_dfa(pattern)
     return RegexFSM(pattern, trans, accept)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from urllib.parse import urlparse
 
 from nano_sglang.backend.runtime_backend import cut_at_stop
@@ -20,25 +21,29 @@ class OpenAIBackend:
         u = urlparse(base_url)
         self.host, self.port, self.model, self.timeout = u.hostname, u.port or 80, model, timeout
 
-    def _post(self, body: dict) -> http.client.HTTPResponse:
+    @contextlib.contextmanager
+    def _post(self, body: dict) -> Iterator[http.client.HTTPResponse]:
+        """POST /v1/completions; the response, read inside the block (the connection closes after it)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         if self.model is not None:
             body = {**body, "model": self.model}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"server error {resp.status}: {resp.read().decode(errors='replace')}")
-        return resp
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"server error {resp.status}: {resp.read().decode(errors='replace')}")
+            yield resp
+        finally:
+            conn.close()
 
     def generate(self, text: str, g: Gen) -> Generator[str, None, str | None]:
         """Yield the text deltas of `g` after `text`; return the server's finish reason ("stop" for a stop
         string cut here)."""
         if g.regex is not None or g.json_schema is not None:
             raise NotImplementedError("constrained gen needs the in-process runtime (RuntimeBackend)")
-        resp = self._post({"prompt": text, "max_tokens": g.max_tokens, "temperature": g.temperature,
-                           "stream": True})
+        body = {"prompt": text, "max_tokens": g.max_tokens, "temperature": g.temperature, "stream": True}
         sent, reason = "", None
-        try:
+        with self._post(body) as resp:
             for line in resp:
                 line = line.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -51,13 +56,12 @@ class OpenAIBackend:
                 sent = full
                 if stopped:
                     return "stop"  # closing the connection aborts the request on the server
-            return reason
-        finally:
-            resp.close()
+        return reason
 
     def score_choices(self, text: str, choices: list[str]) -> list[float]:
         raise NotImplementedError("select needs prompt logprobs, which nano_vllm's server does not return")
 
     def cache_prefix(self, text: str) -> None:
         if text:
-            self._post({"prompt": text, "max_tokens": 1, "temperature": 0.0}).read()
+            with self._post({"prompt": text, "max_tokens": 1, "temperature": 0.0}) as resp:
+                resp.read()

@@ -117,6 +117,9 @@ def test_against_nano_vllm_openai_server(ckpt, runtime):
         assert remote.vars["a"][0] == remote.vars["a"][1] == local.vars["a"][0]  # greedy: same engine math
         with pytest.raises(NotImplementedError, match="prompt logprobs"):
             backend.score_choices("x", ["a"])
+        state = sgl.ProgramState(backend)
+        state += "Hi" + sgl.gen("g", max_tokens=3)  # no EOS in this checkpoint: it runs to max_tokens
+        assert state.get_meta_info("g") == {"finish_reason": "length"}
     finally:
         srv.shutdown()
         srv.server_close()

@@ -1,24 +1,27 @@
-"""The regex → automaton compiler behind constrained decoding — a tool module: regular expressions and
-JSON schemas → character-level DFAs, which nano_sglang.fsm turns into SGLang's compressed FSM (arXiv
-2312.07104, §4).
+"""Regex → character DFA, the compiler behind constrained decoding: nano_sglang.fsm turns the DFA into
+SGLang's compressed FSM (arXiv 2312.07104, §4).
 
 Pipeline: `_Parser` (recursive descent) → AST → Thompson NFA (`_NFA`) → DFA by subset construction
 (`regex_to_dfa`) → dead states pruned (a state from which no accepting state is reachable is never
 entered, so a constrained request can always finish). Supported syntax: literals, escapes (\\d \\w \\s
-\\D \\W \\S, \\xHH, \\. etc.), classes `[a-z_]` / `[^"]`, `.`, groups `( )` / `(?: )`, `|`, `* + ?`,
-`{m}` `{m,}` `{m,n}`. The alphabet is printable ASCII plus tab and newline. `json_schema_to_regex` writes
-a JSON schema (a subset) as such a regex.
+\\D \\W \\S, \\xHH, \\uHHHH, \\n \\t, \\. etc.), classes `[a-z_]` / `[^"]`, `.`, groups `( )` / `(?: )` /
+`(?P<name> )`, `|`, `* + ?`, `{m}` `{m,}` `{m,n}`, and `^` / `$` at the start / end of a top-level
+alternative (the FSM matches whole strings, so there they change nothing). What a DFA over characters
+cannot express, or this compiler does not read, is a ValueError naming it: Unicode property classes
+(\\p{..}, \\P{..}), \\X, word boundaries, backreferences, lookarounds, inline flags, anchors elsewhere. The
+alphabet is printable ASCII plus tab and newline.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import string
 
 ALPHABET = frozenset(string.printable) - frozenset("\r\x0b\x0c")
 _CLASSES = {"d": frozenset(string.digits), "w": frozenset(string.ascii_letters + string.digits + "_"),
             "s": frozenset(" \t\n")}
+# Escapes of control characters (all but \n and \t outside the alphabet: a regex that needs one matches nothing).
+_CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
 MAX_STATES = 20000
 
 
@@ -43,6 +46,10 @@ class _Parser:
         if self.i != len(self.p):
             raise self.error(f"unexpected {self.p[self.i]!r}")
         return node
+
+    def unsupported(self, what: str) -> ValueError:
+        return ValueError(f"regex {self.p!r} at position {self.i}: {what} not supported (constrained "
+                          "decoding compiles the regex to a DFA over printable ASCII characters)")
 
     def alt(self):
         branches = [self.concat()]
@@ -82,8 +89,8 @@ class _Parser:
     def atom(self):
         c = self.take()
         if c == "(":
-            if self.p.startswith("?:", self.i):
-                self.i += 2
+            if self.peek() == "?":
+                self.group_kind()
             node = self.alt()
             if self.take() != ")":
                 raise self.error("missing )")
@@ -94,24 +101,50 @@ class _Parser:
             return ("set", ALPHABET - {"\n"})
         if c == "\\":
             return ("set", self.escape())
+        if c in "^$":
+            return ("anchor", c)
         if c in "*+?{":
             raise self.error(f"nothing to repeat before {c!r}")
         if c == ")":
             raise self.error("unbalanced )")
         return ("set", frozenset(c))
 
+    def group_kind(self) -> None:
+        """After `(?`: a non-capturing or named group reads as a group; anything else is refused."""
+        rest = self.p[self.i + 1 :]
+        named = re.match(r"P?<([A-Za-z_]\w*)>", rest)
+        if rest.startswith(":") or named:
+            self.i += 2 if rest.startswith(":") else 1 + named.end()
+        elif rest[:1] in ("=", "!") or rest[:2] in ("<=", "<!"):
+            raise self.unsupported("lookarounds ((?=...), (?!...), (?<=...), (?<!...)) are")
+        elif rest.startswith("P="):
+            raise self.unsupported("backreferences ((?P=name), \\1) are")
+        else:
+            raise self.unsupported(f"the group or inline flag '(?{rest[:1]}' is")
+
     def escape(self) -> frozenset[str]:
         c = self.take()
         if c.lower() in _CLASSES:
             chars = _CLASSES[c.lower()]
             return ALPHABET - chars if c.isupper() else chars
-        if c == "x":
-            digits = self.p[self.i : self.i + 2]
-            if len(digits) != 2 or any(d not in string.hexdigits for d in digits):
-                raise self.error("\\x needs two hex digits")
-            self.i += 2
+        if c in "xu":
+            n = 2 if c == "x" else 4
+            digits = self.p[self.i : self.i + n]
+            if len(digits) != n or any(d not in string.hexdigits for d in digits):
+                raise self.error(f"\\{c} needs {n} hex digits")
+            self.i += n
             return frozenset(chr(int(digits, 16)))
-        return frozenset({"n": "\n", "t": "\t"}.get(c, c))
+        if c in "pP":
+            raise self.unsupported("Unicode property classes (\\p{...}, \\P{...}) are")
+        if c in "bB":
+            raise self.unsupported(f"word boundaries (\\{c}) are")
+        if c in "123456789":
+            raise self.unsupported(f"backreferences (\\{c}) are")
+        if c in _CONTROL:
+            return frozenset(_CONTROL[c])
+        if c.isascii() and c.isalnum():  # \X, \A, \Z, \G, ... (Python's re refuses unknown ones too)
+            raise self.unsupported(f"the escape \\{c} is")
+        return frozenset(c)
 
     def char_class(self) -> frozenset[str]:
         negate = self.peek() == "^"
@@ -193,13 +226,37 @@ class _NFA:
         return frozenset(seen)
 
 
-def regex_to_dfa(pattern: str) -> tuple[list[dict[str, int]], set[int]]:
-    """Regex → character DFA `(trans, accept)`: `trans[state][char] -> state`, start state 0, every state
-    able to reach acceptance. Raises ValueError for invalid syntax or a regex that matches no string."""
+def split_anchors(pattern: str) -> list[tuple[tuple, bool, bool]]:
+    """`pattern`'s top-level alternatives, parsed, each without its anchors: [(AST, anchored at the start
+    by `^`, anchored at the end by `$`)]. An anchor anywhere else is a ValueError."""
     if not isinstance(pattern, str):
         raise ValueError(f"regex must be a string, got {type(pattern).__name__}")
+    tree = _Parser(pattern).parse()
+    out = []
+    for _, items in tree[1] if tree[0] == "alt" else [tree]:
+        start = bool(items) and items[0] == ("anchor", "^")
+        end = len(items) > start and items[-1] == ("anchor", "$")
+        items = items[int(start) : len(items) - int(end)]
+        if any(_has_anchor(item) for item in items):
+            raise ValueError(f"regex {pattern!r}: ^ and $ are supported only at the start and the end of a "
+                             "top-level alternative")
+        out.append((("cat", items), start, end))
+    return out
+
+
+def _has_anchor(node) -> bool:
+    kind = node[0]
+    if kind in ("cat", "alt"):
+        return any(_has_anchor(n) for n in node[1])
+    return kind == "anchor" or (kind == "rep" and _has_anchor(node[1]))
+
+
+def regex_to_dfa(pattern: str) -> tuple[list[dict[str, int]], set[int]]:
+    """Regex → character DFA `(trans, accept)`: `trans[state][char] -> state`, start state 0, every state
+    able to reach acceptance. The regex matches whole strings (`^` / `$` at its ends change nothing).
+    Raises ValueError for invalid or unsupported syntax, or a regex that matches no string."""
     nfa = _NFA()
-    start, end = nfa.build(_Parser(pattern).parse())
+    start, end = nfa.build(("alt", [branch for branch, _, _ in split_anchors(pattern)]))
     alphabet = sorted(ALPHABET)
     index = {nfa.closure([start]): 0}
     sets, trans = [next(iter(index))], [{}]
@@ -231,51 +288,3 @@ def regex_to_dfa(pattern: str) -> tuple[list[dict[str, int]], set[int]]:
     if 0 not in live:
         raise ValueError(f"regex {pattern!r} matches no string (over the alphabet of printable ASCII)")
     return [{c: v for c, v in t.items() if v in live} for t in trans], accept
-
-
-# ---------------------------------------------------------------------- JSON schema → regex
-_STRING_CHAR = r'[^"\\\n\t]'
-
-
-def json_schema_to_regex(schema: dict) -> str:
-    """A compact-JSON regex for a schema subset: object (properties in order, all emitted), string
-    (minLength / maxLength / enum / const), integer (minimum 0 and maximum 10^k - 1 supported exactly),
-    number, boolean, null, array (items, minItems / maxItems), anyOf / oneOf. Other keywords: ValueError."""
-    if not isinstance(schema, dict):
-        raise ValueError(f"JSON schema must be an object, got {type(schema).__name__}")
-    if "enum" in schema or "const" in schema:
-        values = schema["enum"] if "enum" in schema else [schema["const"]]
-        return "(" + "|".join(re.escape(json.dumps(v, separators=(",", ":"))) for v in values) + ")"
-    if "anyOf" in schema or "oneOf" in schema:
-        return "(" + "|".join(json_schema_to_regex(s) for s in schema.get("anyOf", schema.get("oneOf"))) + ")"
-    t = schema.get("type")
-    if t == "object":
-        props = schema.get("properties", {})
-        parts = [re.escape(json.dumps(k)) + ":" + json_schema_to_regex(v) for k, v in props.items()]
-        return r"\{" + ",".join(parts) + r"\}"
-    if t == "string":
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
-    if t == "integer":
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        if lo not in (None, 0) or (hi is not None and (hi < 1 or str(hi) != "9" * len(str(hi)))):
-            raise ValueError("integer bounds other than minimum 0 / maximum 10^k - 1 are not supported")
-        digits = r"[0-9]*" if hi is None else f"[0-9]{{0,{len(str(hi)) - 1}}}"
-        return ("" if lo == 0 else "-?") + f"(0|[1-9]{digits})"
-    if t == "number":
-        return r"-?(0|[1-9][0-9]*)(\.[0-9]+)?"
-    if t == "boolean":
-        return "(true|false)"
-    if t == "null":
-        return "null"
-    if t == "array":
-        item = json_schema_to_regex(schema.get("items", {"type": "string"}))
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        if hi is not None and hi < lo:
-            raise ValueError(f"array maxItems ({hi}) < minItems ({lo})")
-        if hi == 0:
-            return r"\[\]"
-        rest = f"(,{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
-        body = f"{item}{rest}"
-        return r"\[" + (body if lo > 0 else f"({body})?") + r"\]"
-    raise ValueError(f"unsupported JSON schema (type {t!r}): {schema}")
