@@ -34,7 +34,8 @@ class RadixBlockManager(BlockManager):
         self.tree = RadixCache(self.pool, block_size)
         self.enabled = enable_prefix_caching
         self.locked: dict[int, TreeNode] = {}  # seq_id -> its locked last node
-        self.matched: dict[int, TreeNode] = {}  # seq_id -> node of the last match_prefix (no lock yet)
+        # seq_id -> node of the last match_prefix (no lock yet)
+        self.matched: dict[int, TreeNode] = {}
         self.num_evicted_blocks = 0
 
     # ------------------------------------------------------------------ admission
@@ -56,7 +57,8 @@ class RadixBlockManager(BlockManager):
         node = self.matched.pop(seq.seq_id, self.tree.root)
         if (node.parent is None and node is not self.tree.root) or \
                 self.tree.path_len(node) != len(cached_blocks) * self.block_size:
-            raise ValueError(f"sequence {seq.seq_id}: cached blocks do not come from its last match_prefix")
+            raise ValueError(f"sequence {seq.seq_id}: cached blocks do not come from its last "
+                             "match_prefix")
         self.tree.lock(node)  # first: eviction below must not take the matched prefix
         if self._allocate_evicting(seq, num_new_tokens, cached_blocks, num_computed_tokens):
             self.locked[seq.seq_id] = node
@@ -69,7 +71,8 @@ class RadixBlockManager(BlockManager):
         while not super().allocate_slots(seq, n, cached, start):
             table = len(cached) if start is not None else len(seq.block_table)
             end = (start if start is not None else seq.num_computed_tokens) + n
-            short = max(self.blocks_for(end) - table + 1 - self.pool.num_free, 1)  # +1: a copy-on-write
+            # +1: a copy-on-write
+            short = max(self.blocks_for(end) - table + 1 - self.pool.num_free, 1)
             released = self.tree.evict(short)
             self.num_evicted_blocks += released
             if released == 0:
@@ -85,7 +88,8 @@ class RadixBlockManager(BlockManager):
         tokens = seq.token_ids[: k * self.block_size]
         self.tree.insert(tokens, seq.block_table[:k])
         pages, node = self.tree.match_prefix(tokens)
-        written_before = seq.num_computed_tokens // self.block_size  # older blocks hold finished K/V
+        # older blocks hold finished K/V
+        written_before = seq.num_computed_tokens // self.block_size
         for i in range(min(written_before, len(pages))):
             if seq.block_table[i] != pages[i]:
                 self.pool.incref(pages[i])

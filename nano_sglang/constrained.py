@@ -109,7 +109,8 @@ class Constraint:
         """Read `text` (a token's, or jump-forward's forced string)."""
         nxt = None if text is None else self.fsm.step(self.state, text)
         if nxt is None:
-            raise RuntimeError(f"{what}{text!r} violates regex {self.fsm.pattern!r} in state {self.state}")
+            raise RuntimeError(f"{what}{text!r} violates regex {self.fsm.pattern!r} "
+                               f"in state {self.state}")
         self.state = nxt
 
     def forced_string(self) -> str:

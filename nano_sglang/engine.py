@@ -36,12 +36,13 @@ class SGLEngine(LLMEngine):
 
     sequence_cls = SGLSequence
     block_manager_cls = RadixBlockManager
-    scheduler_cls = CacheAwareScheduler
     model_runner_cls = SGLModelRunner
 
     def __init__(self, config: EngineConfig, policy: CacheAwareConfig | None = None):
         if config.tensor_parallel_size != 1:
             raise ValueError("nano_sglang runs on one device: tensor_parallel_size must be 1")
+        # The fourth part takes the policy, so it is set on the instance (nano_vllm's way for a part
+        # that needs more constructor arguments).
         self.scheduler_cls = functools.partial(CacheAwareScheduler, policy=policy)
         super().__init__(config)
 
@@ -49,12 +50,13 @@ class SGLEngine(LLMEngine):
     def token_index(self) -> TokenIndex:
         """The vocabulary's character trie for constrained decoding (§4), built on first use (it decodes
         every token id once)."""
-        return TokenIndex(self.tokenizer, self.model_config.vocab_size, self.scheduler.eos_token_ids)
+        return TokenIndex(self.tokenizer, self.model_config.vocab_size,
+                          self.scheduler.eos_token_ids)
 
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
-                    regex: str | None = None, json_schema: dict | None = None, jump_forward: bool = True,
-                    score_from: int | None = None) -> SGLSequence:
+                    regex: str | None = None, json_schema: dict | None = None,
+                    jump_forward: bool = True, score_from: int | None = None) -> SGLSequence:
         """nano_vllm's add_request plus a regex / JSON-schema constraint (§4) and prompt scoring (§2,
         `score_from`: the log-probabilities of prompt tokens [score_from, len) land in
         `seq.prompt_logprobs`). Bad constraints raise ValueError before anything is queued."""

@@ -27,7 +27,8 @@ class RegexFSM:
     trans: list[dict[str, int]]
     accept: set[int]
     _forced: dict[int, str] = field(default_factory=dict, repr=False)
-    mask_cache: dict = field(default_factory=dict, repr=False)  # state -> allowed tokens (constrained.py)
+    # state -> allowed tokens (constrained.py)
+    mask_cache: dict = field(default_factory=dict, repr=False)
 
     def step(self, state: int, text: str) -> int | None:
         """The state after reading `text` from `state`, or None when the FSM cannot read it."""

@@ -55,8 +55,8 @@ class Select:
     choices: list[str]
 
 
-def gen(name: str | None = None, max_tokens: int = 32, temperature: float = 0.0, stop=None, regex=None,
-        json_schema=None, jump_forward: bool = True) -> Gen:
+def gen(name: str | None = None, max_tokens: int = 32, temperature: float = 0.0, stop=None,
+        regex=None, json_schema=None, jump_forward: bool = True) -> Gen:
     """Generate into variable `name` (optionally constrained by a regex or JSON schema, §4)."""
     return Gen(name, max_tokens, temperature, stop, regex, json_schema, jump_forward)
 
@@ -89,8 +89,9 @@ def _parts(x) -> list:
     raise TypeError(f"cannot add {type(x).__name__} to a program state")
 
 
-Gen.__add__ = Select.__add__ = lambda self, o: _Expr([self, *_parts(o)])  # type: ignore[attr-defined]
-Gen.__radd__ = Select.__radd__ = lambda self, o: _Expr([*_parts(o), self])  # type: ignore[attr-defined]
+# `gen(...) + "x"` and `"x" + select(...)` build expressions too
+Gen.__add__ = Select.__add__ = lambda self, o: _Expr([self, *_parts(o)])
+Gen.__radd__ = Select.__radd__ = lambda self, o: _Expr([*_parts(o), self])
 
 
 def _role(role: str, content="") -> _Expr:
@@ -121,7 +122,8 @@ class ProgramState:
         self._text = text
         self.vars: dict[str, str] = {}
         self.meta: dict[str, dict] = {}
-        self._queue: queue.Queue[list] = queue.Queue()  # appended parts; join() waits until all have run
+        # appended parts; join() waits until all have run
+        self._queue: queue.Queue[list] = queue.Queue()
         self._error: BaseException | None = None
         self._stream: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._run, daemon=True).start()
@@ -225,7 +227,8 @@ class SglFunction:
         state.sync()
         return state
 
-    def run_batch(self, batch_kwargs: list[dict], backend, num_threads: int = 16) -> list[ProgramState]:
+    def run_batch(self, batch_kwargs: list[dict], backend,
+                  num_threads: int = 16) -> list[ProgramState]:
         """Run many programs at once (each in its own thread) so their requests batch in the engine."""
         with ThreadPoolExecutor(max(1, min(num_threads, len(batch_kwargs)))) as pool:
             return list(pool.map(lambda kw: self.run(backend=backend, **kw), batch_kwargs))

@@ -39,7 +39,8 @@ class SGLModelRunner(ModelRunner):
                 continue
             start = seq.num_computed_tokens
             # the logits of position p score token p + 1
-            for p in range(max(start, seq.score_from - 1), min(start + n, seq.num_prompt_tokens - 1)):
+            first, end = max(start, seq.score_from - 1), min(start + n, seq.num_prompt_tokens - 1)
+            for p in range(first, end):
                 rows.append(inputs.cu_seqlens_q[i] + p - start)
                 scored.append((seq, seq.token_ids[p + 1]))
         inputs.sample_rows = rows + inputs.sample_rows
@@ -63,10 +64,12 @@ class SGLModelRunner(ModelRunner):
             return []
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         masked = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
-        if masked:  # one fill for the whole batch, out of place: logits may be a CUDA graph's output buffer
+        # one fill for the whole batch, out of place: logits may be a CUDA graph's output buffer
+        if masked:
             allowed = torch.stack([c.mask(logits.device) for _, c in masked])
             if len(masked) < len(seqs):  # the unconstrained rows allow every token
                 rows = self._tensor([i for i, _ in masked], torch.long)
-                allowed = logits.new_ones(logits.shape, dtype=torch.bool).index_put_((rows,), allowed)
+                everything = logits.new_ones(logits.shape, dtype=torch.bool)
+                allowed = everything.index_put_((rows,), allowed)
             logits = logits.masked_fill(~allowed, float("-inf"))
         return self.sample(logits, out).tolist()

@@ -47,7 +47,8 @@ class TreeNode:
         self.key = key  # the token run on the edge into this node
         self.pages = pages if pages is not None else []
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}  # keyed by the first page of the child's run
+        # keyed by the first page of the child's run
+        self.children: dict[tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = 0
 
@@ -56,7 +57,8 @@ class TreeNode:
         return not self.children
 
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref}, pages={self.pages})"
+        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref}, "
+                f"pages={self.pages})")
 
 
 class RadixCache:
@@ -108,7 +110,8 @@ class RadixCache:
         node, pages, pos, now = self.root, [], 0, next(self.clock)
         # A partly matched edge ends the walk: the match is page-aligned, so the next page of `tokens`
         # differs from the first page of the split-off rest, the only child of the new node.
-        while pos < len(tokens) and (child := node.children.get(self._first(tokens, pos))) is not None:
+        while (pos < len(tokens)
+               and (child := node.children.get(self._first(tokens, pos))) is not None):
             n = self._common(child.key, tokens, pos)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -123,7 +126,8 @@ class RadixCache:
         upper = TreeNode(child.key[:n], child.pages[: n // self.page_size], child.parent)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
         child.parent.children[self._first(child.key)] = upper
-        child.key, child.pages, child.parent = child.key[n:], child.pages[n // self.page_size:], upper
+        child.key, child.pages = child.key[n:], child.pages[n // self.page_size:]
+        child.parent = upper
         upper.children[self._first(child.key)] = child
         self.num_nodes += 1
         return upper
@@ -182,9 +186,11 @@ class RadixCache:
         released = 0
         while released < num_pages and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
-            if (node.parent is None or node.lock_ref > 0 or not node.is_leaf or stamp != node.last_access
+            # a stale entry: touched, locked, grown or already gone since it was pushed
+            if (node.parent is None or node.lock_ref > 0 or not node.is_leaf
+                    or stamp != node.last_access
                     or node.parent.children.get(self._first(node.key)) is not node):
-                continue  # stale entry: touched, locked, grown or already gone since it was pushed
+                continue
             for p in node.pages:
                 self.pool.decref(p)
             released += len(node.pages)
@@ -196,7 +202,8 @@ class RadixCache:
             if parent is not self.root and parent.lock_ref == 0 and parent.is_leaf:
                 heapq.heappush(self._heap, (parent.last_access, parent.id, parent))
         if len(self._heap) > 4 * self.num_nodes + 64:  # drop stale entries now and then
-            self._heap = [e for e in self._heap if e[2].parent is not None and e[0] == e[2].last_access]
+            self._heap = [e for e in self._heap
+                          if e[2].parent is not None and e[0] == e[2].last_access]
             heapq.heapify(self._heap)
         return released
 

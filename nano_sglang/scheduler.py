@@ -64,7 +64,8 @@ def lpm_order(seqs: list[Sequence], match_len: dict[int, int]) -> list[Sequence]
     return sorted(seqs, key=lambda s: (-match_len[s.seq_id], s.seq_id))
 
 
-def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode], root: TreeNode) -> list[Sequence]:
+def dfs_weight_order(seqs: list[Sequence], nodes: dict[int, TreeNode],
+                     root: TreeNode) -> list[Sequence]:
     """DFS over the tree of matched nodes, children by weight (waiting requests below) descending."""
     weight: Counter[int] = Counter()
     children: defaultdict[int, dict[int, TreeNode]] = defaultdict(dict)
@@ -126,7 +127,8 @@ class CacheAwareScheduler(Scheduler):
             rest = (lpm_order(rest, match_len) if p.policy == "lpm"
                     else dfs_weight_order(rest, nodes, bm.tree.root))
         order, deferred = sorted(aged, key=lambda s: s.seq_id), []
-        leaders: set[tuple[int, tuple[int, ...]]] = set()  # (cached length, next uncached tokens) ahead
+        # (cached length, next uncached tokens) of the requests ahead
+        leaders: set[tuple[int, tuple[int, ...]]] = set()
         for s in rest:
             m = match_len[s.seq_id]
             if p.defer_threshold is None or s.num_tokens - m - 1 < p.defer_threshold:
@@ -155,14 +157,16 @@ class CacheAwareScheduler(Scheduler):
         finished = super().postprocess(out, sampled, now)
         for seq, samples in zip(out.seqs, out.samples):
             constraint = seq.constraint
+            # finished already (EOS in an accepting state, the length limit) or aborted
             if constraint is None or not samples or seq.status is not SequenceStatus.RUNNING:
-                continue  # finished already (EOS in an accepting state, the length limit) or aborted
+                continue
             state = constraint.state  # before the sampled token: a jump re-reads that token's text
             constraint.advance(seq.token_ids[-1])
             forced = constraint.forced_string() if constraint.jump_forward else ""
             if forced:
                 self._jump_forward(seq, constraint, state, forced)
-            reason = "stop" if constraint.is_terminal() else "length" if self._room(seq) == 0 else None
+            reason = ("stop" if constraint.is_terminal() else
+                      "length" if self._room(seq) == 0 else None)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -174,7 +178,8 @@ class CacheAwareScheduler(Scheduler):
         return min(seq.sampling_params.max_tokens - seq.num_output_tokens,
                    self.config.max_model_len - seq.num_tokens)
 
-    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, state: int, forced: str) -> None:
+    def _jump_forward(self, seq: SGLSequence, constraint: Constraint, state: int,
+                      forced: str) -> None:
         """§4 jump-forward: append the forced string without model calls. The last sampled token is not
         computed yet, so it is re-tokenized together with the forced string (a boundary token such as
         `"` followed by `name` may merge differently); the next step prefills the new tokens. Forced

@@ -29,7 +29,8 @@ class SGLSequence(Sequence):
                  constraint: Constraint | None = None, score_from: int | None = None):
         super().__init__(prompt_token_ids, sampling_params, request_id, arrival_time)
         if score_from is not None and not 1 <= score_from < self.num_prompt_tokens:
-            raise ValueError(f"score_from must be in [1, {self.num_prompt_tokens}), got {score_from}")
+            raise ValueError(f"score_from must be in [1, {self.num_prompt_tokens}), "
+                             f"got {score_from}")
         self.constraint = constraint
         self.score_from = score_from
         self.prompt_logprobs: list[float] = []  # of prompt tokens score_from, score_from + 1, ...

@@ -20,10 +20,14 @@ prompt or earlier generated text: what an infinite cache computes; `optimal_hit_
 also "bookkeeping %": wall time inside the radix tree (match, insert, lock, unlock, evict) and the
 cache-aware ordering of the waiting queue, over the engine's step time.
 
-Each system is one engine with nano_vllm's performance layers on (its default: the kernel
-warm-up; CUDA graphs for decode and for mixed steps at `engine.mixed_cudagraph_sizes`), built once, warmed up
-by running each workload once untimed, its prefix cache emptied before each run, and freed before the next
-is built, so every engine sizes its KV cache from the same memory. The table lists, per workload,
+Each system is one engine with nano_vllm's performance layers on (every engine's default on CUDA: CUDA
+graphs for decode and for mixed steps at `engine.mixed_cudagraph_sizes`, fused projections and sampling,
+the GEMV, the kernel warm-up; `performance_layers=false` runs every engine on the paper path alone), built
+once, warmed up by running each workload once untimed, its prefix cache emptied before each run, and freed
+before the next is built, so every engine sizes its KV cache from the same memory. nano_sglang's engine
+reads each step's tokens in its postprocess, which nano_vllm's overlapped scheduling cannot serve, so
+bench.yaml turns that layer off for every engine (`engine.async_scheduling: false`): the rows compare the
+caches on one step path. bench.json names the layers each engine ran (`layers_applied`). The table lists, per workload,
 nano_sglang, the peer (`vs vllm on`) and nano_vllm without prefix caching (`vs vllm off`); a headline per
 workload follows it.
 """
@@ -226,6 +230,8 @@ def run(cfg: DictConfig) -> dict:
     quick = (not torch.cuda.is_available()) if cfg.quick is None else bool(cfg.quick)
     model = "tiny" if quick and not Path(str(cfg.model)).is_dir() else str(cfg.model)  # quick: any preset
     engine_args = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if v is not None}
+    if cfg.get("performance_layers") is not None:  # false: every engine on the paper path alone
+        engine_args["performance_layers"] = bool(cfg.performance_layers)
     if quick:  # < 1 min on a 2-core CPU: a tenth of the tokens, an eighth of the programs
         engine_args.update(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=2048)
     shapes = {}
@@ -241,8 +247,10 @@ def run(cfg: DictConfig) -> dict:
                                                          enable_prefix_caching=False))),
                (VLLM_ON, lambda: LLMEngine(EngineConfig(model=model, **engine_args)))]
     by_workload: dict[str, list[dict]] = {name: [] for name in shapes}
+    layers: dict[str, list[str]] = {}  # the performance layers each engine ran (engine.layers_applied)
     for system, make in systems if shapes else []:  # workloads=[]: the JSON part only
         engine = make()
+        layers[system] = engine.layers_applied
         book = bookkeeping_of(engine)
         for name, programs in shapes.items():
             # Warm-up on the whole workload (untimed, cache emptied after): every kernel variant its steps
@@ -263,6 +271,7 @@ def run(cfg: DictConfig) -> dict:
         rows += [by_system[s] for s in (SGL, VLLM_ON, VLLM_OFF)]  # nano_sglang, its peer, no cache
     if cfg.json_programs:
         engine = SGLEngine(EngineConfig(model=model, **engine_args))
+        layers["nano_sglang JSON"] = engine.layers_applied
         n = max(2, cfg.json_programs // (8 if quick else 1))
         run_json(engine, 2, True)  # warm-up: FSM compile and token masks
         json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
@@ -278,8 +287,10 @@ def run(cfg: DictConfig) -> dict:
             print(line, flush=True)
     if json_rows:
         print_table(json_rows, title="JSON decoding (regex FSM from a JSON schema)")
+    print(f"layers applied: {', '.join(dict.fromkeys(n for v in layers.values() for n in v)) or 'none'}",
+          flush=True)
     record = {"bench": "nano_sglang", "model": model, "quick": quick, "policy": cfg.policy, "peer": VLLM_ON,
-              "engine": engine_args, "rows": rows, "json": json_rows}
+              "engine": engine_args, "layers_applied": layers, "rows": rows, "json": json_rows}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print(f"wrote {path}", flush=True)

@@ -1,7 +1,8 @@
 """SGLEngine is nano_vllm's engine with SGLang's parts plugged into its extension points: each part is built
-once, every request is an SGLSequence carrying only declared state, and nano_vllm's CUDA-graph layer
-(replayed eagerly on a CPU) changes neither constrained outputs, jump-forward nor `select`'s prompt scores.
-The runtime, an entry point, turns the performance layers on; the engine alone does not."""
+once, every request is an SGLSequence carrying only declared state, and nano_vllm's performance layers —
+the CUDA graphs (replayed eagerly on a CPU), fused projections and sampling, the GEMV — change neither
+constrained outputs, jump-forward nor `select`'s prompt scores. The runtime sizes mixed-step graphs for
+jump-forward; overlapped scheduling is refused by name."""
 
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ def test_mixed_step_graphs_keep_constraints_jump_forward_and_scores(ckpt, monkey
     assert graph_scores == pytest.approx(eager_scores, abs=1e-4)
 
 
-def test_runtime_turns_mixed_step_graphs_on_the_engine_does_not(ckpt):
+def test_runtime_sizes_mixed_step_graphs_for_jump_forward(ckpt):
+    """The runtime captures mixed-step graphs at 64-512 tokens (jump-forward's extends) unless given sizes;
+    an engine built directly takes nano_vllm's default."""
     assert SGLEngine(EngineConfig(**engine_args(ckpt))).config.mixed_cudagraph_sizes is None
     runtime = sgl.Runtime(ckpt, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
                           num_kv_blocks=64)
@@ -123,6 +126,41 @@ def test_runtime_turns_mixed_step_graphs_on_the_engine_does_not(ckpt):
         assert runtime.engine.config.mixed_cudagraph_sizes == ()
     finally:
         runtime.shutdown()
+
+
+# nano_vllm's layers that run by default on CUDA besides the graphs and the warm-up, asked for here (a CPU
+# runs none unless asked): nano_sglang's engine is fast by default with them.
+LAYERS = {"fused_projections": True, "fused_sampling": True, "gemv_max_tokens": 1}
+
+
+def test_nano_vllm_layers_keep_constraints_jump_forward_and_scores(ckpt):
+    """With nano_vllm's layers (fused projections, fused sampling, the GEMV) an SGLEngine gives the paper
+    path's greedy constrained tokens, jump-forward and `select` scores; seeded sampling stays valid."""
+    results = []
+    for args in ({"performance_layers": False}, LAYERS):
+        engine = SGLEngine(EngineConfig(**engine_args(ckpt, **args)))
+        assert engine.layers_applied == ([] if args == {"performance_layers": False}
+                                         else ["fused", "gemv", "fused_sampling"])
+        greedy = engine.generate([f"Item {i}: " for i in range(3)], SamplingParams(temperature=0.0, max_tokens=64),
+                                 json_schema=SCHEMA)
+        sampled = engine.generate(["Q: "] * 2, SamplingParams(temperature=1.0, max_tokens=64, seed=5),
+                                  json_schema=SCHEMA)
+        scored = engine.add_request(list(range(40, 90)), SamplingParams(max_tokens=1), score_from=45)
+        while engine.has_unfinished_requests():
+            engine.step()
+        for o in greedy + sampled:
+            assert set(json.loads(o.text)) == {"name", "ok"}, o.text
+        results.append(([o.token_ids for o in greedy], scored.prompt_logprobs))
+    (paper_ids, paper_scores), (layer_ids, layer_scores) = results
+    assert layer_ids == paper_ids
+    assert layer_scores == pytest.approx(paper_scores, abs=1e-4)
+
+
+def test_overlapped_scheduling_is_refused_by_name(ckpt):
+    """nano_sglang reads each step's tokens in its postprocess: nano_vllm's overlapped scheduling stays off
+    by default and, asked for, is a ValueError naming the switch."""
+    with pytest.raises(ValueError, match=r"async_scheduling needs nano_vllm.s .*SGLModelRunner overrides"):
+        SGLEngine(EngineConfig(**engine_args(ckpt, async_scheduling=True)))
 
 
 def test_program_state_rejects_what_it_cannot_add_and_keeps_running():

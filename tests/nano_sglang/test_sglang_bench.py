@@ -21,3 +21,19 @@ def test_bench_quick(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count("radix cache") == 1  # the headline of the one workload
     assert record["json"][1]["steps"] < record["json"][0]["steps"]
     assert (tmp_path / "bench.json").is_file()
+
+
+@pytest.mark.slow
+def test_bench_passes_performance_layers_to_every_engine(tmp_path, monkeypatch):
+    from nano_vllm.config import EngineConfig
+
+    built = []
+    monkeypatch.setattr(EngineConfig, "__post_init__", lambda self, init=EngineConfig.__post_init__: (
+        built.append(self.performance_layers), init(self))[1])
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.load(__import__("nano_sglang.configs", fromlist=["x"]).__path__[0] + "/bench.yaml")
+    assert cfg.performance_layers is True and cfg.engine.async_scheduling is False
+    cfg.quick, cfg.workloads, cfg.json_programs, cfg.performance_layers = True, [], 2, False
+    record = run(cfg)
+    assert built == [False] and record["engine"]["performance_layers"] is False
+    assert record["layers_applied"] == {"nano_sglang JSON": []}
