@@ -132,8 +132,9 @@ class LLMEngine:
         return [s for s, sampled in zip(out.seqs, out.samples) if sampled], finished
 
     def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
-        """`seq`'s RequestOutput, its text detokenized as its SamplingParams say."""
-        text = self.tokenizer.decode(seq.output_token_ids, seq.sampling_params.skip_special_tokens)
+        """`seq`'s RequestOutput, its text detokenized as its SamplingParams say (without the stop
+        token's text, which `token_ids` keep, unless `include_stop_str_in_output`)."""
+        text = self.tokenizer.decode(seq.text_token_ids, seq.sampling_params.skip_special_tokens)
         return RequestOutput.of(seq, text, prompt)
 
     def shutdown(self) -> None:

@@ -27,8 +27,11 @@ class SamplingParams:
     top_k: keep the k most likely tokens (-1 or 0 = off).
     max_tokens: how many tokens to generate at most.
     ignore_eos: keep generating past the end-of-sequence token (benchmarks).
-    stop_token_ids: extra token ids that end the request (the stop token is kept in the output, like EOS).
-    seed: per-request random seed; the same seed and prompt give the same tokens whatever else is batched.
+    stop_token_ids: extra token ids that end the request (the stop token stays in `token_ids`, like EOS).
+    include_stop_str_in_output: also render the text of the stop token (EOS or one of stop_token_ids) that
+        ended the request; by default it is left out of the text, as vLLM does.
+    seed: per-request random seed, any int (folded into 64 bits, `sampler.seed64`); the same seed and
+        prompt give the same tokens whatever else is batched.
     skip_special_tokens: leave special tokens (`<|endoftext|>`, `<|im_end|>`, ...) out of the text.
 
     Bad values raise ValueError naming the field.
@@ -42,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     seed: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -62,8 +66,9 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         if self.top_k == 0:

@@ -197,6 +197,7 @@ class Scheduler:
         sp = seq.sampling_params
         if ((not sp.ignore_eos and token in self.eos_token_ids)
                 or (sp.stop_token_ids and token in sp.stop_token_ids)):
+            seq.stop_token_id = token  # in token_ids, not in the text (`Sequence.text_token_ids`)
             return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

@@ -49,6 +49,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
+        self.stop_token_id: int | None = None  # the EOS or stop token that ended it, if one did
         self.num_preemptions = 0
         # Serving metrics (nano_vllm.metrics): arrival, each output token's time, finish.
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -73,6 +74,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The output tokens whose text is shown: a stop token's is left out unless
+        `include_stop_str_in_output` (vLLM's rule); `output_token_ids` keeps it."""
+        if self.stop_token_id is None or self.sampling_params.include_stop_str_in_output:
+            return self.output_token_ids
+        return self.output_token_ids[:-1]
 
     @property
     def num_output_tokens(self) -> int:

@@ -164,17 +164,39 @@ def test_eos_comes_from_the_checkpoint_only(tmp_path, hf_greedy, layer_args):
 
 
 def test_special_tokens_are_skipped_in_text_by_default(tmp_path, layer_args):
-    """vLLM's `skip_special_tokens=True`: the EOS the request stopped at is in token_ids, not in text."""
+    """vLLM's `skip_special_tokens=True`: the EOS the request stopped at is in token_ids, not in text; and
+    as the token that stopped it, its text is left out even with `skip_special_tokens=False`, unless
+    `include_stop_str_in_output`."""
     llm = LLM(_always_4095_checkpoint(tmp_path, eos_token_id=4095), max_model_len=64, **layer_args)
     assert llm.engine.scheduler.eos_token_ids == {4095}
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert out.token_ids == [4095] and out.outputs[0].finish_reason == "stop" and out.text == ""
-    kept = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, skip_special_tokens=False),
-                        use_tqdm=False)[0]
-    assert kept.text == "<|endoftext|>"
+    for include, text in ((False, ""), (True, "<|endoftext|>")):
+        sp = SamplingParams(temperature=0.0, max_tokens=4, skip_special_tokens=False,
+                            include_stop_str_in_output=include)
+        kept = llm.generate([[1, 2, 3]], sp, use_tqdm=False)[0]
+        assert kept.token_ids == [4095] and kept.text == text
     tok = llm.tokenizer
     ids = [*tok.encode("hi"), 4095]
     assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) == "hi<|endoftext|>"
+
+
+def test_stop_token_text_is_left_out(layer_args):
+    """A request that stops at one of its `stop_token_ids` keeps the token in `token_ids` but not its text
+    in `text`, as vLLM does, unless `include_stop_str_in_output`; a request cut by length keeps all."""
+    llm = LLM("tiny", max_model_len=64, **layer_args)
+    prompt = [5, 6, 7, 8]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].token_ids
+    stop = full[2]
+    k = full.index(stop)  # the first time the greedy output draws it
+    decode = llm.tokenizer.decode
+    assert decode(full[:k]) != decode(full[:k + 1])
+    for include, text in ((False, decode(full[:k])), (True, decode(full[:k + 1]))):
+        sp = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop], include_stop_str_in_output=include)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert out.token_ids == full[:k + 1] and out.outputs[0].finish_reason == "stop" and out.text == text
+    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=k + 1), use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "length" and cut.text == decode(full[:k + 1])
 
 
 def test_generate_checks_every_prompt_before_queueing_any(tiny):

@@ -241,7 +241,7 @@ def test_layer_defaults_and_switch_errors():
     assert config.replace(fused_sampling=True).wants("fused_sampling", cpu)
     assert not config.replace(gemv_max_tokens=0).wants("gemv_max_tokens", cuda)
     assert not config.replace(performance_layers=False).wants("fused_sampling", cuda)
-    assert mixed_sizes(config.replace(max_num_batched_tokens=300)) == (128, 256)
+    assert mixed_sizes(config.replace(max_num_batched_tokens=300, max_num_seqs=256)) == (128, 256)
     assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[64])) == (64,)
     assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[])) == ()
     with pytest.raises(TypeError, match="gemv_max_tokens must be an int"):
