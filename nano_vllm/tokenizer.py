@@ -11,6 +11,7 @@ fallback tokenizer: to a model that did not ship it, its `<|endoftext|>` is an o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,17 @@ class Tokenizer:
     special_tokens: dict[str, str]  # passed to the chat template (bos_token, eos_token, ...)
 
     def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary entry): a text of more than
+        n times this many characters is more than n tokens, known without tokenizing it (the server's
+        bound on a prompt). Assumes the tokenizer drops no character before splitting, as byte-level BPE
+        (Llama, Qwen) and SentencePiece do."""
+        return max(1, self._max_token_chars())
+
+    def _max_token_chars(self) -> int:
         raise NotImplementedError
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -72,6 +84,9 @@ class SharedTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
+    def _max_token_chars(self) -> int:  # bytes bound characters: a character is at least one byte
+        return max([*map(len, self.enc.token_byte_values()), *map(len, self.enc.special_tokens_set)])
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         n = self.enc.n_vocab  # a model with a larger vocabulary can emit ids the tokenizer does not know
         skip = self.special_ids if skip_special_tokens else set()
@@ -98,7 +113,13 @@ class HFTokenizer(Tokenizer):
             self.eos_token_ids.add(self.tok.token_to_id(eos))
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it): a server's other threads run on
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _max_token_chars(self) -> int:
+        # A vocabulary entry is at least as long as the text it stands for: byte-level BPE spells each byte
+        # as one character, SentencePiece a space as "▁", byte fallback one byte as "<0x0A>".
+        return max(map(len, self.tok.get_vocab(with_added_tokens=True)))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

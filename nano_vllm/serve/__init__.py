@@ -4,7 +4,8 @@
 * `server.py` — the FastAPI app (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
   `/metrics`) over an EngineLoop, and `build` (engine, loop and server from a serve config);
 * `protocol.py` — the request bodies (pydantic) and OpenAI's error shape;
-* `http_server.py` — uvicorn with limits, timeouts and a graceful drain;
+* `request_prep.py` — a request body to prompt ids and sampling params, bounded, off the asyncio loop;
+* `http_server.py` — uvicorn with limits, timeouts (a first-byte timeout among them) and a graceful drain;
 * `server_metrics.py` — the Prometheus metrics;
 * `__main__.py` — the Hydra app.
 """

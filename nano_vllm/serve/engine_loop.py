@@ -7,7 +7,9 @@ applied between steps, which is also when an aborted request's blocks are freed.
 
 Nobody waits forever: when the loop stops, or its thread dies of an unexpected exception, every request it
 still holds (or has queued) is ended — "abort" on `stop()`, "error" with the traceback otherwise — and
-`alive` turns False, which the server's `/health` reports.
+`alive` turns False, which the server's `/health` reports. A loop that is alive but stuck (a step that never
+returns) is seen from outside too: `stalled_for()` is how long it has held work without coming round to
+its next step, which the server's `/health` and `/metrics` report past `server.health_stall_s`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    stop_token: bool = False  # finished at an EOS or stop token: the last of `token_ids` (text leaves it out)
 
 
 class RequestStream:
@@ -66,6 +70,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, name: str = "nano_vllm-engine"):
         self.engine = engine
+        self.last_progress = time.monotonic()  # when the loop thread last came round (a step done, or idle)
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._num_put, self._num_applied = 0, 0  # commands queued / taken off the queue and applied
         self._put_lock = threading.Lock()  # add and abort may come from several threads
@@ -120,6 +125,16 @@ class EngineLoop:
         return self._num_put - self._num_applied
 
     @property
+    def has_work(self) -> bool:
+        """Whether the loop holds requests or has commands queued (read from any thread)."""
+        return self.num_pending_commands > 0 or len(self._clients) > 0
+
+    def stalled_for(self) -> float:
+        """Seconds the loop thread has held work without completing a step (or applying the commands
+        queued): 0 while it has none, or when it comes round as it should."""
+        return max(time.monotonic() - self.last_progress, 0.0) if self.has_work else 0.0
+
+    @property
     def alive(self) -> bool:
         """True while the loop thread runs and has not been asked to stop."""
         return self.thread.is_alive() and not self._stop
@@ -136,7 +151,8 @@ class EngineLoop:
         token, but counting covers several (jump-forward) and none (finished without sampling)."""
         new = seq.token_ids[seq.num_prompt_tokens + stream.sent:]
         stream.sent += len(new)
-        stream.put(StreamEvent(new, seq.is_finished, seq.finish_reason))
+        stream.put(StreamEvent(new, seq.is_finished, seq.finish_reason,
+                               stop_token=seq.is_finished and seq.stop_token_id is not None))
 
     def _end(self, stream: RequestStream, reason: str, error: str | None = None) -> None:
         """End a request the engine did not finish: "abort" or "error" (with the message)."""
@@ -195,6 +211,7 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stop:
+            self.last_progress = time.monotonic()
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=self.idle_wait_s)

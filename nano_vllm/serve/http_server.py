@@ -4,7 +4,11 @@ uvicorn parses HTTP and answers what is malformed there (a bad `Content-Length`,
 oversized header) and closes idle keep-alive connections. Added here, each a few lines:
 - a body-size limit (413) and a body read timeout (408), before the application sees a byte;
 - a header read timeout (408): a connection must deliver a request's headers within `read_timeout_s`;
-- a connection limit: connections beyond `max_connections` get 503;
+- a first-byte timeout: a new connection that sends nothing for `first_byte_timeout_s` is closed, so
+  silent sockets cannot hold the connection slots (uvicorn's keep-alive timeout starts only after a
+  first request);
+- a connection limit: connections beyond `max_connections` get 503, except on `GET /health` and
+  `GET /metrics`, which are served on any connection (monitoring sees a server that is full);
 - a client's EOF (close or half-close) cancels its request; a half-closed client is told so (400);
 - OpenAI's JSON error object on every one of these responses, instead of plain text;
 - a graceful drain on SIGTERM / SIGINT: new requests get 503, requests in flight finish (or, after
@@ -14,7 +18,9 @@ oversized header) and closes idle keep-alive connections. Added here, each a few
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import socket
 import threading
 from dataclasses import dataclass, fields
@@ -33,17 +39,22 @@ class HTTPConfig:
 
     max_body_bytes: largest request body; a larger one (declared or sent) gets 413.
     read_timeout_s: a request's headers, and then its body, must each arrive within this many seconds (408).
+    first_byte_timeout_s: a new connection that sends no byte within this many seconds is closed.
     keep_alive_timeout_s: an idle keep-alive connection is closed after this many seconds.
-    max_connections: open connections beyond this many get 503 on their requests.
+    max_connections: open connections beyond this many get 503 on their requests (but /health, /metrics).
     drain_timeout_s: on SIGTERM, how long requests in flight may run before they are ended with an error.
+    health_stall_s: /health answers 503 once the engine loop has held work this many seconds without
+        completing a step (a step that never returns).
     log_level: uvicorn's log level.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     read_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 5.0
     keep_alive_timeout_s: float = 5.0
     max_connections: int = 1024
     drain_timeout_s: float = 30.0
+    health_stall_s: float = 60.0
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -115,8 +126,32 @@ class BodyLimits:
         await self.app(scope, replay, send)
 
 
-async def _overloaded(scope, receive, send) -> None:
-    await _send_error(send, 503, "too many open connections (server.max_connections)", "service_unavailable")
+MONITORING_PATHS = ("/health", "/metrics")  # served on connections over the limit too
+
+
+def _overloaded(app):
+    """The application of a connection over `max_connections`: 503, but for GET /health and /metrics."""
+
+    async def overloaded(scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in MONITORING_PATHS:
+            return await app(scope, receive, send)
+        await _send_error(send, 503, "too many open connections (server.max_connections)", "service_unavailable")
+
+    return overloaded
+
+
+def listen(host: str, port) -> socket.socket:
+    """A listening socket on (host, port), port 0 meaning any free one; a bad port is a ValueError and a
+    port that cannot be bound (in use, not allowed) an OSError, each naming `port`."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535] (0: any free port), got {port!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as e:
+        hint = " (another server is listening there; choose another port=)" if e.errno == errno.EADDRINUSE else ""
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(e.errno, f"cannot listen on {host}:{port} (port={port}): {reason}{hint}") from None
 
 
 def protocol_class(config: HTTPConfig) -> type[H11Protocol]:
@@ -127,16 +162,30 @@ def protocol_class(config: HTTPConfig) -> type[H11Protocol]:
             super().connection_made(transport)
             self.header_timer: asyncio.TimerHandle | None = None
             if len(self.connections) > config.max_connections:
-                self.app = _overloaded  # this connection's requests are answered 503
+                self.app = _overloaded(self.app)  # 503 on this connection, but for /health and /metrics
+            self.first_byte_timer: asyncio.TimerHandle | None = self.loop.call_later(
+                config.first_byte_timeout_s, self._first_byte_timeout)
             self._arm_header_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self.first_byte_timer is not None:
+                self.first_byte_timer.cancel()
+                self.first_byte_timer = None
+            super().data_received(data)
+
+        def _first_byte_timeout(self) -> None:
+            self.first_byte_timer = None
+            if not self.transport.is_closing():  # nothing came: a silent connection frees its slot
+                self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm_header_timer()  # the next request's headers get the same time
 
         def connection_lost(self, exc) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
+            for timer in (self.header_timer, self.first_byte_timer):
+                if timer is not None:
+                    timer.cancel()
             super().connection_lost(exc)
 
         def _arm_header_timer(self) -> None:
@@ -189,13 +238,12 @@ class _Uvicorn(uvicorn.Server):
 
 class HTTPServer:
     """The listening socket and the uvicorn server on it, with the interface of `socketserver`'s servers:
-    `server_address`, `serve_forever()`, `shutdown()`, `server_close()`. The socket is bound here, so port 0
-    is resolved before serving starts."""
+    `server_address`, `serve_forever()`, `shutdown()`, `server_close()`. The socket is bound here (or given,
+    bound already by `listen`), so port 0 is resolved before serving starts."""
 
-    def __init__(self, api, host: str, port: int, config: HTTPConfig):
+    def __init__(self, api, host: str, port: int, config: HTTPConfig, sock: socket.socket | None = None):
         self.api, self.config = api, config
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=1024)
+        self.socket = sock if sock is not None else listen(host, port)
         self.server_address = self.socket.getsockname()
         app = BodyLimits(api.app, config.max_body_bytes, config.read_timeout_s)
         self.uvicorn = _Uvicorn(uvicorn.Config(

@@ -69,9 +69,12 @@ class _Base(BaseModel):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # vLLM's extensions: top_k, ignore_eos, stop_token_ids, seed, skip_special_tokens
+    # vLLM's extensions: top_k, ignore_eos, stop_token_ids, seed, skip_special_tokens,
+    # include_stop_str_in_output
+    top_k: int = -1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     stream: bool = False
@@ -114,11 +117,24 @@ class CompletionRequest(_Base):
         raise ValueError("prompt must be a string or a list of token ids (ints)")
 
 
+# OpenAI's message roles this server renders; "developer" is OpenAI's newer name for "system". "tool" and
+# "function" messages answer tool calls, which this server does not make.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: str
     content: str
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            why = " (no tool calling)" if v in ("tool", "function") else ""
+            raise ValueError(f"{v!r} is not a supported role{why}; allowed: {', '.join(map(repr, CHAT_ROLES))}")
+        return "system" if v == "developer" else v
 
     @field_validator("content", mode="before")
     @classmethod

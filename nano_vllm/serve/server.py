@@ -2,9 +2,13 @@
 `/v1/chat/completions` (both with SSE streaming), `/v1/models`, `/health`, `/metrics`.
 
 Requests are validated (`protocol.py`) before anything is queued, then handed to the one `EngineLoop`
-thread, so concurrent requests share every engine step; tokens come back through the asyncio loop. A request
-is in the engine only while its client is there: a disconnect (noticed at once, whether or not tokens are
-flowing), a cancelled task or a failed drain aborts it, which frees its KV blocks at the next step.
+thread, so concurrent requests share every engine step; tokens come back through the asyncio loop. The
+work a request's size decides — parsing its JSON, rendering the chat template, tokenizing — runs on a
+thread of its own, never on the asyncio loop, and a text prompt too long for `max_model_len` tokens
+whatever its tokens is refused before it is tokenized (request_prep.py): `/health` answers while huge
+bodies are processed. A request is in the engine only while its client is there: a disconnect (noticed at once,
+whether or not tokens are flowing), a cancelled task or a failed drain aborts it, which frees its KV
+blocks at the next step.
 The HTTP layer (`http_server.py`) adds what uvicorn leaves out: a body-size limit, read timeouts, a
 connection limit, JSON errors for malformed HTTP, and a graceful drain on SIGTERM.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,13 +33,8 @@ from nano_vllm.config import EngineConfig, engine_args_from
 from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.serve.engine_loop import EngineLoop, RequestStream, StreamEvent
-from nano_vllm.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    parse_request,
-)
+from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from nano_vllm.serve.request_prep import RequestPreparation
 from nano_vllm.serve.server_metrics import ServerMetrics
 from nano_vllm.tokenizer import IncrementalDetokenizer
 
@@ -53,23 +53,28 @@ class _Stream(RequestStream):
         self.aloop, self.queue = aloop, asyncio.Queue()
         self.finished = False
         self.finish_reason: str | None = None
+        self.stop_token = False  # it ended at an EOS or stop token (the last output token)
 
     def put(self, event: StreamEvent | str) -> None:  # called on the engine thread
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
             self.aloop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-class OpenAIServer:
+class OpenAIServer(RequestPreparation):
     """What the routes share: the engine loop, its tokenizer, the served model's name, the metrics, and the
-    requests in flight (which a drain waits for)."""
+    requests in flight (which a drain waits for). Requests are checked and tokenized by the methods of
+    `RequestPreparation` (request_prep.py)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, drain_timeout_s: float = 30.0):
+    def __init__(self, loop: EngineLoop, model_name: str, drain_timeout_s: float = 30.0,
+                 health_stall_s: float = 60.0):
         self.loop = loop
         self.engine = loop.engine
         self.tokenizer = loop.engine.tokenizer
         self.model_name = model_name
         self.max_model_len = loop.engine.max_model_len
-        self.metrics = ServerMetrics(self.engine, model_name)
+        RequestPreparation.__init__(self)
+        self.health_stall_s = health_stall_s
+        self.metrics = ServerMetrics(self.engine, model_name, self.stall)
         self.active: set[_Stream] = set()
         self.drain_timeout_s = drain_timeout_s
         self.draining, self._drain_deadline, self._drain_forced = False, 0.0, False
@@ -83,6 +88,28 @@ class OpenAIServer:
         if not self.loop.alive:
             return "the engine loop is not running" + (f": {self.loop.error}" if self.loop.error else "")
         return None
+
+    def stall(self) -> tuple[bool, float]:
+        """(stalled, seconds): whether the engine loop has died, or has held work for more than
+        `health_stall_s` without completing a step; and how long it has held work without one."""
+        seconds = self.loop.stalled_for()
+        dead = self.loop.thread.ident is not None and not self.loop.thread.is_alive()
+        return dead or seconds > self.health_stall_s, seconds
+
+    def health(self) -> tuple[int, dict]:
+        """`/health`: 200 `{"status": "ok"}`, else 503 with a status ("draining", "engine dead", "engine
+        stalled") beside OpenAI's error object."""
+        why = self.unavailable()
+        if why is not None:
+            status = "draining" if self.draining else "engine dead"
+            return 503, {"status": status, **error_body(why, "service_unavailable")}
+        stalled, seconds = self.stall()
+        if stalled:
+            why = (f"the engine loop has held work for {seconds:.1f} s without completing a step "
+                   f"(server.health_stall_s: {self.health_stall_s:g})")
+            return 503, {"status": "engine stalled", "stalled_s": round(seconds, 3),
+                         **error_body(why, "service_unavailable")}
+        return 200, {"status": "ok"}
 
     def begin_drain(self, timeout_s: float | None = None) -> None:
         """Refuse new requests; let those in flight finish for up to `timeout_s` (thread-safe)."""
@@ -99,49 +126,11 @@ class OpenAIServer:
                 stream.queue.put_nowait(_SHUTDOWN)
         return not self.active
 
-    # ------------------------------------------------------------------ requests -> (ids, params)
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
-
-    def check_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.engine.model_config.vocab_size
-        if not ids:
-            raise APIError(400, "prompt is empty", "prompt")
-        if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"prompt has {len(ids)} tokens; this model's maximum context length is "
-                                f"{self.max_model_len} (prompt + at least one output token)", "prompt")
-        return ids
-
-    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        if isinstance(req, CompletionRequest):
-            return self.check_ids(self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"chat template failed: {e}", "messages") from None
-        return self.check_ids(self.tokenizer.encode(text) if isinstance(text, str) else list(text))
-
-    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingParams:
-        chat = isinstance(req, ChatCompletionRequest)
-        max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:  # OpenAI's chat default is "as many as fit"; completions default to 16 (vLLM)
-            max_tokens = self.max_model_len - n_prompt if chat else 16
-        try:
-            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                    stop_token_ids=req.stop_token_ids, seed=req.seed,
-                                    skip_special_tokens=req.skip_special_tokens)
-        except ValueError as e:
-            raise APIError(400, str(e), str(e).split()[0]) from None
-        if n_prompt + params.max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
-                                f"{params.max_tokens} for the completion).", "max_tokens")
-        return params
+    def text_ids(self, stream: _Stream, params: SamplingParams) -> list[int]:
+        """The output tokens whose text is shown: without the EOS / stop token that ended the request,
+        unless `include_stop_str_in_output` (vLLM's rule; `Sequence.text_token_ids` offline)."""
+        ids = stream.output_token_ids
+        return ids[:-1] if stream.stop_token and not params.include_stop_str_in_output else ids
 
     # ------------------------------------------------------------------ running a request
     def open(self, ids: list[int], chat: bool) -> _Stream:
@@ -157,7 +146,7 @@ class OpenAIServer:
     async def running(self, stream: _Stream, params: SamplingParams, receive) -> AsyncIterator[Any]:
         """Queue `stream`'s request and yield its events (an async iterator); whatever ends the block (the
         last token, a disconnect, a cancellation, an error), the request leaves the engine."""
-        timer = self.metrics.request(len(stream.prompt_token_ids))
+        timer = self.metrics.request(len(stream.prompt_token_ids), stream.request_id)
         watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
         try:
             self.loop.add(stream, stream.prompt_token_ids, params)
@@ -190,6 +179,7 @@ class OpenAIServer:
             timer.tokens(len(event.token_ids))
             if event.finished:
                 stream.finished, stream.finish_reason = True, event.finish_reason
+                stream.stop_token = event.stop_token
             yield event
             if event.finished:
                 return
@@ -206,7 +196,7 @@ class OpenAIServer:
                     reason = event.finish_reason
         except ConnectionResetError:
             return Response(status_code=499)  # nobody reads it: the connection is gone
-        text = self.tokenizer.decode(stream.output_token_ids, params.skip_special_tokens)
+        text = self.tokenizer.decode(self.text_ids(stream, params), params.skip_special_tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -237,7 +227,7 @@ class OpenAIServer:
                 if chat:
                     yield chunk(None, None, role=True)
                 async for event in events:
-                    delta = detok.step(stream.output_token_ids, final=event.finished)
+                    delta = detok.step(self.text_ids(stream, params), final=event.finished)
                     yield chunk(delta, event.finish_reason if event.finished else None)
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -297,10 +287,8 @@ def build_app(api: OpenAIServer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        why = api.unavailable()
-        if why is not None:
-            return JSONResponse(error_body(why, "service_unavailable"), status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = api.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -314,16 +302,7 @@ def build_app(api: OpenAIServer) -> FastAPI:
 
     async def generate(request: Request, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply") from None
-        except ValueError as e:  # includes UnicodeDecodeError
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        req = parse_request(model, body)
-        api.check_model(req.model)
-        ids = api.prompt_ids(req)
-        params = api.sampling_params(req, len(ids))
+        req, ids, params = await api.off_loop(api.prepare, raw, model)
         chat = model is ChatCompletionRequest
         stream = api.open(ids, chat)  # nothing await-ed from here to the engine: a drain cannot miss it
         if not req.stream:
@@ -343,13 +322,15 @@ def build_app(api: OpenAIServer) -> FastAPI:
 
 
 def make_server(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                config=None):
-    """An HTTP server bound to (host, port) (port 0: any free port) serving `loop`'s engine; `config` is an
-    `http_server.HTTPConfig` (limits, timeouts). `serve_forever()` runs it, `shutdown()` drains and stops it."""
+                config=None, sock: socket.socket | None = None):
+    """An HTTP server bound to (host, port) (port 0: any free port), or listening on `sock` (from
+    `http_server.listen`), serving `loop`'s engine; `config` is an `http_server.HTTPConfig` (limits,
+    timeouts). `serve_forever()` runs it, `shutdown()` drains and stops it."""
     from nano_vllm.serve.http_server import HTTPConfig, HTTPServer
 
     config = config or HTTPConfig()
-    return HTTPServer(OpenAIServer(loop, model_name, config.drain_timeout_s), host, port, config)
+    api = OpenAIServer(loop, model_name, config.drain_timeout_s, config.health_stall_s)
+    return HTTPServer(api, host, port, config, sock)
 
 
 def http_config(cfg: DictConfig) -> HTTPConfig:
@@ -361,11 +342,19 @@ def http_config(cfg: DictConfig) -> HTTPConfig:
 
 def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config (configs/serve.yaml); the loop is started, the server
-    not yet. The engine is fast by default; `performance_layers: false` runs the paper path alone."""
+    not yet. The port is bound first, so a bad or busy one fails before the model is loaded. The engine is
+    fast by default; `performance_layers: false` runs the paper path alone."""
+    from nano_vllm.serve.http_server import listen
+
     http = http_config(cfg)
     args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
     if cfg.get("performance_layers") is not None:
         args["performance_layers"] = bool(cfg.performance_layers)
-    loop = EngineLoop(LLMEngine(EngineConfig(model=str(cfg.model), **args))).start()
+    sock = listen(str(cfg.host), cfg.port)
+    try:
+        loop = EngineLoop(LLMEngine(EngineConfig(model=str(cfg.model), **args))).start()
+    except BaseException:
+        sock.close()
+        raise
     name = cfg.get("served_model_name") or str(cfg.model)
-    return make_server(loop, name, cfg.host, int(cfg.port), http), loop
+    return make_server(loop, name, str(cfg.host), sock.getsockname()[1], http, sock), loop

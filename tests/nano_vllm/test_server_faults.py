@@ -221,7 +221,7 @@ def test_300_half_requests_do_not_block_others(impatient, loop):
 
 
 def test_connections_over_the_limit_get_503(loop):
-    srv, thread = start(loop, max_connections=3)
+    srv, thread = start(loop, max_connections=3, first_byte_timeout_s=DEADLINE_S)  # the idle three stay
     idle = [socket.create_connection(srv.server_address[:2], timeout=DEADLINE_S) for _ in range(3)]
     try:
         wait_for(lambda: len(srv.uvicorn.server_state.connections) == 3, "three open connections")
