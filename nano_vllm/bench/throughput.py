@@ -40,20 +40,28 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nano_vllm.bench.step_timing import StepTimer
-from nano_vllm.config import engine_args_from
+from nano_vllm.config import EngineConfig, engine_args_from
 from nano_vllm.engine import LLM
 from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import summarize
 from nano_vllm.sampling_params import SamplingParams
-from shared.accounting import serving_roofline
-from shared.bench import KernelCompiles, measure_ceilings, print_table, release_memory, write_json
+from shared.accounting import format_rate, serving_roofline
+from shared.bench import (
+    KernelCompiles,
+    measure_ceilings,
+    print_table,
+    release_memory,
+    report_oversubscription,
+    write_json,
+)
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
@@ -70,15 +78,45 @@ def _workload(w: DictConfig) -> list[Request]:
                               int(w.max_output_len), int(w.vocab), float(w.temperature), int(w.seed))
 
 
-def make_llm(cfg: DictConfig) -> LLM:
-    """`LLM` of the config's model and engine arguments (`quantization` and `performance_layers` among
-    them): what a user's `LLM(model, **engine_args)` builds."""
+def fit_workload(reqs: list[Request], vocab_size: int, max_model_len: int) -> tuple[list[Request], list[str]]:
+    """The workload as drawn where the model takes it, else fitted to the model, with a note per change:
+    token ids past the vocabulary folded into it (`id % vocab_size`: every other draw stays the published
+    one), and a request longer than `max_model_len` cut (its prompt to `max_model_len - 1` tokens, then
+    its `max_tokens` to what is left)."""
+    notes = []
+    top = max((max(r.prompt) for r in reqs if r.prompt), default=0)
+    if top >= vocab_size:
+        reqs = [Request([t % vocab_size for t in r.prompt], r.sampling_params) for r in reqs]
+        notes.append(f"note: the workload's token ids (up to {top}) are folded into the model's vocabulary of "
+                     f"{vocab_size} (id % {vocab_size}); lengths and every other draw are the published ones")
+    cut, fitted = 0, []
+    for r in reqs:
+        prompt, sp = r.prompt[:max_model_len - 1], r.sampling_params
+        if len(prompt) + sp.max_tokens > max_model_len:
+            sp = replace(sp, max_tokens=max_model_len - len(prompt))
+        changed = len(prompt) < len(r.prompt) or sp is not r.sampling_params
+        cut += changed
+        fitted.append(Request(prompt, sp) if changed else r)
+    if cut:
+        notes.append(f"note: {cut} of {len(reqs)} requests are longer than max_model_len ({max_model_len}): "
+                     f"cut to fit (prompt to {max_model_len - 1} tokens at most, then max_tokens to the rest)")
+    return fitted, notes
+
+
+def engine_args(cfg: DictConfig) -> dict:
+    """The engine arguments of the config (its `engine:` keys, `quantization`, `performance_layers`)."""
     engine = OmegaConf.to_container(cfg.engine, resolve=True)
     if cfg.get("quantization") is not None:
         engine["quantization"] = str(cfg.quantization)
     if cfg.get("performance_layers") is not None:
         engine["performance_layers"] = bool(cfg.performance_layers)
-    return LLM(str(cfg.model), **engine_args_from(engine))
+    return engine_args_from(engine)
+
+
+def make_llm(cfg: DictConfig) -> LLM:
+    """`LLM` of the config's model and engine arguments (`quantization` and `performance_layers` among
+    them): what a user's `LLM(model, **engine_args)` builds."""
+    return LLM(str(cfg.model), **engine_args(cfg))
 
 
 def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
@@ -193,6 +231,7 @@ def run(cfg: DictConfig) -> dict:
     cuda = torch.cuda.is_available() and str(cfg.engine.get("device") or "cuda").startswith("cuda")
     quick = (not cuda) if cfg.quick is None else bool(cfg.quick)
     device = "cuda" if cuda else "cpu"
+    oversubscribed = report_oversubscription(device)  # on a CPU: torch's threads against the free cores
     # The ceilings first, on an empty device: every fraction below is of this one measurement.
     ceilings = measure_ceilings(device)
     print(ceilings.describe(), flush=True)
@@ -211,8 +250,11 @@ def run(cfg: DictConfig) -> dict:
         print("note: quick run (no GPU, or quick=true): the tiny model and a few short requests instead of the "
               "published workload (256 requests, Qwen3-0.6B shape, 133,966 output tokens); numbers from this run "
               "say nothing about GPU throughput", flush=True)
-    reqs = _workload(cfg.workload)
     mcfg = resolve_model_config(str(cfg.model))
+    max_model_len = EngineConfig(model=str(cfg.model), **engine_args(cfg)).resolve_max_model_len(mcfg)
+    reqs, notes = fit_workload(_workload(cfg.workload), mcfg.vocab_size, max_model_len)
+    for note in notes:
+        print(note, flush=True)
     bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
@@ -251,13 +293,14 @@ def run(cfg: DictConfig) -> dict:
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": bandwidth / 1e9,
               "matmul_TFLOPs": peak / 1e12, "layers_applied": layers,
               "performance_layers": dict.fromkeys(layers, True),  # what shared.report labels a figure with
-              **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory}
+              **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory,
+              "workload_notes": notes, "oversubscription": oversubscribed}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
                             f"{record['dtype']} on {device}")
     print(f"roofline: {bound['roofline_tok_per_s']:,.0f} output tok/s ({bound['roofline_s']:.3g} s: prefill "
-          f"{bound['prefill_bound_s']:.3g} s at {peak / 1e12:.1f} TFLOP/s, decode {bound['decode_bound_s']:.3g} s at "
-          f"{bandwidth / 1e9:,.0f} GB/s copy bandwidth, {100 * bound['decode_memory_bound_frac']:.0f}% of decode "
+          f"{bound['prefill_bound_s']:.3g} s at {format_rate(peak, 'FLOP/s')}, decode {bound['decode_bound_s']:.3g} s "
+          f"at {format_rate(bandwidth, 'B/s')} copy bandwidth, {100 * bound['decode_memory_bound_frac']:.0f}% of decode "
           f"steps memory-bound; bytes actually read)\nwrote {path}", flush=True)
     return record

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from nano_vllm import LLM, SamplingParams
+from nano_vllm.bench.throughput import fit_workload
 from nano_vllm.loadgen import Request, nano_vllm_workload, poisson_arrivals, run_engine_open_loop
 from nano_vllm.metrics import RequestMetrics, percentile, slo_attainment, summarize
 from shared.accounting import serving_roofline
@@ -52,6 +53,56 @@ def test_bench_cli_quick_with_transformers_peer(tmp_path):
         r.sampling_params.max_tokens for r in nano_vllm_workload(4, 16, 64, 16, 48, 4000))
     assert ours["output tok/s"] > 0 and 0 < ours["% of roofline"] < 100
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
+
+
+def test_workload_fits_the_model_and_says_so():
+    """The published draws as they are where the model takes them; ids past the vocabulary folded into it
+    and requests longer than max_model_len cut, each with a note, where it does not."""
+    reqs = nano_vllm_workload(6, 100, 3000, 10, 600, 10000)
+    same, notes = fit_workload(reqs, 151936, 4096)
+    assert same == reqs and not notes
+    fitted, notes = fit_workload(reqs, 4096, 2048)
+    assert len(notes) == 2 and "folded into the model's vocabulary of 4096" in notes[0] and "max_model_len (2048)" in notes[1]
+    for r, f in zip(reqs, fitted):
+        assert f.prompt == [t % 4096 for t in r.prompt][:2047]
+        assert len(f.prompt) + f.sampling_params.max_tokens <= 2048
+        assert f.sampling_params.max_tokens == min(r.sampling_params.max_tokens, 2048 - len(f.prompt))
+
+
+@pytest.mark.slow
+def test_bench_runs_a_preset_as_given(tmp_path):
+    """`model=llama-100m workload=batch1` (a 2048-position, 4096-token model; the workload draws ids up to
+    10,000) runs: max_model_len is the model's, the ids are folded and the output says so. Outputs cut to
+    8 tokens and no warm-up keep it small on a CPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "nano_vllm.bench", "model=llama-100m", "workload=batch1", "quick=false",
+           "warmup=false", "progress=false", "workload.min_output_len=8", "workload.max_output_len=8",
+           f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "folded into the model's vocabulary of 4096" in proc.stdout
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["rows"][0]["output tokens"] == 8 and record["workload_notes"]
+
+
+@pytest.mark.slow
+def test_readme_cpu_excerpt_is_what_the_bench_prints(tmp_path):
+    """nano_vllm/README.md's CPU excerpt of `python -m nano_vllm.bench`: its title and column lines are the
+    ones the bench prints on a CPU, its row has the run's requests and output tokens."""
+    readme = (REPO / "nano_vllm" / "README.md").read_text()
+    section = readme[readme.index("Without a GPU the bench runs"):]
+    excerpt = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n") + 4)].splitlines()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "nano_vllm.bench", "progress=false", f"hydra.run.dir={tmp_path}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = proc.stdout.splitlines()
+    title = printed.index(excerpt[0])  # "nano_vllm bench: tiny, 8 requests, 233 output tokens, float32 on cpu"
+    assert printed[title + 1:title + 3] == excerpt[1:3]  # the columns and their rule
+    assert printed[title + 3].split()[:3] == excerpt[3].split()[:3] == ["nano_vllm", "8", "233"]
+    assert printed[title + 4].startswith("roofline: ") and excerpt[4].startswith("roofline: ")
 
 
 def test_percentiles_and_slo():
