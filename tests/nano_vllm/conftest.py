@@ -73,6 +73,25 @@ def free_cuda_memory():
         torch.cuda.empty_cache()
 
 
+GPU_OF_THIS_PROCESS_BYTES = 6 * 2**30
+
+
+@pytest.fixture
+def gpu_of_this_process(monkeypatch) -> int:
+    """A GPU of GPU_OF_THIS_PROCESS_BYTES that only this process uses, as §5's KV sizing sees it:
+    `torch.cuda.mem_get_info` reports this process's reserved memory as all that is in use. The GPU tests
+    run in parallel processes on one card (`pytest -m gpu -n 8`), which take and give back memory at any
+    moment, so a test that asserts on KV blocks sized from free memory sizes them from this (and takes no
+    more than its size). Returns the size."""
+    total = GPU_OF_THIS_PROCESS_BYTES
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        return total - torch.cuda.memory_reserved(device), total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    return total
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """The models here are tiny: one intra-op thread is fastest, and immune to a busy CI box (OpenMP

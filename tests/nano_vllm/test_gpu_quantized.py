@@ -58,12 +58,14 @@ def test_cuda_graphs_equal_eager_steps(ckpts, method, layers):
 
 
 @pytest.mark.parametrize("method", ["rtn-w4", "naive-w8a8", "naive-fp8"])
-def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
+def test_quantized_weights_leave_their_memory_to_kv_blocks(method, gpu_of_this_process):
     """§5's sizing on the qwen3-0.6b shape: the bytes the quantized weights no longer take come back as KV
-    blocks (less what the quantized layers' temporaries add to the profiled peak)."""
+    blocks (less what the quantized layers' temporaries add to the profiled peak). Both engines are sized
+    on a card only this process uses (`gpu_of_this_process`), so memory other processes take or give back
+    between the two sizings cannot count as the weights'."""
     sizes = {}
     for quantization in (None, method):
-        llm = LLM("qwen3-0.6b", device="cuda", gpu_memory_utilization=0.4, max_model_len=256, max_num_seqs=16,
+        llm = LLM("qwen3-0.6b", device="cuda", gpu_memory_utilization=0.9, max_model_len=256, max_num_seqs=16,
                   max_num_batched_tokens=2048, enforce_eager=True, quantization=quantization)
         r = llm.engine.model_runner
         sizes[quantization] = (weight_bytes(r.model), r.num_blocks, r.block_bytes)
@@ -71,6 +73,7 @@ def test_quantized_weights_leave_their_memory_to_kv_blocks(method):
         gc.collect()
         torch.cuda.empty_cache()
     (w16, blocks16, block_bytes), (wq, blocksq, _) = sizes[None], sizes[method]
+    assert blocks16 * block_bytes < 0.9 * gpu_of_this_process - w16  # sized from this process's card
     assert wq < 0.75 * w16
     freed_blocks = (w16 - wq) / block_bytes
     assert blocksq - blocks16 >= 0.75 * freed_blocks, (sizes, freed_blocks)

@@ -88,4 +88,4 @@ def test_cuda_greedy_matches_transformers(wide_ckpt, hf_greedy, case):
 def test_cuda_engine_refuses_a_head_dim_the_kernels_cannot_tile(tmp_path):
     ckpt = make_checkpoint(tmp_path, "llama", head_dim=20)
     with pytest.raises(ValueError, match=r"^head_dim 20 is not supported by the paged kernels on CUDA"):
-        LLM(ckpt, device="cuda", dtype="float32", max_model_len=64)
+        LLM(ckpt, device="cuda", dtype="float32", max_model_len=64, num_kv_blocks=64)
