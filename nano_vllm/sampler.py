@@ -21,7 +21,6 @@ import torch
 
 from nano_vllm.sampling_params import SamplingParams
 
-
 SEED_BITS = 2**64 - 1
 
 
