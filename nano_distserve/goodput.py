@@ -16,8 +16,9 @@ from nano_vllm.metrics import RequestMetrics, percentile, slo_attainment, summar
 
 def to_metrics(completions) -> list[RequestMetrics]:
     """nano_distserve Completions (or anything with their fields) as nano_vllm RequestMetrics."""
-    return [RequestMetrics(c.request_id, c.arrival_time, c.token_times[0] if c.token_times else None,
-                           c.finish_time, c.prompt_len, len(c.output_token_ids), c.finish_reason)
+    return [RequestMetrics(c.request_id, c.arrival_time,
+                           c.token_times[0] if c.token_times else None, c.finish_time,
+                           c.prompt_len, len(c.output_token_ids), c.finish_reason)
             for c in completions]
 
 
@@ -46,7 +47,8 @@ def find_goodput(attainment_at: Callable[[float], float], lo: float, hi: float, 
     for _ in range(max_iter):
         if hi - lo <= rel_tol * lo:
             break
-        mid = math.sqrt(lo * hi) if lo > 0 else (lo + hi) / 2  # rates span decades: bisect in log space
+        # rates span decades: bisect in log space
+        mid = math.sqrt(lo * hi) if lo > 0 else (lo + hi) / 2
         if attainment_at(mid) >= target:
             lo = mid
         else:

@@ -26,7 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
-from nano_distserve.protocol import Abort, Completion, Done, Message, Nack, Pull, Ready, Renew, Sent, Stop
+from nano_distserve.protocol import (
+    Abort,
+    Completion,
+    Done,
+    Message,
+    Nack,
+    Pull,
+    Ready,
+    Renew,
+    Sent,
+    Stop,
+)
 from nano_distserve.transport import Transport, Work
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
@@ -60,7 +71,8 @@ class PrefillInstance:
         self.lease_ttl_s, self.clock = lease_ttl_s, clock
         self.leases = LeaseTable(clock)
         self.handed: dict[str, Sequence] = {}  # prefilled, blocks under lease, waiting for a pull
-        self.sending: list[tuple[Work, torch.Tensor]] = []  # staging buffers until their send completes
+        # staging buffers until their send completes
+        self.sending: list[tuple[Work, torch.Tensor]] = []
         # rid -> how it ended (finished here, or reported by a decode instance). The first report wins: a
         # pull that arrives after the lease expired is nacked, and the decode side reports it once more.
         self.completed: dict[str, Completion] = {}
@@ -94,7 +106,8 @@ class PrefillInstance:
         for seq in finished:  # EOS or max_tokens reached at the first token
             self._complete(completion_of(seq))
         for seq, sampled in zip(out.seqs, out.samples):
-            if sampled and seq.status is SequenceStatus.RUNNING:  # not a prompt chunk short of the last
+            # not a prompt chunk short of the last
+            if sampled and seq.status is SequenceStatus.RUNNING:
                 self._hand_off(seq)
 
     def _complete(self, c: Completion) -> None:
@@ -116,8 +129,9 @@ class PrefillInstance:
         self.leases.grant(rid, self.lease_ttl_s, lambda: self._free(rid, "transfer_timeout"))
         dst = self.decode_ranks[self._next_decode % len(self.decode_ranks)]
         self._next_decode += 1
-        self.transport.send(dst, Ready(rid, seq.prompt_token_ids, seq.token_ids[-1], seq.token_times[0],
-                                       seq.arrival_time, seq.sampling_params, len(seq.block_table)))
+        self.transport.send(dst, Ready(rid, seq.prompt_token_ids, seq.token_ids[-1],
+                                       seq.token_times[0], seq.arrival_time, seq.sampling_params,
+                                       len(seq.block_table)))
 
     def _send_blocks(self, dst: int, rid: str, tag: int) -> None:
         """Answer a pull: the blocks as one staging copy, sent asynchronously, then freed."""
@@ -169,7 +183,8 @@ class DecodeInstance:
                  watermark_blocks: int = 1):
         self.scheduler, self.runner, self.transport = scheduler, runner, transport
         self.router_rank, self.lease_ttl_s, self.clock = router_rank, lease_ttl_s, clock
-        self.watermark_blocks = watermark_blocks  # room kept for running requests' next decode blocks
+        # room kept for running requests' next decode blocks
+        self.watermark_blocks = watermark_blocks
         self.leases = LeaseTable(clock)
         self.queue: OrderedDict[str, Pending] = OrderedDict()  # Ready, in arrival order
         self.stopped = False
@@ -199,8 +214,8 @@ class DecodeInstance:
         p = self.queue.pop(rid, None)
         if p is not None:
             m = p.ready
-            self._report(Completion(rid, len(m.prompt), m.arrival_time, [m.first_token], [m.first_token_time],
-                                    self.clock(), reason))
+            self._report(Completion(rid, len(m.prompt), m.arrival_time, [m.first_token],
+                                    [m.first_token_time], self.clock(), reason))
 
     def _admit(self) -> None:
         """Backpressure: pull the oldest ready request only when all its blocks fit (plus a watermark)."""
@@ -222,8 +237,8 @@ class DecodeInstance:
         self._tags += 1  # unique per (prefill, decode) pair, which is all gloo's tag matching needs
         cache = self.runner.kv_cache
         p.seq = seq
-        p.buf = torch.empty((*cache.shape[:2], len(seq.block_table), *cache.shape[3:]), dtype=cache.dtype,
-                            device=cache.device)
+        shape = (*cache.shape[:2], len(seq.block_table), *cache.shape[3:])
+        p.buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
         rid = seq.request_id
         self.leases.grant(rid, self.lease_ttl_s, lambda: self._drop(rid, seq, "transfer_timeout"))
         # Ask first, then post the receive: NCCL's first send/recv between two ranks sets up their
@@ -266,7 +281,8 @@ class DecodeInstance:
                 p = self.queue.get(rid)
                 if p is not None and p.seq is not None:
                     p.arrived = True
-            case Nack(rid):  # the prefill side no longer has it (its lease expired, or it was aborted)
+            # the prefill side no longer has it (its lease expired, or it was aborted)
+            case Nack(rid):
                 if not self.leases.release(rid):
                     self._fail(rid, "transfer_timeout")
             case Abort(rid):

@@ -50,8 +50,8 @@ class Placement:
                 f"{self.goodput:.3g} req/s, {self.goodput_per_gpu:.3g} req/s/GPU")
 
 
-def plan(prefill_goodput: Callable[[int], float], decode_goodput: Callable[[int], float], gpu_budget: int,
-         tps: Sequence[int] = (1, 2, 4, 8)) -> Placement:
+def plan(prefill_goodput: Callable[[int], float], decode_goodput: Callable[[int], float],
+         gpu_budget: int, tps: Sequence[int] = (1, 2, 4, 8)) -> Placement:
     """The (tp, #prefill, tp, #decode) within `gpu_budget` GPUs with the highest goodput per GPU (ties: more
     total goodput). `prefill_goodput(tp)` / `decode_goodput(tp)`: req/s one instance sustains under its
     SLO (Algorithm 1's simu_prefill / simu_decode)."""
@@ -64,26 +64,30 @@ def plan(prefill_goodput: Callable[[int], float], decode_goodput: Callable[[int]
             for n_p in range(1, (gpu_budget - tp_d) // tp_p + 1):
                 for n_d in range(1, (gpu_budget - n_p * tp_p) // tp_d + 1):
                     p = Placement(tp_p, n_p, tp_d, n_d, min(n_p * gp[tp_p], n_d * gd[tp_d]))
-                    if best is None or (p.goodput_per_gpu, p.goodput) > (best.goodput_per_gpu, best.goodput):
+                    score = (p.goodput_per_gpu, p.goodput)
+                    if best is None or score > (best.goodput_per_gpu, best.goodput):
                         best = p
     if best is None:
-        raise ValueError(f"a GPU budget of {gpu_budget} cannot hold one prefill and one decode instance")
+        raise ValueError(f"a GPU budget of {gpu_budget} cannot hold one prefill and one decode "
+                         "instance")
     return best
 
 
-def phase_goodputs(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]], ttft_slo: float,
-                   tpot_slo: float, max_rate: float = 1000.0, target: float = 0.9, seed: int = 0
-                   ) -> tuple[Callable[[int], float], Callable[[int], float]]:
+def phase_goodputs(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]],
+                   ttft_slo: float, tpot_slo: float, max_rate: float = 1000.0, target: float = 0.9,
+                   seed: int = 0) -> tuple[Callable[[int], float], Callable[[int], float]]:
     """G_p(tp), G_d(tp) from the simulator: one prefill instance judged on TTFT alone (fed by as many decode
     instances as needed), and one decode instance judged on TPOT alone (fed by as many prefill instances)."""
     @functools.cache
     def g_p(tp: int) -> float:
-        cfg = replace(base, mode="disaggregated", num_prefill=1, tp_prefill=tp, num_decode=16, tp_decode=8)
+        cfg = replace(base, mode="disaggregated", num_prefill=1, tp_prefill=tp, num_decode=16,
+                      tp_decode=8)
         return colocated_goodput(model, cfg, lengths, ttft_slo, None, max_rate, target, seed)
 
     @functools.cache
     def g_d(tp: int) -> float:
-        cfg = replace(base, mode="disaggregated", num_prefill=16, tp_prefill=8, num_decode=1, tp_decode=tp)
+        cfg = replace(base, mode="disaggregated", num_prefill=16, tp_prefill=8, num_decode=1,
+                      tp_decode=tp)
         return colocated_goodput(model, cfg, lengths, None, tpot_slo, max_rate, target, seed)
 
     return g_p, g_d
@@ -91,11 +95,13 @@ def phase_goodputs(model: LatencyModel, base: SimConfig, lengths: list[tuple[int
 
 def colocated_goodput(model: LatencyModel, base: SimConfig, lengths: list[tuple[int, int]],
                       ttft_slo: float | None, tpot_slo: float | None, max_rate: float = 1000.0,
-                      target: float = 0.9, seed: int = 0, decode_model: LatencyModel | None = None) -> float:
+                      target: float = 0.9, seed: int = 0,
+                      decode_model: LatencyModel | None = None) -> float:
     """Goodput (§2) of `base` (any mode, not only colocated) by simulation and bisection: the highest
     Poisson rate at which `target` of the requests meet both SLOs (an SLO of None is not judged).
     `decode_model`: see `simulate`."""
     def att(rate: float) -> float:
-        m = simulate(base, model, lengths, poisson_arrivals(len(lengths), rate, seed=seed), decode_model)
-        return slo_attainment(m, ttft_slo, tpot_slo)
+        arrivals = poisson_arrivals(len(lengths), rate, seed=seed)
+        metrics = simulate(base, model, lengths, arrivals, decode_model)
+        return slo_attainment(metrics, ttft_slo, tpot_slo)
     return find_goodput(att, max_rate / 1e4, max_rate, target)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -49,7 +49,15 @@ class LatencyModel:
     c_mixed_context: float = 0.0
     tp_efficiency: float = 0.85  # speed-up of tp GPUs = tp * efficiency ** log2(tp)
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, tp: int = 1) -> float:
+    def __post_init__(self) -> None:
+        if not 0 < self.tp_efficiency <= 1:
+            raise ValueError(f"tp_efficiency must be in (0, 1], got {self.tp_efficiency}")
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name} must be >= 0 (seconds), got {getattr(self, f.name)}")
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int,
+                  tp: int = 1) -> float:
         """Seconds of a step with these phase counts on `tp` GPUs."""
         t = (self.c0 + self.c_prefill * prefill_tokens + self.c_decode * decode_seqs
              + self.c_context * context_tokens)
@@ -65,10 +73,12 @@ class LatencyModel:
         it). Without both decode-only and prefill-carrying steps the step constant and `c_prefill_step` cannot
         be told apart: the minimum-norm solution splits it."""
         # columns: 1, prefill tokens, decode seqs, context tokens, carries prefill, context if it does
-        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.prefill_tokens > 0,
-                           s.context_tokens * (s.prefill_tokens > 0)] for s in steps], dtype=torch.float64)
+        x = torch.tensor([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens,
+                           s.prefill_tokens > 0, s.context_tokens * (s.prefill_tokens > 0)]
+                          for s in steps], dtype=torch.float64)
         y = torch.tensor([s.seconds for s in steps], dtype=torch.float64)[:, None]
-        scale = x.abs().amax(dim=0).clamp(min=1.0)  # columns of similar size: tokens are 1e3x seconds' terms
+        # columns of similar size: tokens are 1e3x seconds' terms
+        scale = x.abs().amax(dim=0).clamp(min=1.0)
         active, coef = list(range(x.shape[1])), torch.zeros(x.shape[1], dtype=torch.float64)
         while active:
             sol = torch.linalg.lstsq(x[:, active] / scale[active], y, driver="gelsd").solution[:, 0]
@@ -92,18 +102,27 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_tokens: int = 200_000  # KV cache capacity of one instance, tokens
-    kv_bytes_per_token: float = 2 * 40 * 5120 * 2  # K and V, layers, hidden, bf16 (a 13B-class model)
+    # K and V, layers, hidden, bf16 (a 13B-class model)
+    kv_bytes_per_token: float = 2 * 40 * 5120 * 2
     bandwidth: float = 25e9  # bytes/s between a prefill and a decode instance
     transfer_latency: float = 1e-4
     # A prefill instance answers pulls between its steps (nano_distserve's instance loop: poll, then step),
     # so a pull that finds it running a step waits for that step to end. False: pulls start at once.
     pull_at_step_boundary: bool = True
 
+    def __post_init__(self) -> None:
+        if self.mode not in ("colocated", "disaggregated") or self.policy not in ("plain", "chunked"):
+            raise ValueError(f"mode must be 'colocated' or 'disaggregated' and policy 'plain' or "
+                             f"'chunked', got {self.mode!r} and {self.policy!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0 (bytes/s), got {self.bandwidth}")
+
     @property
     def num_gpus(self) -> int:
         if self.mode == "colocated":
             return self.num_instances * self.tp
-        return self.num_prefill * (self.tp_prefill or self.tp) + self.num_decode * (self.tp_decode or self.tp)
+        return (self.num_prefill * (self.tp_prefill or self.tp)
+                + self.num_decode * (self.tp_decode or self.tp))
 
 
 @dataclass
@@ -123,11 +142,13 @@ class _Instance:
     kind: str  # "colocated" | "prefill" | "decode"
     tp: int
     kv_tokens: int
-    waiting: deque = field(default_factory=deque)  # prompts to prefill (or, decode side: (req, src) to pull)
+    # prompts to prefill (or, decode side: (req, src) to pull)
+    waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     kv_used: int = 0
     busy: bool = False
-    pulls: list = field(default_factory=list)  # prefill side: pulls waiting for the step in flight to end
+    # prefill side: pulls waiting for the step in flight to end
+    pulls: list = field(default_factory=list)
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -138,7 +159,8 @@ class _Instance:
 
 
 def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]],
-             arrivals: list[float], decode_model: LatencyModel | None = None) -> list[RequestMetrics]:
+             arrivals: list[float], decode_model: LatencyModel | None = None
+             ) -> list[RequestMetrics]:
     """Serve (prompt_len, output_len) requests arriving at `arrivals`; returns nano_vllm RequestMetrics.
     `decode_model` (default `model`) times a disaggregated decode instance's steps: its iteration also
     receives and imports K/V, work a prefill instance's steps do not have, so each role gets its own fit."""
@@ -146,11 +168,12 @@ def simulate(cfg: SimConfig, model: LatencyModel, requests: list[tuple[int, int]
     reqs = [_Req(i, a, p, max(o, 1)) for i, ((p, o), a) in enumerate(zip(requests, arrivals))]
     for r in reqs:
         if r.prompt + r.output > cfg.kv_tokens:
-            raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance holds "
-                             f"{cfg.kv_tokens}")
+            raise ValueError(f"request {r.rid} needs {r.prompt + r.output} KV tokens, an instance "
+                             f"holds {cfg.kv_tokens}")
     sim.run(reqs)
     return [RequestMetrics(str(r.rid), r.arrival, r.first_token,
-                           r.finish if r.finish is not None else r.arrival, r.prompt, r.output) for r in reqs]
+                           r.finish if r.finish is not None else r.arrival, r.prompt, r.output)
+            for r in reqs]
 
 
 class _Simulation:
@@ -159,15 +182,14 @@ class _Simulation:
     def __init__(self, cfg: SimConfig, model: LatencyModel, decode_model: LatencyModel):
         self.cfg, self.model, self.decode_model = cfg, model, decode_model
         if cfg.mode == "colocated":
-            self.fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens) for _ in range(cfg.num_instances)]
+            self.fronts = [_Instance("colocated", cfg.tp, cfg.kv_tokens)
+                           for _ in range(cfg.num_instances)]
             self.decodes: list[_Instance] = []
-        elif cfg.mode == "disaggregated":
+        else:  # disaggregated
             self.fronts = [_Instance("prefill", cfg.tp_prefill or cfg.tp, cfg.kv_tokens)
                            for _ in range(cfg.num_prefill)]
             self.decodes = [_Instance("decode", cfg.tp_decode or cfg.tp, cfg.kv_tokens)
                             for _ in range(cfg.num_decode)]
-        else:
-            raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {cfg.mode!r}")
         self.events: list = []
         self.tick = itertools.count()  # ties in time go in the order pushed
 
@@ -246,17 +268,19 @@ class _Simulation:
         ctx = sum(r.prefilled + n for r, n in pre) + sum(r.prompt + r.generated for r in dec)
         model = self.decode_model if inst.kind == "decode" else self.model
         inst.busy = True
-        self.push(now + model.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp), self.step_done,
-                  inst, pre, dec)
+        seconds = model.step_time(sum(n for _, n in pre), len(dec), ctx, inst.tp)
+        self.push(now + seconds, self.step_done, inst, pre, dec)
 
     def pull(self, inst: _Instance, r: _Req, src: _Instance, now: float) -> None:
         """Start `r`'s KV transfer from `src` to `inst`: latency + prompt bytes / bandwidth."""
-        seconds = self.cfg.transfer_latency + r.prompt * self.cfg.kv_bytes_per_token / self.cfg.bandwidth
+        cfg = self.cfg
+        seconds = cfg.transfer_latency + r.prompt * cfg.kv_bytes_per_token / cfg.bandwidth
         self.push(now + seconds, self.pulled, inst, r, src)
 
     def admit_decode(self, inst: _Instance, now: float) -> None:
         """Backpressure: pull the oldest waiting request only when its whole reservation fits."""
-        while inst.waiting and inst.kv_used + inst.reservation(inst.waiting[0][0]) <= inst.kv_tokens:
+        while (inst.waiting
+               and inst.kv_used + inst.reservation(inst.waiting[0][0]) <= inst.kv_tokens):
             r, src = inst.waiting.popleft()
             inst.kv_used += inst.reservation(r)
             if self.cfg.pull_at_step_boundary and src.busy:
@@ -287,7 +311,8 @@ class _Simulation:
                 inst.kv_used += inst.reservation(r)
             n = r.prompt - r.prefilled
             if n > budget:
-                if not chunked and (pre or n <= cfg.max_num_batched_tokens):  # plain: whole prompts, in order
+                # plain: whole prompts, in order
+                if not chunked and (pre or n <= cfg.max_num_batched_tokens):
                     inst.kv_used -= inst.reservation(r)
                     break
                 # chunked: what fits; plain: a prompt over the whole budget (nano_vllm refuses that config)

@@ -68,3 +68,11 @@ WORKLOADS: dict[str, Workload] = {
     "code_completion": Workload("code_completion", 150, 0.4, 100, 0.6, ttft_slo=0.125, tpot_slo=0.2),
     "summarization": Workload("summarization", 1500, 0.5, 100, 0.6, ttft_slo=15.0, tpot_slo=0.15),
 }
+
+
+def workload(name: str, key: str = "workload") -> Workload:
+    """The Table 1 workload called `name`; any other name is a ValueError naming the setting `key` and the
+    choices."""
+    if name not in WORKLOADS:
+        raise ValueError(f"{key} must be one of {sorted(WORKLOADS)}, got {name!r}")
+    return WORKLOADS[name]

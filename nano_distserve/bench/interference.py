@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from nano_distserve.bench.measure import StepRecord, step_record
+from nano_distserve.bench.measure import StepRecord, measured_engine_args, step_record
 from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
@@ -69,11 +69,12 @@ def run_interference(cfg: dict) -> dict:
     long_prompt = torch.randint(0, vocab, (prefill,), generator=gen).tolist()
     keep = SamplingParams(temperature=0.0, max_tokens=max_len, ignore_eos=True)
     rows, traces = [], {}
+    engine_args = measured_engine_args(c["engine"], "interference.engine", cfg.get("performance_layers"))
     for policy in policies:  # one engine at a time, in this order (each sizes its KV cache from free memory)
         budget = max(prefill + decodes, max_len) if policy == "plain" else chunk
         graphs = [int(v) for v in (c.get("mixed_cudagraph_sizes") or []) if int(v) <= budget]
         engine = LLMEngine(EngineConfig(**{
-            **c["engine"], "max_num_batched_tokens": budget, "max_num_seqs": max(decodes + 1, 2),
+            **engine_args, "max_num_batched_tokens": budget, "max_num_seqs": max(decodes + 1, 2),
             "max_model_len": max_len, "enable_chunked_prefill": policy == "chunked",
             "mixed_cudagraph_sizes": graphs, "enable_prefix_caching": False}))  # traced twice: no hits
         # once untimed: the first run of each shape compiles Triton kernels (seconds, not interference)
@@ -96,7 +97,7 @@ def run_interference(cfg: dict) -> dict:
                      "prefill done after ms": 1e3 * sum(r.seconds for r in log[joined:][:len(with_prefill)]),
                      "kernels built while traced": len(compiles.names) if compiles.available else None})
         traces[policy] = [dataclasses.asdict(r) for r in log]
-    return {"mode": "interference", "settings": dict(c), "rows": rows, "traces": traces}
+    return {"mode": "interference", "settings": dict(c), "engine": engine_args, "rows": rows, "traces": traces}
 
 
 def format_interference_table(result: dict) -> str:

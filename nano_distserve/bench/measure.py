@@ -69,6 +69,25 @@ def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
     return StepRecord(pre, dec, ctx, seconds)
 
 
+def measured_engine_args(engine: dict, key: str, performance_layers: bool | None = None) -> dict:
+    """The engine arguments `engine` (bench.yaml's node `key`) of an engine whose steps are timed and
+    fitted: `performance_layers` set when given (None: as `engine` has it), and nano_vllm's overlapped
+    scheduling off. The simulator models
+    a step as one serial iteration whose tokens are known when it ends, and `LatencyModel.fit` reads each
+    step's wall time from its schedule to the end of its postprocess (StepTimer). Overlapped steps
+    (`async_scheduling`) postprocess step t with placeholder tokens and schedule and launch step t+1
+    before step t's tokens are read back, so such an interval holds parts of two steps and the fit would
+    give one step's cost to its neighbour; and the disaggregated instances, which step the scheduler and
+    runner themselves, never overlap. Asking for it is a ValueError naming the key."""
+    if engine.get("async_scheduling"):
+        raise ValueError(f"{key}.async_scheduling must be false: the simulator is fitted to serial steps, "
+                         "each timed from its schedule to its postprocess, which overlapped steps interleave")
+    args = {**engine, "async_scheduling": False}
+    if performance_layers is not None:
+        args["performance_layers"] = bool(performance_layers)
+    return args
+
+
 def warmup_requests(requests: list[Request], count: int = 4, max_tokens: int = 16,
                     gap_s: float = 0.02) -> tuple[list[Request], list[float]]:
     """The workload's first `count` requests, cut to `max_tokens` outputs, and their arrival times, to serve

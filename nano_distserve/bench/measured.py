@@ -17,12 +17,17 @@ import time
 
 import torch
 
-from nano_distserve.bench.measure import measured_instance_main, step_record, warmup_requests
+from nano_distserve.bench.measure import (
+    measured_engine_args,
+    measured_instance_main,
+    step_record,
+    warmup_requests,
+)
 from nano_distserve.disagg import DisaggConfig, run_disaggregated_rounds
 from nano_distserve.goodput import report, to_metrics
 from nano_distserve.planner import colocated_goodput
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
-from nano_distserve.workloads import WORKLOADS
+from nano_distserve.workloads import workload
 from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLMEngine
@@ -39,7 +44,7 @@ def colocated_replica(engine_args: dict, requests: list[Request],
     of TTFT. Returns, per rate, its requests' metrics and generated token ids (`outputs`: request index →
     tokens), and its measured steps."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    args = dict(engine_args)
+    args = measured_engine_args(engine_args, "engine_args")  # serial steps: what the fit models
     if torch.cuda.is_available():
         args["device"] = f"cuda:{torch.cuda.current_device()}"
     engine = LLMEngine(EngineConfig(**args))
@@ -80,7 +85,7 @@ def run_measured(cfg: dict) -> dict:
     """The measured bench (`cfg["measured"]` of bench.yaml): real colocated (plain, chunked) and 1P+1D
     disaggregated serving at each rate, the simulator fitted to the measured steps beside each number."""
     m = cfg["measured"]
-    w = WORKLOADS[m["workload"]].scaled(m["length_scale"], m["slo_scale"])
+    w = workload(m["workload"], "measured.workload").scaled(m["length_scale"], m["slo_scale"])
     n, g, seed, rates = m["num_requests"], cfg["num_gpus"], cfg["seed"], list(m["rates"])
     requests = w.requests(n, seed)
     lengths = [(len(r.prompt), r.sampling_params.max_tokens) for r in requests]
@@ -99,9 +104,11 @@ def run_measured(cfg: dict) -> dict:
         raise ValueError(f"the disaggregated system is 1 prefill + 1 decode GPU: num_gpus must be 2 to "
                          f"compare on equal devices, got {g}")
 
+    engine = measured_engine_args(m["engine"], "measured.engine", cfg.get("performance_layers"))
+
     def engine_args(budget: int, **extra) -> dict:
         # Mixed-step CUDA graphs (nano_vllm), the same sizes for every system, up to each one's step budget.
-        return {**m["engine"], **extra, "max_num_batched_tokens": budget,
+        return {**engine, **extra, "max_num_batched_tokens": budget,
                 "mixed_cudagraph_sizes": [s for s in graph_sizes if s <= budget]}
 
     measured: dict[str, list] = {}
@@ -176,7 +183,7 @@ def run_measured(cfg: dict) -> dict:
         rows[-1]["ttft_parts_p50"] = [{k: percentile(v, 50) for k, v in d["ttft_parts"].items() if v}
                                       for d in dis]
     return {"mode": "measured", "workload": dataclasses.asdict(w), "rates": rates, "num_requests": n,
-            "engine": dict(m["engine"]), "chunk_tokens": m["chunk_tokens"], "systems": rows,
+            "engine": engine, "chunk_tokens": m["chunk_tokens"], "systems": rows,
             "latency_fit": dataclasses.asdict(models[names[-1]]),
             "num_steps_fitted": len(steps[names[-1]]),
             "mixed_cudagraph_sizes": graph_sizes,

@@ -8,17 +8,24 @@ import dataclasses
 
 from nano_distserve.planner import colocated_goodput, phase_goodputs, plan
 from nano_distserve.simulator import LatencyModel, SimConfig, simulate
-from nano_distserve.workloads import WORKLOADS
+from nano_distserve.workloads import workload
 from nano_vllm.loadgen import poisson_arrivals
 from nano_vllm.metrics import slo_attainment
 from shared.hydra_utils import to_dataclass
 
 
+def from_node(cls: type, cfg: dict, key: str):
+    """bench.yaml's node `key` as a `cls`; a bad key or value is a ValueError naming the node."""
+    try:
+        return to_dataclass(cls, cfg[key])
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+
+
 def run_sim(cfg: dict) -> dict:
     """The simulation-only bench; `cfg` has bench.yaml's keys. Returns the JSON-able result."""
-    w = WORKLOADS[cfg["workload"]].scaled(cfg.get("length_scale", 1.0), cfg.get("slo_scale", 1.0))
-    model = to_dataclass(LatencyModel, cfg["latency"])
-    base = to_dataclass(SimConfig, cfg["sim"])
+    w = workload(cfg["workload"]).scaled(cfg.get("length_scale", 1.0), cfg.get("slo_scale", 1.0))
+    model, base = from_node(LatencyModel, cfg, "latency"), from_node(SimConfig, cfg, "sim")
     lengths = w.lengths(cfg["num_requests"], cfg["seed"])
     g = cfg["num_gpus"]
     g_p, g_d = phase_goodputs(model, base, lengths, w.ttft_slo, w.tpot_slo, cfg["max_rate"], seed=cfg["seed"])

@@ -62,7 +62,9 @@ def test_interference_trace_plain_vs_chunked():
     cfg["interference"].update(decodes=4, prefill_tokens=256, chunk_tokens=64, steps_before=4, steps_after=2,
                                engine={"model": "tiny", "enable_prefix_caching": False},
                                policies=["chunked", "plain"])
+    cfg["performance_layers"] = False
     result = run_interference(cfg)
+    assert result["engine"]["performance_layers"] is False and result["engine"]["async_scheduling"] is False
     chunked, plain = result["rows"]
     assert (chunked["policy"], plain["policy"]) == ("chunked", "plain")
     assert plain["steps carrying the prefill"] == 1  # the whole prompt in one step
@@ -83,6 +85,7 @@ def test_measured_bench_runs_a_subset_of_systems():
     cfg["measured"].update(num_requests=3, rates=[32], timeout_s=120, systems=["colocated_chunked"])
     result = run_measured(cfg)
     assert [r["system"] for r in result["systems"]] == ["colocated_chunked"]
+    assert result["engine"]["performance_layers"] is True and result["engine"]["async_scheduling"] is False
     assert all(r["gpus"] == 1 and r["summaries"][0]["requests"] == 3 for r in result["systems"])
     assert result["transfer"]["count"] == 0
     assert "meas|sim" in format_measured_table(result)
@@ -103,3 +106,17 @@ def test_interference_policies_are_checked(policies):
     cfg["interference"]["policies"] = policies
     with pytest.raises(ValueError, match="interference.policies"):
         run_interference(cfg)
+
+
+@pytest.mark.parametrize("node", ["measured", "interference"])
+def test_overlapped_scheduling_is_refused_where_steps_are_fitted(node):
+    """The simulator is fitted to serial steps: a bench engine asked for nano_vllm's overlapped scheduling
+    is a ValueError naming the key, before an engine is built."""
+    from nano_distserve.bench.interference import run_interference
+
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
+    assert cfg["performance_layers"] is True and cfg[node]["engine"]["async_scheduling"] is False
+    cfg[node]["engine"]["async_scheduling"] = True
+    with pytest.raises(ValueError, match=rf"{node}.engine.async_scheduling must be false: the simulator is "
+                                         "fitted to serial steps"):
+        (run_measured if node == "measured" else run_interference)(cfg)

@@ -117,3 +117,45 @@ def test_plain_colocation_runs_decodes_in_the_prompt_step_as_nano_vllm_does():
     decode, mixed, both = model.step_time(0, 1, 0), model.step_time(1000, 1, 0), model.step_time(0, 2, 0)
     # 49 tokens after the first: one in the prompt's step, one beside the prompt's second token, 47 alone
     assert out[0].finish_time == pytest.approx(first + 47 * decode + mixed + both)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"workload": "bogus"}, r"workload must be one of \['chatbot', 'code_completion', 'summarization'\], "
+                            r"got 'bogus'"),
+    ({"latency": {"tp_efficiency": 0}}, r"latency: tp_efficiency must be in \(0, 1\], got 0"),
+    ({"latency": {"tp_efficiency": 1.5}}, r"latency: tp_efficiency must be in \(0, 1\], got 1.5"),
+    ({"latency": {"c_decode": -1e-4}}, r"latency: c_decode must be >= 0 \(seconds\), got -0.0001"),
+    ({"latency": {"c_fast": 1}}, r"latency: unknown LatencyModel field\(s\) \['c_fast'\]"),
+    ({"sim": {"bandwidth": 0}}, r"sim: bandwidth must be > 0 \(bytes/s\), got 0"),
+    ({"sim": {"mode": "colo"}}, r"sim: mode must be 'colocated' or 'disaggregated'"),
+])
+def test_bad_bench_settings_are_value_errors_naming_the_key(override, message):
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
+    for key, value in override.items():
+        if isinstance(value, dict):
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    with pytest.raises(ValueError, match=message):
+        run_sim(cfg)
+
+
+def test_the_measured_bench_names_a_bad_workload_before_it_starts_an_engine():
+    from nano_distserve.bench.measured import run_measured
+
+    cfg = OmegaConf.to_container(OmegaConf.load(BENCH_YAML))
+    cfg["measured"]["workload"] = "bogus"
+    with pytest.raises(ValueError, match=r"measured.workload must be one of \['chatbot', "):
+        run_measured(cfg)
+
+
+@pytest.mark.slow
+def test_the_cli_says_which_workload_is_wrong(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "nano_distserve.bench", "workload=bogus",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert ("ValueError: workload must be one of ['chatbot', 'code_completion', 'summarization'], got 'bogus'"
+            in proc.stderr), proc.stderr[-2000:]
