@@ -63,7 +63,10 @@ def compare(cfg: DictConfig) -> dict:
 
 
 def prompt_tokens(record: dict) -> int:
-    """The prompt tokens of a bench record's workload (regenerated from its recorded parameters and seed)."""
+    """The prompt tokens of a bench record's workload: as recorded (after fitting the workload to the
+    model), else regenerated from its recorded parameters and seed."""
+    if record.get("prompt_tokens") is not None:
+        return int(record["prompt_tokens"])
     w = record["workload"]
     reqs = nano_vllm_workload(w["num_seqs"], w["min_input_len"], w["max_input_len"], w["min_output_len"],
                               w["max_output_len"], w["vocab"], w["temperature"], w["seed"])

@@ -294,7 +294,7 @@ def run(cfg: DictConfig) -> dict:
               "matmul_TFLOPs": peak / 1e12, "layers_applied": layers,
               "performance_layers": dict.fromkeys(layers, True),  # what shared.report labels a figure with
               **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory,
-              "workload_notes": notes, "oversubscription": oversubscribed}
+              "workload_notes": notes, "prompt_tokens": sum(prompt_lens), "oversubscription": oversubscribed}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
