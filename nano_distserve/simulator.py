@@ -111,7 +111,8 @@ class SimConfig:
     pull_at_step_boundary: bool = True
 
     def __post_init__(self) -> None:
-        if self.mode not in ("colocated", "disaggregated") or self.policy not in ("plain", "chunked"):
+        modes, policies = ("colocated", "disaggregated"), ("plain", "chunked")
+        if self.mode not in modes or self.policy not in policies:
             raise ValueError(f"mode must be 'colocated' or 'disaggregated' and policy 'plain' or "
                              f"'chunked', got {self.mode!r} and {self.policy!r}")
         if not self.bandwidth > 0:
