@@ -59,7 +59,8 @@ class RequestPreparation:
             self.check_length(len(req.prompt), "prompt")
             return self.check_ids(self.tokenizer.encode(req.prompt))
         self.check_length(sum(len(m.content) for m in req.messages), "messages")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                    for m in req.messages]  # a name reaches the template, which may render it (vLLM's way)
         try:
             text = self.tokenizer.apply_chat_template(messages)
         except (ValueError, TypeError) as e:
