@@ -145,11 +145,14 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits,
-                   config=None):
+                   config=None, kernels=None, **launch):
     """Launch Flash-Decoding. q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with
     block_table. Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
-    config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`."""
+    config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`.
+    kernels, launch: a (split, combine) pair taking the same arguments, and Triton launch options for both
+    (a performance layer's variants; default: the two kernels above)."""
+    split_kernel, combine_kernel = kernels or (_decode_split_kernel, _combine_kernel)
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_k = k_cache.shape[2]
     group = heads_q // heads_k
@@ -177,7 +180,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         s_strides = (o_part.stride(3), lse_part.stride(3))
     if batch == 0:
         return out, lse.transpose(1, 2)
-    _decode_split_kernel[(num_splits, heads_k * row_blocks, batch)](
+    split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
         block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
         window_right=0 if causal else NO_WINDOW,
@@ -190,9 +193,9 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         stride_ls=s_strides[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
-        _combine_kernel[(batch * seqlen_q * heads_q,)](
+        combine_kernel[(batch * seqlen_q * heads_q,)](
             O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits))
+            HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits), **launch)
     return out, lse.transpose(1, 2)

@@ -1,5 +1,5 @@
 """Compile every kernel that takes programmatic dependent launch (nano_flashattn/launch.py; the layer
-nano_flashattn/layers/pdl.py turns it on) for sm_90 with `PDL=True` and `launch_pdl=True`, without a GPU
+nano_flashattn/layers/pdl.py turns it on, and wraps Flash-Decoding's two kernels) for sm_90 with `PDL=True` and `launch_pdl=True`, without a GPU
 (run by test_pdl.py in a process without TRITON_INTERPRET, which cannot execute the grid-dependency
 instructions). Checks the PTX: `griddepcontrol.wait` comes before
 the first global load (the previous kernel may still be writing what this one reads), and the release
@@ -12,6 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from nano_flashattn.layers import pdl
 from nano_quant.layers import repacked
 from nano_vllm.layers import fused, gemv
 from shared.kernels import activation, rmsnorm
@@ -29,16 +30,23 @@ def ptx_of(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4, num_s
         else:
             sig[p.name] = pointers.get(p.name, "fp32" if p.name in FLOATS else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts | {"PDL": True}, attrs=attrs)
+    if "PDL" in sig:
+        consts = consts | {"PDL": True}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def check(name: str, ptx: str, release_early: bool) -> None:
+def check(name: str, ptx: str, release_early: bool | None) -> None:
+    """release_early: True, at the start; False, after the main loop's first load; None: none (the next
+    kernel is placed as this one exits)."""
     loads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]
     first_load = min(loads)
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     assert 0 <= wait < first_load, f"{name}: a global load before the PDL wait"
+    if release_early is None:
+        assert release < 0, f"{name}: releases the next kernel before it exits"
+        return
     assert release > wait, f"{name}: no release after the wait"
     if release_early:
         assert release < first_load, f"{name}: a short kernel should release the next one at its start"
@@ -48,7 +56,15 @@ def check(name: str, ptx: str, release_early: bool) -> None:
 
 def main() -> None:
     bf16 = "*bf16"
+    decode_pointers = {"Q": bf16, "K": bf16, "V": bf16, "Out": "*fp32", "LSE": "*fp32",
+                       "cache_seqlens": "*i32", "block_table": "*i32"}
     kernels = [
+        ("Flash-Decoding split", pdl._pdl_split_kernel, decode_pointers,
+         {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 128, "PAGED": True, "PAGE_SIZE": 16,
+          "DOT_PRECISION": "tf32"}, None),
+        ("Flash-Decoding combine", pdl._pdl_combine_kernel,
+         {"O_part": "*fp32", "LSE_part": "*fp32", "Out": bf16, "LSE": "*fp32"},
+         {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8}, True),
         ("rms_norm", rmsnorm._rms_norm_fwd_kernel, dict.fromkeys("XRWYS", bf16) | {"RSTD": "*fp32"},
          {"HAS_RESIDUAL": True, "ROWS": 1, "BLOCK": 4096}, True),
         ("silu_and_mul", activation._silu_and_mul_fwd_kernel, dict.fromkeys(("G", "U", "OUT"), bf16),
