@@ -240,35 +240,3 @@ def test_no_package_imports_tools():
             bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tools"]
     assert not bad, bad
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("paged", [False, True])
-def test_pdl_decode_equals_the_paper_kernels_bit_for_bit(paged):
-    """layers/pdl.py wraps Flash-Decoding's kernels in a wait and launches them with PDL: the same sums."""
-    from nano_flashattn.decode import decode_forward
-    from nano_flashattn.layers import pdl
-
-    if not pdl.applies(torch.device("cuda")):
-        pytest.skip("PDL needs sm_90+ and a Triton with grid dependency control")
-    torch.manual_seed(0)
-    batch, heads_q, heads_k, d, ctx = 3, 16, 4, 128, 3000
-    q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=torch.bfloat16)
-    lens = torch.tensor([ctx, 17, 1200], device="cuda", dtype=torch.int32)
-    if paged:
-        pages = torch.randperm(batch * ctx // 16 + 8, device="cuda", dtype=torch.int32)
-        block_table = pages[: batch * cdiv_pages(ctx)].view(batch, -1)
-        kc, vc = (torch.randn(int(pages.numel()), 16, heads_k, d, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(2))
-    else:
-        block_table = None
-        kc, vc = (torch.randn(batch, ctx, heads_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    args = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens, block_table=block_table,
-                scale=d**-0.5, causal=True, num_splits=0)
-    assert REGISTRY.select("decode", **args) is pdl.pdl_decode
-    out, lse = decode_forward(**args)
-    out_pdl, lse_pdl = pdl.pdl_decode(**args)
-    assert torch.equal(out, out_pdl) and torch.equal(lse, lse_pdl)
-
-
-def cdiv_pages(n: int) -> int:
-    return -(-n // 16)
