@@ -20,9 +20,8 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import safetensors
 import torch
@@ -35,7 +34,6 @@ from shared.model import CausalLM
 
 if TYPE_CHECKING:
     from shared.data import TokenBatches
-    from shared.train import TrainConfig, TrainEngine
 
 CHECKPOINT_DIR = "checkpoint"  # under a run's out_dir: the consolidated HF checkpoint
 RESUME_DIR = "resume"  # under the checkpoint: engine shards + loop state
@@ -256,19 +254,36 @@ def _fsync_dir(path: Path) -> None:
 # beside it every rank's engine shards + loop state for resuming (shared.train drives both).
 
 
+class ResumableEngine(Protocol):
+    """What a training checkpoint needs of an engine (shared.train.TrainEngine is one)."""
+
+    model_config: ModelConfig
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named weights on the global rank 0, None elsewhere (a collective: call on all ranks)."""
+        ...
+
+    def save_resume_state(self, directory: Path) -> None:
+        """Each rank writes its own shard(s) of weights and optimizer state into `directory`."""
+        ...
+
+    def load_resume_state(self, directory: Path) -> None: ...
+
+
 def _loop_state_file(directory: Path, rank: int) -> Path:
     return directory / f"loop-rank{rank:05d}.pt"
 
 
-def save_training_checkpoint(engine: TrainEngine, cfg: TrainConfig, step: int, data: TokenBatches,
-                             is_main: bool) -> Path:
-    """Write `out_dir/checkpoint` (HF format, from rank 0) and `out_dir/checkpoint/resume` (every rank).
+def save_training_checkpoint(engine: ResumableEngine, out_dir: str | os.PathLike, run_config: dict,
+                             step: int, data: TokenBatches, is_main: bool) -> Path:
+    """Write `out_dir/checkpoint` (HF format, from rank 0) and `out_dir/checkpoint/resume` (every rank);
+    `run_config` (the run's TrainConfig as a dict) is kept in each loop state.
 
     The resume directory is written next to the old one and swapped in only when every rank is done, so
     a job killed mid-save still has the previous resume point; every file of the HF checkpoint is
     replaced atomically (`shared.checkpoint.save_checkpoint`). Collective: call on every rank.
     """
-    ckpt = Path(cfg.out_dir) / CHECKPOINT_DIR
+    ckpt = Path(out_dir) / CHECKPOINT_DIR
     tmp, final = ckpt / (RESUME_DIR + ".tmp"), ckpt / RESUME_DIR
     state = engine.consolidated_state_dict()
     if is_main:
@@ -282,7 +297,7 @@ def save_training_checkpoint(engine: TrainEngine, cfg: TrainConfig, step: int, d
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save({"step": step, "data": data.state_dict(), "rng": rng, "config": asdict(cfg)},
+    torch.save({"step": step, "data": data.state_dict(), "rng": rng, "config": run_config},
                _loop_state_file(tmp, get_rank()))
     barrier()
     if is_main:  # two renames: at every instant `resume` or `resume.old` is a complete resume point
@@ -340,7 +355,8 @@ def check_same_model(path: str | os.PathLike, model_config: ModelConfig,
                          f"({'; '.join(diff)}): resume with the model it was trained with (its config.json)")
 
 
-def load_training_checkpoint(engine: TrainEngine, path: str | os.PathLike, data: TokenBatches) -> int:
+def load_training_checkpoint(engine: ResumableEngine, path: str | os.PathLike, data: TokenBatches
+                             ) -> int:
     """Restore the engine, the data stream and the RNG; return the step to continue from.
 
     Checks first that the checkpoint holds a model of the engine's shape (`check_same_model`, against

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gzip
 import hashlib
-import importlib.resources
 import io
 import json
 import os
@@ -39,9 +37,9 @@ import numpy as np
 import tiktoken
 import torch
 
+from shared.corpus import CORPUS_FILE, CORPUS_PACKAGE, load_corpus  # noqa: F401  (shared.data's names too)
 from shared.tokenizer import EOT, get_tokenizer
 
-CORPUS_PACKAGE, CORPUS_FILE = "shared.corpus", "stdlib_docs.txt.gz"
 SPLITS = ("train", "val")
 CORPORA = ("docs", "stdlib")
 VAL_EVERY = 20  # every 20th document is validation: a 5% split spread over all modules
@@ -50,13 +48,6 @@ VAL_EVERY = 20  # every 20th document is validation: a 5% split spread over all 
 def _check_split(split: Any) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-
-
-@functools.lru_cache(maxsize=1)
-def load_corpus() -> str:
-    """The embedded corpus as one string (about 2 MB of UTF-8), documents joined by `<|endoftext|>`."""
-    data = importlib.resources.files(CORPUS_PACKAGE).joinpath(CORPUS_FILE).read_bytes()
-    return gzip.decompress(data).decode("utf-8")
 
 
 def corpus_documents(split: str = "train") -> list[str]:

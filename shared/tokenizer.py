@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(args.text.encode())} bytes -> {len(ids)} tokens")
         return
 
-    from shared.data import load_corpus  # imported here: shared.data imports this module
+    from shared.corpus import load_corpus
 
     text = load_corpus()
     t0 = time.perf_counter()

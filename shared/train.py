@@ -28,7 +28,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from shared.accounting import flops_per_token
 from shared.checkpoint import (  # a training run's checkpoints live beside the HF format they write
     CHECKPOINT_DIR,
     RESUME_DIR,
+    ResumableEngine,
     load_resume_file,
     load_training_checkpoint,
     resume_directory,
@@ -106,26 +107,16 @@ class StepResult:
     grad_norm: float  # global L2 norm before clipping
 
 
-class TrainEngine(Protocol):
-    """What a parallelism package implements; the loop drives it."""
+class TrainEngine(ResumableEngine, Protocol):
+    """What a parallelism package implements; the loop drives it (and checkpoints it: ResumableEngine's
+    consolidated_state_dict, save_resume_state, load_resume_state)."""
 
-    model_config: ModelConfig
     dp_rank: int
     dp_world_size: int
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
         """Forward/backward every micro-batch of this dp rank, reduce gradients, clip, one optimizer step."""
         ...
-
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named weights on the global rank 0, None elsewhere (a collective: call on all ranks)."""
-        ...
-
-    def save_resume_state(self, directory: Path) -> None:
-        """Each rank writes its own shard(s) of weights and optimizer state into `directory`."""
-        ...
-
-    def load_resume_state(self, directory: Path) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -426,13 +417,13 @@ def train(engine: TrainEngine, cfg: TrainConfig, *, is_main: bool = True,
             if bar is not None:
                 bar.update(1)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < end:
-                save_training_checkpoint(engine, cfg, step + 1, data, is_main)
+                save_training_checkpoint(engine, cfg.out_dir, asdict(cfg), step + 1, data, is_main)
                 saved_at = step + 1
         if bar is not None:
             bar.close()
         ckpt = out / CHECKPOINT_DIR
         if end > saved_at or not (ckpt / RESUME_DIR).exists():
-            save_training_checkpoint(engine, cfg, end, data, is_main)
+            save_training_checkpoint(engine, cfg.out_dir, asdict(cfg), end, data, is_main)
         if is_main:
             report(f"checkpoint of step {end}: {ckpt.resolve()} (HF format: loads in transformers, "
                    f"shared.checkpoint.load_model and nano_vllm; resume with train.resume_from={ckpt.resolve()})")

@@ -170,7 +170,8 @@ def check_hydra(ex: Example, config_dir: Path, config_name: str) -> None:
 
 
 def check_argparse(ex: Example) -> None:
-    mod = importlib.import_module(ex.module)
+    main = _module_path(ex.module)  # a package's __main__.py holds its command line
+    mod = importlib.import_module(ex.module + (".__main__" if main.name == "__main__.py" else ""))
     args = [a for a in ex.args if a != "PLACEHOLDER"]
     if hasattr(mod, "build_parser"):
         mod.build_parser().parse_args(args)

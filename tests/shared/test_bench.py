@@ -13,7 +13,6 @@ import torch
 from shared.bench import (
     benchmark,
     format_table,
-    main,
     mbu,
     measure_copy_bandwidth,
     measure_matmul_flops,
@@ -21,6 +20,7 @@ from shared.bench import (
     print_table,
     write_json,
 )
+from shared.bench_kernels import main  # what `python -m shared.bench` runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -147,16 +147,6 @@ def test_datasheet_peak_only_for_the_gpus_it_describes():
 
     assert DATASHEET_BF16_TFLOPS == 989.0
     assert datasheet_bf16_flops("cpu") is None
-
-
-def test_the_bench_functions_keep_their_shared_bench_names():
-    import shared.bench
-    import shared.bench_kernels
-
-    assert shared.bench.run_kernel_bench is shared.bench_kernels.run_kernel_bench
-    assert shared.bench.run_model_bench is shared.bench_kernels.run_model_bench
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        shared.bench.nope  # noqa: B018
 
 
 def test_report_oversubscription_prints_the_warning_on_a_cpu_only(monkeypatch, capsys):

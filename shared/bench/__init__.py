@@ -318,29 +318,3 @@ def write_json(path: str | os.PathLike, record: dict) -> dict:
         json.dump(full, f, indent=2, default=str)
         f.write("\n")
     return full
-
-
-def build_parser():
-    """The command line of `python -m shared.bench` (shared.bench_kernels.build_parser)."""
-    from shared.bench_kernels import build_parser as parser
-
-    return parser()
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """`python -m shared.bench` (see shared.bench_kernels.main)."""
-    from shared.bench_kernels import main as bench_main
-
-    return bench_main(argv)
-
-
-def __getattr__(name: str) -> Any:  # the package's own bench functions, where they were first defined
-    if name in ("run_kernel_bench", "run_model_bench"):
-        from shared import bench_kernels
-
-        return getattr(bench_kernels, name)
-    raise AttributeError(f"module 'shared.bench' has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    main()
