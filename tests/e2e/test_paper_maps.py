@@ -17,29 +17,13 @@ from pathlib import Path
 
 import pytest
 
+# The table's parsing rule lives with the reader that renders it (one parser of each table).
+from shared.reader.maps import code_cells
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang", "nano_distserve",
             "nano_quant"]
-CODE_COLUMNS = ("code", "where", "module")
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-
-def code_cells(readme: Path) -> list[str]:
-    """Backticked strings of the code column of every table in `readme`."""
-    found, column = [], None
-    for line in readme.read_text().splitlines():
-        if not line.startswith("|"):
-            column = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if column is None:  # a header row
-            names = [c.lower() for c in cells]
-            column = next((names.index(c) for c in CODE_COLUMNS if c in names), -1)
-            continue
-        if set(line) <= set("|-: ") or column < 0 or column >= len(cells):
-            continue
-        found += re.findall(r"`([^`]+)`", cells[column])
-    return found
 
 
 def package_modules(package: str) -> list:

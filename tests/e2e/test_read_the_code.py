@@ -8,13 +8,14 @@ checks the stated counts, and holds the paper path to the package's budget.
 
 from __future__ import annotations
 
-import ast
-import io
-import re
-import tokenize
 from pathlib import Path
 
 import pytest
+
+# The parsing rules live with the reader that renders the same tables (one parser of each table).
+from shared.reader.maps import code_line_numbers, code_lines, reading_map
+
+__all__ = ["code_line_numbers", "code_lines", "reading_map"]  # test_import_graph imports reading_map
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,52 +32,6 @@ BUDGETS = {
 }
 # No paper-path line that holds code is longer than this (written at the density of the Triton tutorial).
 MAX_CODE_LINE = 100
-
-
-def code_lines(path: Path) -> int:
-    """Lines of `path` that hold a token which is not a comment, part of a docstring, or blank."""
-    return len(code_line_numbers(path))
-
-
-def code_line_numbers(path: Path) -> set[int]:
-    """The numbers (1-based) of the lines `code_lines` counts."""
-    src = path.read_text(encoding="utf-8")
-    doc: set[int] = set()
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
-                doc.update(range(first.lineno, first.end_lineno + 1))
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-            tokenize.ENCODING, tokenize.ENDMARKER}
-    lines: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type not in skip:
-            lines.update(ln for ln in range(tok.start[0], tok.end[0] + 1) if ln not in doc)
-    return lines
-
-
-def reading_map(package: str) -> list[tuple[Path, int]]:
-    """(file, stated code lines) for each row of the README's `## Read the code` table."""
-    text = (ROOT / package / "README.md").read_text()
-    m = re.search(r"^## Read the code\s*$(.*?)(?=^## |\Z)", text, re.S | re.M)
-    assert m, f"{package}/README.md has no section headed exactly '## Read the code'"
-    rows = []
-    for line in m.group(1).splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
-        if len(cells) < 2 or set(line) <= set("|-: "):
-            continue
-        files = re.findall(r"`([\w/.\-]+\.py)`", cells[0])
-        if not files:  # the header row, or a row that is prose
-            continue
-        assert len(files) == 1, f"{package}: one file per row, got {files}"
-        path = ROOT / (files[0] if files[0].startswith(package + "/") else f"{package}/{files[0]}")
-        count = re.search(r"\d[\d,]*", cells[1])
-        assert count, f"{package}: row for {files[0]} states no code-line count: {line!r}"
-        rows.append((path, int(count.group().replace(",", ""))))
-    assert rows, f"{package}: the '## Read the code' table lists no files"
-    return rows
 
 
 PACKAGES = [p for p in BUDGETS if (ROOT / p / "README.md").exists()]
