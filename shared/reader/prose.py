@@ -115,11 +115,12 @@ FORMULA = re.compile(
     r"(?P<latex>\$(?=\S)[^$\n]+?(?<=\S)\$)"
     r"|(?P<cmd>\\(?:[A-Za-z]+|\|))"
     r"|(?P<op><=|>=|!=|->)"
+    # the elementwise product written `o` between two matrices: `P o (dP - D)`, `dO_i o O_i`
+    r"|(?P<hadamard>(?:(?<![\w])d?[A-Z](?:_[A-Za-z0-9]{1,2})?|\)) o (?=d?[A-Z(]))"
     # a math symbol with a subscript: one letter, dX, a Greek letter or an operator name; `P~` is P-tilde
     r"|(?P<sym>(?<![\w.])(?:d[A-Z]|[A-Za-z]|[α-ωΑ-ΩΣ]|sum|max|min|median|argmin|argmax|logsumexp)(?P<tilde>~)?)"
     r"(?P<sub>_(?:\{[^{}\n]{1,16}\}|[A-Za-z0-9α-ω]{1,2}))(?![\w])"
-    rf"|(?<=[\w)|\]ᵀ])(?P<sup>\^(?:{SCRIPT}))"
-    r"|(?<=\S)(?P<hadamard> o )(?=[\w(])")
+    rf"|(?<=[\w)|\]ᵀ])(?P<sup>\^(?:{SCRIPT}))")
 
 
 def _script(text: str) -> str:
@@ -163,7 +164,7 @@ def math(text: str) -> str:
         elif m.group("sup"):
             out.append(f"<sup>{_script(m.group('sup')[1:])}</sup>")
         else:
-            out.append(" ∘ ")
+            out.append(math(m.group("hadamard")[:-3]) + " ∘ ")
         last = m.end()
     out.append(html.escape(text[last:], quote=False))
     return "".join(out)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import html
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 from .maps import CODE_COLUMNS
 from .prose import CiteContext, cite, math
@@ -158,11 +157,3 @@ def comment_renderer(sf: SourceFile, ctx: CiteContext) -> Callable[[str, int], s
         ctx.algorithm = sf.algorithm_at(line)
         return cite(text, ctx, typeset=False)
     return render
-
-
-def file_id(name: str) -> str:
-    return name
-
-
-def path_label(root: Path, path: Path) -> str:
-    return path.relative_to(root).as_posix()

@@ -146,9 +146,12 @@ def _layers(site: Site, package: str, md: Markdown, papers: list[maps.Paper], de
     """The performance layers, collapsed: the README's line for each, then the file in two columns."""
     root = site.root
     lines = {(ln.owner, ln.file): ln for ln in maps.layer_lines(package, root)}
+    order = [name for owner, name in lines if owner == package]
     ctx = CiteContext(papers, default)
     out = ['<section id="performance-layers"><h2>Performance layers</h2>']
-    files = maps.layer_files(package, root)
+    files = sorted(maps.layer_files(package, root), key=lambda p: (  # the README's order, then the rest
+        order.index(p.relative_to(root / package).as_posix()) if p.relative_to(root / package).as_posix()
+        in order else len(order), p.name != "__init__.py", p.name))
     if not files and not lines:
         out.append(f"<p>{package} has no performance layer.</p>")
     for path in files:
@@ -157,8 +160,8 @@ def _layers(site: Site, package: str, md: Markdown, papers: list[maps.Paper], de
         sf = parse(path)
         fctx = _file_context(papers, default, sf)
         doc = sf.blocks[0].prose[0][0] if sf.blocks and sf.blocks[0].prose else ""
-        what = md.render(line.markdown, ctx, inline=True) if line else md.render(
-            doc.split("\n\n")[0], fctx, inline=True)
+        what = md.render(line.markdown, ctx, inline=True) if line else (
+            f"<code>{name}</code> — " + md.render(doc.split("\n\n")[0], fctx, inline=True))
         highlighted = highlight_lines(path.read_text(encoding="utf-8"), comment_renderer(sf, fctx))
         body = two_columns(sf, name, "layer", path.relative_to(root).as_posix(), md, fctx, highlighted,
                            _anchors(site, path))

@@ -136,6 +136,7 @@ def test_every_paper_path_code_line_appears_exactly_once(package, pages):
         wrong = [n for n in wanted if shown[n][0] != source[n - 1]]
         assert not wrong, f"{rel}: lines whose text differs from the file: {wrong[:10]}"
         assert len([n for n in shown if n in wanted]) == code_lines(row.path)
+        assert list(shown) == sorted(shown), f"{rel}: lines out of order"
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -156,6 +157,8 @@ def test_every_file_of_the_reading_table_and_every_layer_is_on_its_page(package,
 def test_no_internal_link_or_anchor_is_broken(site, pages):
     broken = []
     for name, page in pages.items():
+        external = [src for src in page.srcs if re.match(r"[a-z]+:|//", src)]
+        assert not external, f"{name} loads from elsewhere (the site must work offline): {external}"
         for href in page.hrefs + page.srcs:
             if re.match(r"[a-z]+:", href):
                 assert href.startswith(("https://", "http://")), f"{name}: {href}"
@@ -221,6 +224,7 @@ def test_formulas_are_typeset():
     assert math("s_X^α / s_W^(1−α)").endswith("<sup>1−α</sup>")
     assert "<sup>−1</sup>" in math("diag(l_i)^-1")
     assert math("for 1 <= j, P o (dP - D)") == "for 1 ≤ j, P ∘ (dP - D)"
+    assert math("k/v by kv heads, o by rows") == "k/v by kv heads, o by rows"  # o_proj, not a product
     assert math("BLOCK_M, max_seqlen_q, head_dim, k_base") == "BLOCK_M, max_seqlen_q, head_dim, k_base"
     assert math(r"$\frac{a}{b} + x_{ij}$ and \alpha") == ('<span class="math">(a)/(b) + x<sub>ij</sub></span>'
                                                          " and α")
@@ -239,6 +243,13 @@ def test_citations_link_the_paper_named_before_them():
     assert 'abs/2211.10438" title="SmoothQuant (arXiv 2211.10438), Eq. 4">' in out
     out = cite("Algorithm 1, lines 6-11; then line 9", ctx)
     assert 'title="Megatron-LM (arXiv 1909.08053), Algorithm 1, line 9">line 9</a>' in out
+
+
+def test_the_checks_see_an_unlinked_citation(tmp_path):
+    page = tmp_path / "p.html"
+    page.write_text('<div class="prose"><p>see §4.2, <a href="x">§4.3</a> and <code>§5</code></p></div>'
+                    '<pre data-file="f.py" data-role="paper"><span class="c1"># Eq. 4</span> x = "§6"</pre>')
+    assert [f for f, _ in Page(page).unlinked] == ["", "f.py"]
 
 
 def _tiny_repo(root: Path) -> Path:
