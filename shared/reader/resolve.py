@@ -46,10 +46,14 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-@functools.cache
 def definitions(path: Path, module: str) -> tuple[dict[str, int], dict[str, str]]:
     """({qualname: line} of what `path` defines, {name: module.name} of what it imports by name): module
     level (inside if / try too), class bodies (nested), and attributes assigned as `self.x` in methods."""
+    return _definitions(path, module, path.stat().st_mtime_ns)  # read again once the file changes
+
+
+@functools.cache
+def _definitions(path: Path, module: str, mtime_ns: int) -> tuple[dict[str, int], dict[str, str]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: dict[str, int] = {}
     imports: dict[str, str] = {}

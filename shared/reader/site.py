@@ -12,9 +12,9 @@ from pathlib import Path
 
 from . import maps
 from .prose import CiteContext
-from .render import Markdown, comment_renderer, reference_definitions, two_columns
+from .render import DOCS_HINT, Markdown, comment_renderer, reference_definitions, two_columns
 from .resolve import Definition, definitions, module_name, resolve
-from .source import highlight_lines, parse
+from .source import SourceFile, highlight_lines, parse
 
 ASSETS = Path(__file__).resolve().parent
 MARKER = ".nano-infra-reader"  # a folder holding this file was written by the reader and may be rebuilt
@@ -25,7 +25,6 @@ class Site:
     """What every page needs to know: where each rendered file is, which figures to copy."""
 
     root: Path
-    out: Path
     packages: list[str]  # those with a page
     project: list[str]  # every package of the repository (names a qualified code name may start with)
     rendered: dict[Path, tuple[str, str]] = field(default_factory=dict)  # file -> (page, section id)
@@ -64,7 +63,7 @@ def _anchors(site: Site, path: Path) -> dict[int, list[str]]:
     return found
 
 
-def _file_context(papers: list[maps.Paper], default: maps.Paper | None, sf) -> CiteContext:
+def _file_context(papers: list[maps.Paper], default: maps.Paper | None, sf: SourceFile) -> CiteContext:
     """The citation context of a file: the package's papers and those its module docstring names; its
     default paper the first its docstring names, else the package's."""
     doc = sf.blocks[0].prose[0][0] if sf.blocks and sf.blocks[0].prose else ""
@@ -225,14 +224,18 @@ def build(root: Path, out: Path) -> list[Path]:
     """Write the site for the repository at `root` into `out`; the pages written."""
     from .index import benchmarks_page, index_page, stylesheet
 
-    for need in ("README.md",):
-        if not (root / need).is_file():
-            raise FileNotFoundError(f"{root / need} does not exist: shared.reader reads a nano-infra checkout "
-                                    "(an editable install), not an installed wheel")
+    try:
+        import markdown_it  # noqa: F401
+        import pygments  # noqa: F401
+    except ImportError as e:
+        raise ImportError(DOCS_HINT) from e
+    if not (root / "README.md").is_file():
+        raise FileNotFoundError(f"{root / 'README.md'} does not exist: shared.reader reads a nano-infra checkout "
+                                "(an editable install), not an installed wheel")
     packages = maps.paper_path_packages(root)
     project = sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file()
                      and (p.name == "shared" or p.name.startswith("nano_")))
-    site = Site(root, out, packages, project)
+    site = Site(root, packages, project)
     for package in packages:
         for row in maps.reading_rows(package, root):
             if not row.path.is_file():
@@ -241,10 +244,10 @@ def build(root: Path, out: Path) -> list[Path]:
             site.rendered[row.path] = (f"{package}.html", row.name)
         for path in maps.layer_files(package, root):
             site.rendered[path] = (f"{package}.html", path.relative_to(root / package).as_posix())
-    prepare_out(out)
     pages = {f"{p}.html": package_page(site, p) for p in packages}
     pages["index.html"] = index_page(site)
     pages["benchmarks.html"] = benchmarks_page(site)
+    prepare_out(out)  # only now: a build that fails leaves the last site as it was
     written = []
     for name, text in pages.items():
         (out / name).write_text(text, encoding="utf-8")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -265,7 +266,7 @@ def _tiny_repo(root: Path) -> Path:
     return root
 
 
-def test_a_small_repository_builds_and_bad_inputs_are_named(tmp_path):
+def test_a_small_repository_builds_and_bad_inputs_are_named(tmp_path, monkeypatch):
     root = _tiny_repo(tmp_path / "repo")
     out = tmp_path / "site"
     main(["--root", str(root), "--out", str(out)])
@@ -279,6 +280,11 @@ def test_a_small_repository_builds_and_bad_inputs_are_named(tmp_path):
         build_site(tmp_path / "other", root)
     with pytest.raises(NotADirectoryError, match="--out"):
         build_site(tmp_path / "other" / "notes.txt", root)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "pygments", None)  # the docs extra not installed
+        with pytest.raises(ImportError, match=re.escape('pip install -e ".[docs]"')):
+            build_site(out, root)
+    assert (out / "pkg.html").is_file()  # a failed build leaves the last site
     (root / "pkg" / "core.py").unlink()
     with pytest.raises(FileNotFoundError, match="core.py"):
         build_site(out, root)
