@@ -67,6 +67,8 @@ class EngineConfig:
     enable_chunked_prefill: split long prompts across steps and mix them with decodes (Sarathi-style).
     tensor_parallel_size: number of GPUs (processes) the model is sharded over (§4.6 of the paper).
     seed: seed of the random weights of a preset and of unseeded sampling.
+    max_logprobs: the most log-probabilities a request may ask for per token (`SamplingParams.logprobs`,
+        `prompt_logprobs`; vLLM's name and default, 20).
     quantization: vLLM's name: quantize a 16-bit model (checkpoint or preset) on the fly by a method that
         needs no calibration — "rtn-w4" (AWQ's W4A16 g128 format, round to nearest), "naive-w8a8" (INT8
         weights and per-token activations), "naive-fp8" (the same in e4m3). None: the model as it is; a
@@ -103,6 +105,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    max_logprobs: int = 20
     quantization: str | None = None
     performance_layers: bool = True
     async_scheduling: bool | None = None
@@ -118,6 +121,9 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) \
+                or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -26,6 +26,7 @@ from typing import Any
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import EngineConfig, apply_layers
 from nano_vllm.inputs import (
+    check_request_params,
     parse_prompts,
     parse_sampling_params,
     prompt_token_ids,
@@ -36,7 +37,7 @@ from nano_vllm.outputs import Progress, RequestOutput
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.scheduler import Scheduler, SchedulerConfig
 from nano_vllm.sequence import Sequence
-from nano_vllm.tokenizer import checkpoint_eos_ids, get_engine_tokenizer
+from nano_vllm.tokenizer import StopChecker, checkpoint_eos_ids, get_engine_tokenizer
 from shared.config import resolve_model_config
 
 
@@ -88,15 +89,18 @@ class LLMEngine:
     def add_request(self, prompt: str | Seq[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     **sequence_kwargs: Any) -> Sequence:
-        """Queue a request; `sequence_kwargs` go to `sequence_cls`. Raises TypeError / ValueError for a bad
-        prompt (`inputs.prompt_token_ids`) or sampling_params before anything is queued."""
+        """Queue one sample of a request (n = 1: `LLM.generate` queues n, `SamplingParams.child`);
+        `sequence_kwargs` go to `sequence_cls`. Raises TypeError / ValueError for a bad prompt
+        (`inputs.prompt_token_ids`) or sampling_params before anything is queued."""
         ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                self.max_model_len)
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, "
-                            f"got {type(params).__name__}")
+        params = check_request_params(sampling_params, self.config.max_logprobs)
+        if params.n != 1:
+            raise ValueError(f"add_request queues one sample (n=1), got n={params.n}: queue "
+                             f"`params.child(j)` for j in range(n), as LLM.generate does")
         seq = self.sequence_cls(ids, params, request_id, arrival_time, **sequence_kwargs)
+        if params.stop:
+            seq.stop_checker = StopChecker(self.tokenizer, params)
         self.scheduler.add(seq)
         return seq
 
@@ -131,11 +135,15 @@ class LLMEngine:
         self.num_steps += 1
         return [s for s, sampled in zip(out.seqs, out.samples) if sampled], finished
 
-    def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
-        """`seq`'s RequestOutput, its text detokenized as its SamplingParams say (without the stop
-        token's text, which `token_ids` keep, unless `include_stop_str_in_output`)."""
-        text = self.tokenizer.decode(seq.text_token_ids, seq.sampling_params.skip_special_tokens)
-        return RequestOutput.of(seq, text, prompt)
+    def output_of(self, seq: Sequence | list[Sequence], prompt: str | None = None) -> RequestOutput:
+        """The RequestOutput of a request — one Sequence, or its n samples — each text detokenized as its
+        SamplingParams say: cut at a stop string; without the stop token's text, which `token_ids` keep,
+        unless `include_stop_str_in_output`."""
+        seqs = [seq] if isinstance(seq, Sequence) else seq
+        texts = [s.stop_checker.text if s.stop_checker and s.stop_checker.matched else
+                 self.tokenizer.decode(s.text_token_ids, s.sampling_params.skip_special_tokens)
+                 for s in seqs]
+        return RequestOutput.of(seqs, texts, prompt, self.tokenizer)
 
     def shutdown(self) -> None:
         shutdown = getattr(self.model_runner, "shutdown", None)
@@ -158,10 +166,13 @@ class LLM:
         {"prompt_token_ids": [...]} dicts; one SamplingParams for all or one each. Every prompt is checked
         before any is queued. Results in input order."""
         engine, prompts = self.engine, parse_prompts(prompts)
-        params = parse_sampling_params(sampling_params, len(prompts))
+        params = parse_sampling_params(sampling_params, len(prompts), engine.config.max_logprobs)
         ids = prompts_token_ids(prompts, self.tokenizer, engine.model_config.vocab_size,
                                 engine.max_model_len)
-        seqs = [engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        # n samples of a prompt are n sequences; the later ones share its KV blocks (prefix cache, §4.4)
+        samples = [[engine.add_request(p, sp.child(j)) for j in range(sp.n)]
+                   for p, sp in zip(ids, params)]
+        seqs = [s for group in samples for s in group]
         progress = Progress(len(seqs), use_tqdm)
         try:
             while engine.has_unfinished_requests():
@@ -172,8 +183,8 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [engine.output_of(s, p if isinstance(p, str) else None)
-                for s, p in zip(seqs, prompts)]
+        return [engine.output_of(group, p if isinstance(p, str) else None)
+                for group, p in zip(samples, prompts)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

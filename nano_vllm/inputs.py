@@ -44,10 +44,25 @@ def _parse_prompt(prompt: Any, name: str) -> Prompt:
                     f"'prompt_token_ids', got {type(prompt).__name__}")
 
 
-def parse_sampling_params(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt: `None` (the defaults), one for all, or a list with one each."""
+def check_request_params(params: Any, max_logprobs: int) -> SamplingParams:
+    """The SamplingParams of one request (None: the defaults), checked against the engine's limits."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(f"{name}={value} is more than this engine returns (max_logprobs: "
+                             f"{max_logprobs})")
+    return params
+
+
+def parse_sampling_params(sampling_params: Any, num_prompts: int,
+                          max_logprobs: int = 20) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `None` (the defaults), one for all, or a list with one each; each
+    checked by `check_request_params`."""
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * num_prompts
+        return [check_request_params(sampling_params, max_logprobs)] * num_prompts
     if not isinstance(sampling_params, (list, tuple)):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                         f"{type(sampling_params).__name__}")
@@ -56,7 +71,7 @@ def parse_sampling_params(sampling_params: Any, num_prompts: int) -> list[Sampli
             raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
     if len(sampling_params) != num_prompts:
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {num_prompts} prompts")
-    return list(sampling_params)
+    return [check_request_params(sp, max_logprobs) for sp in sampling_params]
 
 
 def prompt_token_ids(prompt: Any, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> list[int]:

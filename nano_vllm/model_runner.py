@@ -31,6 +31,7 @@ from nano_flashattn import trusted_metadata
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
 from nano_vllm.config import EngineConfig, apply_layers
 from nano_vllm.kv_cache import decide_num_blocks, kv_block_bytes, load_engine_model
+from nano_vllm.logprobs import StepLogprobs, prompt_logprob_rows
 from nano_vllm.sampler import Sampler, SamplingTensors, seed64
 from nano_vllm.scheduler import SchedulerOutput
 from shared.config import ModelConfig
@@ -60,6 +61,8 @@ class StepInputs:
     num_decodes: int = 0
     # copy-on-write (src, dst) blocks, done first
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # rows whose hidden states score prompt tokens (`SamplingParams.prompt_logprobs`): run eagerly
+    prompt_rows: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +110,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams
         self.cudagraphs: list[StepGraphs] = []  # tried in order before the eager forward
+        # this step's prompt rows to score (nano_vllm.logprobs) and, after the forward, their hidden states
+        self.scored_prompt_rows: list = []
+        self.prompt_hidden: torch.Tensor | None = None
         with config.layers_context():  # performance_layers=False: no layer, here or in the kernels
             self.model = self.load_model().eval()
             # the layers change the model, so before the KV cache is sized
@@ -165,8 +171,10 @@ class ModelRunner:
         while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] == 1:
             lead += 1
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
+        self.scored_prompt_rows = prompt_logprob_rows(out, cu_q)
+        prompt_rows = [row for _, row, _ in self.scored_prompt_rows]
         return StepInputs(ids, positions, slots, cu_q, cu_k, tables, sample_rows, is_decode,
-                          paged or is_decode, lead, out.copies)
+                          paged or is_decode, lead, out.copies, prompt_rows)
 
     def _slots(self, seq, start: int, end: int) -> list[int]:
         """Cache rows (block * block_size + offset) of tokens [start, end) of `seq`; a token whose K/V are
@@ -213,7 +221,8 @@ class ModelRunner:
         """Forward one step; returns the logits of `inputs.sample_rows` (None when there are none)."""
         if inputs.copies:
             self.copy_blocks(inputs.copies)
-        graphs = next((g for g in self.cudagraphs if g.fits(inputs)), None)
+        graphs = None if inputs.prompt_rows else next(  # prompt rows to score run eagerly
+            (g for g in self.cudagraphs if g.fits(inputs)), None)
         with self.config.layers_context():
             return self.forward(inputs) if graphs is None else graphs.replay(inputs)
 
@@ -229,6 +238,8 @@ class ModelRunner:
                 hidden = self.model.model(ids[:, None], positions[:, None], ctx)[:, -1]
             else:  # q: (1, num_tokens), the sequences packed
                 hidden = self.model.model(ids[None], positions[None], ctx)[0]
+        if inputs.prompt_rows:
+            self.prompt_hidden = hidden[self._tensor(inputs.prompt_rows, torch.long)]
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden[self._tensor(inputs.sample_rows, torch.long)])
@@ -257,6 +268,12 @@ class ModelRunner:
         self.generators.pop(seq.seq_id, None)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        """One scheduled step end to end: inputs, forward, sampling; returns the sampled token ids."""
+        """One scheduled step end to end: inputs, forward, sampling (and the log-probabilities requests ask
+        for, nano_vllm.logprobs); returns the sampled token ids."""
         logits = self.run(self.prepare(out))
-        return [] if logits is None else self.sample(logits, out).tolist()
+        tokens = None if logits is None else self.sample(logits, out)
+        scores = StepLogprobs.of(self, out, logits, tokens)
+        ids = [] if tokens is None else tokens.tolist()
+        if scores is not None:
+            scores.attach()
+        return ids

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from nano_vllm.logprobs import Logprob
 from nano_vllm.sequence import Sequence
+
+TokenLogprobs = dict[int, Logprob]  # one position: {token id: Logprob}, the scored token first
 
 
 @dataclass
@@ -17,6 +21,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    # the stop string, or the stop token id (not EOS), that ended it
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked for
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -30,6 +38,8 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    # one per prompt token (None for the first), when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -40,16 +50,42 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
     @classmethod
-    def of(cls, seq: Sequence, text: str, prompt: str | None = None) -> RequestOutput:
-        """The output of `seq` (its detokenized `text` given), with its TTFT / TPOT in `metrics`."""
-        metrics, times = {}, seq.token_times
+    def of(cls, seqs: Sequence | list[Sequence], texts: str | list[str], prompt: str | None = None,
+           tokenizer: Any = None) -> RequestOutput:
+        """The output of one request — `seqs`, its n samples (one Sequence, or a list), with their
+        detokenized `texts` — with the first one's TTFT / TPOT in `metrics`. `tokenizer` fills the
+        `decoded_token` of the log-probabilities."""
+        seqs = [seqs] if isinstance(seqs, Sequence) else seqs
+        texts = [texts] if isinstance(texts, str) else texts
+        first = seqs[0]
+        metrics, times = {}, first.token_times
         if times:
-            metrics["ttft"] = times[0] - seq.arrival_time
+            metrics["ttft"] = times[0] - first.arrival_time
             if len(times) > 1:
                 metrics["tpot"] = (times[-1] - times[0]) / (len(times) - 1)
-        return cls(seq.request_id, prompt, seq.prompt_token_ids,
-                   [CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason)], seq.is_finished,
-                   seq.num_cached_tokens, metrics)
+        outputs = []
+        for j, (seq, text) in enumerate(zip(seqs, texts)):
+            logprobs = None
+            if seq.logprobs is not None:  # (an overlapped step may have scored one token past the end)
+                logprobs = [_decoded(e, tokenizer) for e in seq.logprobs[: seq.num_output_tokens]]
+            cumulative = None if logprobs is None else sum(
+                e[t].logprob for e, t in zip(logprobs, seq.output_token_ids))
+            outputs.append(CompletionOutput(j, text, seq.output_token_ids, seq.finish_reason,
+                                            seq.stop_reason, logprobs, cumulative))
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else _decoded(e, tokenizer) for e in first.prompt_logprobs]
+        return cls(first.request_id, prompt, first.prompt_token_ids, outputs,
+                   all(s.is_finished for s in seqs), first.num_cached_tokens, metrics, prompt_logprobs)
+
+
+def _decoded(entry: TokenLogprobs, tokenizer: Any) -> TokenLogprobs:
+    """`entry` with each token's text filled in (special tokens included, as vLLM shows them)."""
+    if tokenizer is not None:
+        for tid, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+    return entry
 
 
 class Progress:

@@ -6,6 +6,7 @@ next-token distribution"; these parameters say how that distribution is shaped b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -22,14 +23,25 @@ def _is_number(x: object) -> bool:
 class SamplingParams:
     """How to pick each next token of one request (vLLM's names and defaults).
 
+    n: how many samples of the prompt to generate (parallel sampling, vLLM §4.4): `LLM.generate` returns
+        them as the `outputs` of one RequestOutput; they share the prompt's KV blocks through the prefix
+        cache, and sample j draws from seed + j when a seed is given (`child`).
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before softmax.
     top_p: nucleus sampling, keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
     top_k: keep the k most likely tokens (-1 or 0 = off).
     max_tokens: how many tokens to generate at most.
     ignore_eos: keep generating past the end-of-sequence token (benchmarks).
     stop_token_ids: extra token ids that end the request (the stop token stays in `token_ids`, like EOS).
-    include_stop_str_in_output: also render the text of the stop token (EOS or one of stop_token_ids) that
-        ended the request; by default it is left out of the text, as vLLM does.
+    stop: strings that end the request when they appear in the output text (matched on the detokenized
+        text, so across token boundaries); the text is cut before the string and the output's
+        `stop_reason` is the string (vLLM's rule).
+    include_stop_str_in_output: also render the stop string, or the text of the stop token (EOS or one of
+        stop_token_ids), that ended the request; by default it is left out of the text, as vLLM does.
+    logprobs: return, for each output token, its log-probability and those of the `logprobs` most likely
+        tokens (0: the sampled token's alone); the model's raw log-softmax, before temperature and top-k/p
+        (vLLM's default `logprobs_mode`).
+    prompt_logprobs: the same for every prompt token (the first has none). Such a request does not read
+        the prefix cache: a cached token's logits are never computed.
     seed: per-request random seed, any int (folded into 64 bits, `sampler.seed64`); the same seed and
         prompt give the same tokens whatever else is batched.
     skip_special_tokens: leave special tokens (`<|endoftext|>`, `<|im_end|>`, ...) out of the text.
@@ -46,6 +58,10 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1
+    stop: list[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -69,6 +85,20 @@ class SamplingParams:
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            if any(s == "" for s in self.stop):
+                raise ValueError("stop must not contain an empty string (it would match everywhere)")
+            self.stop = list(self.stop) or None
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         if self.top_k == 0:
@@ -77,3 +107,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def child(self, j: int) -> SamplingParams:
+        """The parameters of sample j of n (vLLM's parallel sampling): n = 1, seed + j when seeded, and
+        the prompt's log-probabilities asked of sample 0 only."""
+        seed = None if self.seed is None else self.seed + j
+        return dataclasses.replace(self, n=1, seed=seed,
+                                   prompt_logprobs=self.prompt_logprobs if j == 0 else None)

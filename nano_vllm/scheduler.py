@@ -150,7 +150,8 @@ class Scheduler:
         while (self.waiting and num_preempted == 0 and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
+            # a request for prompt log-probabilities computes every prompt token's logits
+            cached = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             # A fully cached prompt still runs its last token: its logits give the first output token.
             start = min(len(cached) * bm.block_size, seq.num_tokens - 1)
             n = seq.num_tokens - start
@@ -198,6 +199,9 @@ class Scheduler:
         if ((not sp.ignore_eos and token in self.eos_token_ids)
                 or (sp.stop_token_ids and token in sp.stop_token_ids)):
             seq.stop_token_id = token  # in token_ids, not in the text (`Sequence.text_token_ids`)
+            return "stop"
+        # a stop string (tokenizer.StopChecker); a placeholder token (< 0) is checked once it is known
+        if seq.stop_checker is not None and token >= 0 and seq.stop_checker.step(token):
             return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"

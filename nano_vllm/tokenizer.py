@@ -160,19 +160,82 @@ def get_engine_tokenizer(model: str) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text deltas of a growing token list, for streaming. Decodes the whole output each time (simple,
-    exact for merges across tokens) and holds back a trailing U+FFFD: an incomplete UTF-8 character."""
+    """The text of a growing token list, a few tokens decoded at a time (for stop strings and streaming).
+
+    Each `step` decodes only the tokens since the last text it produced, with those of that text before
+    them as context (`ids[prefix:read]`): merges across the boundary and a tokenizer that drops a leading
+    space at the start of a decode come out as in one decode of the whole list, at a cost per step that
+    does not grow with the output. A step whose text ends in U+FFFD (an incomplete UTF-8 character) adds
+    nothing until the character completes, or `final`.
+    """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
+        self.prefix = self.read = 0  # ids[prefix:read]: the context; ids[read:]: not yet in the text
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
-        text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.text):  # a later token changed earlier text (rare): send nothing new
+        """Append the text of `token_ids[read:]` (the list only ever grows); returns what was appended."""
+        if self.read >= len(token_ids):
             return ""
-        delta, self.text = text[len(self.text):], text
+        decode = self.tokenizer.decode
+        context = decode(token_ids[self.prefix:self.read], self.skip_special_tokens)
+        text = decode(token_ids[self.prefix:], self.skip_special_tokens)
+        if (not final and text.endswith("\ufffd")) or not text.startswith(context):
+            return ""  # wait for the character to complete (or for the text to settle)
+        delta = text[len(context):]
+        self.text += delta
+        self.prefix, self.read = self.read, len(token_ids)
         return delta
+
+
+class StopChecker:
+    """vLLM's stop strings, matched on the output text as it grows: the request stops at the first token
+    whose text completes one of `params.stop` (several completed by one token: the one that ends first,
+    then the longest), and its text is cut before the string (after it with
+    `include_stop_str_in_output`). Without stop strings it is the streaming text alone.
+
+    `visible(final)` is the text a stream may show: all but the last (longest stop string - 1)
+    characters until the request ends, so a stop string being completed is never shown and then taken
+    back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: Any):
+        self.stops: list[str] = list(params.stop or ())
+        self.include = params.include_stop_str_in_output
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.matched: str | None = None
+        self.end: int | None = None  # where the output text ends once a stop string matched
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.end is None else self.detok.text[: self.end]
+
+    def step(self, token_id: int) -> str | None:
+        """Take the next output token; returns the stop string it completes, or None."""
+        self.ids.append(token_id)
+        if self.matched is not None:
+            return self.matched
+        before = len(self.detok.text)
+        self.detok.step(self.ids)
+        text = self.detok.text
+        best = None  # (end, -length, start, string) of the earliest-ending match in the new text
+        for stop in self.stops:
+            start = text.find(stop, max(0, before - len(stop) + 1))
+            if start >= 0:
+                best = min(best or (1 << 62,), (start + len(stop), -len(stop), start, stop))
+        if best is not None:
+            end, _, start, self.matched = best
+            self.end = end if self.include else start
+        return self.matched
+
+    def visible(self, final: bool = False) -> str:
+        """The text a stream may show now (all of it once `final`)."""
+        if final and self.end is None:
+            self.detok.step(self.ids, final=True)
+        if final or self.end is not None:
+            return self.text
+        return self.detok.text[: max(0, len(self.detok.text) - self.hold)]

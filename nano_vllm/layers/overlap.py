@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from nano_vllm.config import REGISTRY
+from nano_vllm.logprobs import StepLogprobs
 from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
@@ -85,6 +86,7 @@ class _Flight:
     host: torch.Tensor | None = None  # the tokens, copied asynchronously
     ready: torch.cuda.Event | None = None
     finished: list[Sequence] = field(default_factory=list)  # finished by length in its postprocess
+    scores: StepLogprobs | None = None  # log-probabilities the step's requests ask for
 
 
 class OverlapScheduler:
@@ -164,8 +166,9 @@ class OverlapScheduler:
         sampled = [s for s, f in zip(out.seqs, out.samples) if f]
         logits = runner.run(inputs)
         if logits is None:
-            return _Flight(out, [], [], [])
+            return _Flight(out, [], [], [], scores=StepLogprobs.of(runner, out, None, None))
         tokens = runner.sample(logits, out)
+        scores = StepLogprobs.of(runner, out, logits, tokens)
         n = len(sampled)
         if n > self.rows:
             raise RuntimeError(f"a step samples {n} rows, more than max_num_seqs ({self.rows})")
@@ -179,13 +182,15 @@ class OverlapScheduler:
         if ready is not None:
             ready.record()
         return _Flight(out, sampled, [-(base + i + 1) for i in range(n)], [s.num_tokens for s in sampled],
-                       host, ready)
+                       host, ready, scores=scores)
 
     def _resolve(self, flight: _Flight) -> tuple[list[Sequence], list[Sequence]]:
         """Write the step's tokens over its placeholders and finish the sequences they stop."""
         if flight.ready is not None:
             flight.ready.synchronize()
         tokens = flight.host.tolist() if flight.host is not None else []
+        if flight.scores is not None:
+            flight.scores.attach()
         engine, now = self.engine, time.perf_counter()
         scheduler, by_length = engine.scheduler, {id(s) for s in flight.finished}
         stepped, finished = [], []

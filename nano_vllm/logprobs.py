@@ -1,0 +1,103 @@
+"""Log-probabilities of output and prompt tokens (vLLM's `SamplingParams.logprobs` / `prompt_logprobs`).
+
+What is returned is the model's raw distribution — `log_softmax` of the logits, before temperature and
+top-k / top-p (vLLM's default `logprobs_mode`, and what an evaluation harness scores with) — for the token
+that was sampled (or, for the prompt, the token that follows) plus the `k` most likely, each with its
+rank (1 = the argmax). It is computed on the device, in the step that produces the logits, and read back
+with the sampled tokens; a step in which no request asks does nothing here.
+
+Prompt tokens are scored from the hidden states of the prefill: row r of a step, at position p of its
+sequence, holds the logits of prompt token p + 1. Their LM head runs in chunks of `SCORE_ROWS` rows, so
+an 8k-token prompt never holds an (8k, vocabulary) fp32 tensor at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SCORE_ROWS = 1024  # prompt rows put through the LM head at once
+
+
+@dataclass
+class Logprob:
+    """vLLM's `Logprob`: one token's log-probability, its rank in the distribution and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int]) -> list[tuple[Any, int, int]]:
+    """(sequence, row, position) of each row of the step whose logits score a prompt token: row `row`, at
+    `position` of its sequence, gives the log-probabilities of prompt token `position + 1`."""
+    rows = []
+    for seq, n, q0 in zip(out.seqs, out.num_new_tokens, cu_seqlens_q):
+        if seq.prompt_logprobs is not None:
+            start = seq.num_computed_tokens
+            rows += [(seq, q0 + p - start, p) for p in range(start, min(start + n, seq.num_prompt_tokens - 1))]
+    return rows
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Per row: the target, its log-probability and rank, and the k most likely (ids, log-probabilities)."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, targets[:, None])
+    rank = (logp > chosen).sum(dim=-1) + 1
+    top = logp.topk(k, dim=-1) if k else (logp[:, :0], targets[:, None][:, :0])
+    return [targets, chosen[:, 0], rank, top[1], top[0]]
+
+
+class StepLogprobs:
+    """One step's log-probabilities on the device; `attach()` reads them back into the sequences (after the
+    step's tokens are read, so it adds no wait of its own)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, int, bool, list[torch.Tensor], int]] = []
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, runner: Any, out: Any, logits: torch.Tensor | None,
+           tokens: torch.Tensor | None) -> StepLogprobs | None:
+        """The step's scores, or None when no request of the step asks for any."""
+        step, prompt_rows = cls(), runner.scored_prompt_rows
+        if logits is not None:
+            seqs = [s for s, f in zip(out.seqs, out.samples) if f]
+            wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+            if wanted:
+                rows = torch.tensor(wanted, device=logits.device)
+                k = max(seqs[i].sampling_params.logprobs for i in wanted)
+                scores = _score(logits[rows], tokens[rows], k)
+                # the sampled token goes to position len(seq) (its placeholder's, with overlapped steps)
+                step.entries += [(seqs[i], len(seqs[i]), False, scores, j) for j, i in enumerate(wanted)]
+        if prompt_rows:
+            hidden, seqs = runner.prompt_hidden, [s for s, _, _ in prompt_rows]
+            targets = torch.tensor([s.token_ids[p + 1] for s, _, p in prompt_rows], device=hidden.device)
+            k = max(s.sampling_params.prompt_logprobs for s in seqs)
+            for a in range(0, len(prompt_rows), SCORE_ROWS):
+                b = min(a + SCORE_ROWS, len(prompt_rows))
+                scores = _score(runner.model.compute_logits(hidden[a:b]), targets[a:b], k)
+                step.entries += [(s, p + 1, True, scores, j - a)
+                                 for j, (s, _, p) in enumerate(prompt_rows[a:b], start=a)]
+            runner.scored_prompt_rows, runner.prompt_hidden = [], None
+        return step if step.entries else None
+
+    def attach(self) -> None:
+        """Store each score in its sequence: `seq.logprobs[i]` for output token i, `seq.prompt_logprobs[p]`
+        for prompt token p, as {token id: Logprob}, the scored token first, then the top k by rank."""
+        host: dict[int, list[list]] = {}
+        for seq, pos, is_prompt, scores, row in self.entries:
+            if id(scores) not in host:
+                host[id(scores)] = [t.tolist() for t in scores]
+            targets, chosen, rank, top_ids, top_lps = host[id(scores)]
+            sp = seq.sampling_params
+            k = sp.prompt_logprobs if is_prompt else sp.logprobs
+            entry = {targets[row]: Logprob(chosen[row], rank[row])}
+            for r, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
+                entry.setdefault(tid, Logprob(lp, r))
+            if is_prompt:
+                seq.prompt_logprobs[pos] = entry
+            elif pos - seq.num_prompt_tokens == len(seq.logprobs):
+                seq.logprobs.append(entry)  # (a token dropped with overlapped steps never comes here)
