@@ -35,7 +35,7 @@ def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int]) -> list[tuple[Any, in
     `position` of its sequence, gives the log-probabilities of prompt token `position + 1`."""
     rows = []
     for seq, n, q0 in zip(out.seqs, out.num_new_tokens, cu_seqlens_q):
-        if seq.prompt_logprobs is not None:
+        if seq.sampling_params.prompt_logprobs is not None:
             start = seq.num_computed_tokens
             rows += [(seq, q0 + p - start, p) for p in range(start, min(start + n, seq.num_prompt_tokens - 1))]
     return rows
@@ -65,7 +65,7 @@ class StepLogprobs:
         step, prompt_rows = cls(), runner.scored_prompt_rows
         if logits is not None:
             seqs = [s for s, f in zip(out.seqs, out.samples) if f]
-            wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+            wanted = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
             if wanted:
                 rows = torch.tensor(wanted, device=logits.device)
                 k = max(seqs[i].sampling_params.logprobs for i in wanted)

@@ -73,7 +73,7 @@ class RequestOutput:
             outputs.append(CompletionOutput(j, text, seq.output_token_ids, seq.finish_reason,
                                             seq.stop_reason, logprobs, cumulative))
         prompt_logprobs = None
-        if first.prompt_logprobs is not None:
+        if first.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None if e is None else _decoded(e, tokenizer) for e in first.prompt_logprobs]
         return cls(first.request_id, prompt, first.prompt_token_ids, outputs,
                    all(s.is_finished for s in seqs), first.num_cached_tokens, metrics, prompt_logprobs)

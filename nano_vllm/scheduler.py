@@ -151,7 +151,7 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             # a request for prompt log-probabilities computes every prompt token's logits
-            cached = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
+            cached = bm.match_prefix(seq) if seq.sampling_params.prompt_logprobs is None else []
             # A fully cached prompt still runs its last token: its logits give the first output token.
             start = min(len(cached) * bm.block_size, seq.num_tokens - 1)
             n = seq.num_tokens - start

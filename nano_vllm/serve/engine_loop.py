@@ -35,6 +35,9 @@ class StreamEvent:
     finish_reason: str | None = None
     error: str | None = None
     stop_token: bool = False  # finished at an EOS or stop token: the last of `token_ids` (text leaves it out)
+    stop_reason: int | str | None = None  # the stop string or stop token id (not EOS) that ended it
+    logprobs: list[dict] | None = None  # one {token id: Logprob} per token of `token_ids`, when asked for
+    prompt_logprobs: list[dict | None] | None = None  # on the first event, when asked for
 
 
 class RequestStream:
@@ -149,10 +152,15 @@ class EngineLoop:
     def _emit(self, stream: RequestStream, seq: Sequence) -> None:
         """Send `seq`'s tokens since the last emit, and the end if it finished. A step usually adds one
         token, but counting covers several (jump-forward) and none (finished without sampling)."""
-        new = seq.token_ids[seq.num_prompt_tokens + stream.sent:]
+        sent = stream.sent
+        new = seq.token_ids[seq.num_prompt_tokens + sent:]
         stream.sent += len(new)
+        logprobs = None if seq.logprobs is None else seq.logprobs[sent: sent + len(new)]
         stream.put(StreamEvent(new, seq.is_finished, seq.finish_reason,
-                               stop_token=seq.is_finished and seq.stop_token_id is not None))
+                               stop_token=seq.is_finished and seq.stop_token_id is not None,
+                               stop_reason=seq.stop_reason if seq.is_finished else None,
+                               logprobs=logprobs, prompt_logprobs=None if sent or seq.sampling_params.prompt_logprobs is None
+                               else seq.prompt_logprobs))
 
     def _end(self, stream: RequestStream, reason: str, error: str | None = None) -> None:
         """End a request the engine did not finish: "abort" or "error" (with the message)."""

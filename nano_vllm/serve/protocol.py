@@ -2,8 +2,8 @@
 
 Types are checked strictly (a string is not a number, 1.0 is not an int) and unknown fields are refused, as
 OpenAI's API does; value ranges are checked once, by `SamplingParams`. Fields of the API that this server
-does not implement are accepted only with their no-op value (`n: 1`, `logprobs: null`, `stop: []` ...);
-anything else is a 400 naming the field, never a silent different answer.
+does not implement are accepted only with their no-op value (`best_of: 1`, `logit_bias: {}` ...); anything
+else is a 400 naming the field, never a silent different answer.
 """
 
 from __future__ import annotations
@@ -30,12 +30,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 # field -> (the values that mean "not used", what the server would need to support it)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((None, 1), "one choice per request"),
-    "best_of": ((None, 1), "one choice per request"),
-    "echo": ((None, False), "the prompt is not echoed"),
-    "logprobs": ((None, False, 0), "log-probabilities are not returned"),
-    "top_logprobs": ((None, 0), "log-probabilities are not returned"),
-    "stop": ((None, "", ()), "stop strings are not supported (use stop_token_ids)"),
+    "best_of": ((None, 1), "no server-side best-of (ask for n choices and their logprobs)"),
     "suffix": ((None, ""), "no insertion after a suffix"),
     "logit_bias": ((None, {}), "logits are not biased"),
     "presence_penalty": ((None, 0, 0.0), "no penalties"),
@@ -80,10 +75,9 @@ class _Base(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
     # Typed loosely on purpose: `check_supported` names the field with a clearer message than a type error.
-    n: Any = None
-    logprobs: Any = None
-    stop: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -98,23 +92,31 @@ class _Base(BaseModel):
 
 
 class CompletionRequest(_Base):
-    """`POST /v1/completions`: one prompt, text or token ids (a batch of one is accepted)."""
+    """`POST /v1/completions`: one prompt or a batch — a string, a list of token ids, a list of strings or
+    a list of token-id lists; one choice per prompt and per `n`, numbered prompt * n + sample as OpenAI
+    does. `logprobs: k` (OpenAI's legacy int) returns each token's log-probability and the top k; with
+    `echo` the prompt comes first in the text and the log-probabilities, and `max_tokens: 0` scores the
+    prompt alone (how evaluation harnesses score multiple-choice answers)."""
 
-    prompt: Any
-    echo: Any = None
+    prompt: list[str | list[int]]
+    echo: bool = False
+    logprobs: int | None = None
     best_of: Any = None
     suffix: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one
-        if isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
+    def _prompts(cls, v: Any) -> list[str | list[int]]:
+        def is_ids(p: Any) -> bool:
+            return isinstance(p, list) and all(type(t) is int for t in p)
+
+        if isinstance(v, str) or (is_ids(v) and v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) or is_ids(p) for p in v):
             return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError(f"a batch of {len(v)} prompts was sent; this server takes one prompt per request")
-        raise ValueError("prompt must be a string or a list of token ids (ints)")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is empty")
+        raise ValueError("prompt must be a string, a list of token ids (ints), or a list of either")
 
 
 # OpenAI's message roles this server renders; "developer" is OpenAI's newer name for "system". "tool" and
@@ -163,7 +165,8 @@ class ChatCompletionRequest(_Base):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: Any = None
+    logprobs: bool = False  # chat: whether to return them; top_logprobs says how many alternatives
+    top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -177,6 +180,11 @@ class ChatCompletionRequest(_Base):
         if not v:
             raise ValueError("messages must be a non-empty list")
         return v
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def parse_request(model: type[_Base], body: Any) -> _Base:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import threading
 
+from nano_vllm.inputs import check_request_params
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -52,12 +53,25 @@ class RequestPreparation:
                                 f"x at most {self.tokenizer.max_token_chars} characters per token); it was not "
                                 f"tokenized", param)
 
-    def prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        if isinstance(req, CompletionRequest):
-            if not isinstance(req.prompt, str):
-                return self.check_ids(req.prompt)
-            self.check_length(len(req.prompt), "prompt")
-            return self.check_ids(self.tokenizer.encode(req.prompt))
+    def prompts_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt of the request (a chat has one)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        num_prompts, limit = 1 if chat else len(req.prompt), self.engine.config.max_num_seqs
+        if num_prompts * req.n > limit:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={req.n} is {num_prompts * req.n} choices, "
+                                f"more than this server runs at once (max_num_seqs: {limit})",
+                           "n" if req.n > 1 else "prompt")
+        if chat:
+            return [self.prompt_ids(req)]
+        ids = []
+        for prompt in req.prompt:
+            if isinstance(prompt, str):
+                self.check_length(len(prompt), "prompt")
+                prompt = self.tokenizer.encode(prompt)
+            ids.append(self.check_ids(prompt))
+        return ids
+
+    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         self.check_length(sum(len(m.content) for m in req.messages), "messages")
         messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                     for m in req.messages]  # a name reaches the template, which may render it (vLLM's way)
@@ -71,18 +85,38 @@ class RequestPreparation:
         return self.check_ids(self.tokenizer.encode(text))
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingParams:
+        """The request's SamplingParams for its longest prompt (`n_prompt` tokens). `max_tokens: 0` (with
+        `echo`) runs one token, which the response leaves out (`scores_prompt_only`)."""
         chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # OpenAI's chat default is "as many as fit"; completions default to 16 (vLLM)
             max_tokens = self.max_model_len - n_prompt if chat else 16
+        if max_tokens == 0 and not chat and req.echo:
+            max_tokens = 1
+        elif max_tokens == 0:
+            raise APIError(400, "max_tokens must be >= 1 (0 is allowed with echo: score the prompt only)",
+                           "max_completion_tokens" if chat and req.max_completion_tokens is not None
+                           else "max_tokens")
+        if chat:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompt_logprobs = None
+            names = {"logprobs": "top_logprobs"}
+        else:
+            logprobs = req.logprobs
+            prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+            names = {}
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                     max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                     stop_token_ids=req.stop_token_ids, seed=req.seed,
                                     skip_special_tokens=req.skip_special_tokens,
-                                    include_stop_str_in_output=req.include_stop_str_in_output)
+                                    include_stop_str_in_output=req.include_stop_str_in_output,
+                                    n=req.n, stop=req.stop, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs)
+            check_request_params(params, self.engine.config.max_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e), str(e).split()[0]) from None
+            field = str(e).split()[0].split("=")[0]
+            raise APIError(400, str(e), names.get(field, field)) from None
         if n_prompt + params.max_tokens > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                 f"you requested {n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, "
@@ -90,9 +124,9 @@ class RequestPreparation:
         return params
 
     def prepare(self, raw: bytes, model: type[CompletionRequest | ChatCompletionRequest]
-                ) -> tuple[CompletionRequest | ChatCompletionRequest, list[int], SamplingParams]:
-        """A request body -> (request, prompt ids, sampling params), or an APIError: all the work whose
-        cost the body's size decides (run off the asyncio loop: `off_loop`)."""
+                ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
+        """A request body -> (request, each prompt's ids, sampling params), or an APIError: all the work
+        whose cost the body's size decides (run off the asyncio loop: `off_loop`)."""
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -101,8 +135,8 @@ class RequestPreparation:
             raise APIError(400, f"malformed JSON body: {e}") from None
         req = parse_request(model, body)
         self.check_model(req.model)
-        ids = self.prompt_ids(req)
-        return req, ids, self.sampling_params(req, len(ids))
+        ids = self.prompts_ids(req)
+        return req, ids, self.sampling_params(req, max(map(len, ids)))
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on a thread of its own (at most PREPARE_THREADS at once; the others wait here), so

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
+import math
 import socket
 import time
 import uuid
@@ -36,7 +39,7 @@ from nano_vllm.serve.engine_loop import EngineLoop, RequestStream, StreamEvent
 from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from nano_vllm.serve.request_prep import RequestPreparation
 from nano_vllm.serve.server_metrics import ServerMetrics
-from nano_vllm.tokenizer import IncrementalDetokenizer
+from nano_vllm.tokenizer import StopChecker
 
 if TYPE_CHECKING:
     from nano_vllm.serve.http_server import HTTPConfig, HTTPServer
@@ -46,18 +49,55 @@ _GONE, _SHUTDOWN = "client disconnected", "server is shutting down"  # events th
 
 
 class _Stream(RequestStream):
-    """A request's tokens, posted by the engine thread into this server's asyncio loop."""
+    """One choice of a request: the tokens of its engine request, posted by the engine thread into the
+    request's queue (which its choices share) in this server's asyncio loop; its text through a
+    `StopChecker` (stop strings withheld while they may still complete); its log-probabilities."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], aloop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], aloop: asyncio.AbstractEventLoop,
+                 queue: asyncio.Queue, index: int, params: SamplingParams, checker: StopChecker):
         super().__init__(request_id, prompt_token_ids)
-        self.aloop, self.queue = aloop, asyncio.Queue()
+        self.aloop, self.queue = aloop, queue
+        self.index, self.params, self.text = index, params, checker
         self.finished = False
         self.finish_reason: str | None = None
-        self.stop_token = False  # it ended at an EOS or stop token (the last output token)
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict] = []  # one per output token, when asked for
+        self.prompt_logprobs: list[dict | None] | None = None
+        self.timer: Any = None
+        self.shown = 0  # characters of its text already streamed
+        self.offset = 0  # the next token's text_offset (completions logprobs)
+        self.echo: str | None = None  # the prompt, until a streamed echo has sent it
 
     def put(self, event: StreamEvent | str) -> None:  # called on the engine thread
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening any more
-            self.aloop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, (self, event))
+
+    def absorb(self, event: StreamEvent) -> None:
+        """Take an event's tokens: the text grows by those it shows (a final EOS / stop token's text only
+        with `include_stop_str_in_output`, vLLM's rule)."""
+        self.output_token_ids.extend(event.token_ids)
+        self.logprobs += event.logprobs or []
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        shown = event.token_ids
+        if event.finished:
+            self.finished, self.finish_reason, self.stop_reason = True, event.finish_reason, event.stop_reason
+            if event.stop_token and not self.params.include_stop_str_in_output:
+                shown = shown[:-1]
+        for token in shown:
+            self.text.step(token)
+
+
+class _Request:
+    """A request's choices — one per prompt and per sample (index prompt * n + j) — and the queue their
+    events arrive on (with a disconnect or a drain's end)."""
+
+    def __init__(self, request_id: str, streams: list[_Stream], queue: asyncio.Queue, chat: bool,
+                 echo: bool, scores_only: bool):
+        self.id, self.streams, self.queue = request_id, streams, queue
+        self.chat, self.echo, self.scores_only = chat, echo, scores_only
+        # each prompt once (a prompt's samples share its list)
+        self.prompts_ids = list({id(s.prompt_token_ids): s.prompt_token_ids for s in streams}.values())
 
 
 class OpenAIServer(RequestPreparation):
@@ -123,136 +163,226 @@ class OpenAIServer(RequestPreparation):
         if self.active and not self._drain_forced and time.monotonic() >= self._drain_deadline:
             self._drain_forced = True
             for stream in list(self.active):
-                stream.queue.put_nowait(_SHUTDOWN)
+                stream.queue.put_nowait(_SHUTDOWN)  # (the request's queue, once per choice)
         return not self.active
 
-    def text_ids(self, stream: _Stream, params: SamplingParams) -> list[int]:
-        """The output tokens whose text is shown: without the EOS / stop token that ended the request,
-        unless `include_stop_str_in_output` (vLLM's rule; `Sequence.text_token_ids` offline)."""
-        ids = stream.output_token_ids
-        return ids[:-1] if stream.stop_token and not params.include_stop_str_in_output else ids
-
     # ------------------------------------------------------------------ running a request
-    def open(self, ids: list[int], chat: bool) -> _Stream:
-        """A stream for a validated request, counted as in flight (a drain waits for it) but not yet queued."""
+    def open(self, prompts_ids: list[list[int]], params: SamplingParams, chat: bool,
+             prompts: list[str | list[int]] | None = None, echo: bool = False,
+             scores_only: bool = False) -> _Request:
+        """The choices of a validated request (prompt * n + sample), counted as in flight (a drain waits
+        for them) but not yet queued. Sample j draws with `params.child(j)` (seed + j)."""
         if (why := self.unavailable()) is not None:
             raise APIError(503, why, kind="service_unavailable")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = _Stream(rid, ids, asyncio.get_running_loop())
-        self.active.add(stream)
-        return stream
+        aloop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        streams = []
+        for i, ids in enumerate(prompts_ids):
+            prompt = (prompts or [None] * len(prompts_ids))[i]
+            for j in range(params.n):
+                # an echo shows each sample's prompt log-probabilities: every sample scores them
+                child = params.child(j)
+                if echo and j:
+                    child = dataclasses.replace(child, prompt_logprobs=params.prompt_logprobs)
+                index = i * params.n + j
+                stream = _Stream(f"{rid}-{index}", ids, aloop, queue, index, child,
+                                 StopChecker(self.tokenizer, child))
+                if echo:
+                    stream.echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(
+                        ids, params.skip_special_tokens)
+                streams.append(stream)
+        self.active.update(streams)
+        return _Request(rid, streams, queue, chat, echo, scores_only)
 
     @contextlib.asynccontextmanager
-    async def running(self, stream: _Stream, params: SamplingParams, receive) -> AsyncIterator[Any]:
-        """Queue `stream`'s request and yield its events (an async iterator); whatever ends the block (the
-        last token, a disconnect, a cancellation, an error), the request leaves the engine."""
-        timer = self.metrics.request(len(stream.prompt_token_ids), stream.request_id)
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, stream))
+    async def running(self, req: _Request, receive) -> AsyncIterator[Any]:
+        """Queue the request's choices and yield their (stream, event)s (an async iterator); whatever
+        ends the block (the last token, a disconnect, a cancellation, an error), every choice leaves the
+        engine."""
+        for stream in req.streams:
+            stream.timer = self.metrics.request(len(stream.prompt_token_ids), stream.request_id)
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, req.queue))
         try:
-            self.loop.add(stream, stream.prompt_token_ids, params)
-            yield self._events(stream, timer)
+            for stream in req.streams:
+                self.loop.add(stream, stream.prompt_token_ids, stream.params)
+            yield self._events(req)
         finally:
             watcher.cancel()
-            self.active.discard(stream)
-            if not stream.finished:
-                self.loop.abort(stream.request_id)
-            timer.finish(stream.finish_reason if stream.finished else "abort")
+            for stream in req.streams:
+                self.active.discard(stream)
+                if not stream.finished:
+                    self.loop.abort(stream.request_id)
+                stream.timer.finish(stream.finish_reason if stream.finished else "abort")
 
-    async def _events(self, stream: _Stream, timer) -> AsyncIterator[StreamEvent]:
-        while True:
+    async def _events(self, req: _Request) -> AsyncIterator[tuple[_Stream, StreamEvent]]:
+        remaining = len(req.streams)
+        while remaining:
             try:
-                event = await asyncio.wait_for(stream.queue.get(), LIVENESS_POLL_S)
+                item = await asyncio.wait_for(req.queue.get(), LIVENESS_POLL_S)
             except asyncio.TimeoutError:
                 if not self.loop.alive:
                     raise APIError(503, self.unavailable() or "the engine loop stopped",
                                    kind="service_unavailable") from None
                 continue
-            if event is _GONE:
+            if item is _GONE:
                 raise ConnectionResetError(_GONE)
-            if event is _SHUTDOWN:
+            if item is _SHUTDOWN:
                 raise APIError(503, f"{_SHUTDOWN}: the request did not finish within the drain timeout",
                                kind="service_unavailable")
+            stream, event = item
             if event.error is not None:
                 stream.finished, stream.finish_reason = True, "error"
                 raise APIError(500, f"generation failed: {event.error}", kind="internal_server_error")
-            stream.output_token_ids.extend(event.token_ids)
-            timer.tokens(len(event.token_ids))
-            if event.finished:
-                stream.finished, stream.finish_reason = True, event.finish_reason
-                stream.stop_token = event.stop_token
-            yield event
-            if event.finished:
-                return
+            stream.absorb(event)
+            stream.timer.tokens(len(event.token_ids))
+            remaining -= event.finished
+            yield stream, event
 
-    def usage(self, stream: _Stream) -> dict:
-        n_in, n_out = len(stream.prompt_token_ids), len(stream.output_token_ids)
+    def usage(self, req: _Request) -> dict:
+        """Each prompt's tokens counted once, every choice's output tokens."""
+        n_in = sum(map(len, req.prompts_ids))
+        n_out = 0 if req.scores_only else sum(len(s.output_token_ids) for s in req.streams)
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
-    async def complete(self, stream: _Stream, params: SamplingParams, chat: bool, receive) -> Response:
-        reason = None
+    # ------------------------------------------------------------------ the response shapes
+    @functools.cached_property
+    def token_text(self):
+        """A token's text as the log-probabilities show it (special tokens included), cached."""
+        return functools.lru_cache(maxsize=1 << 16)(
+            lambda token: self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def completion_logprobs(self, stream: _Stream, ids: list[int], entries: list[dict | None]) -> dict:
+        """OpenAI's legacy completions `logprobs` of some tokens of a choice: the tokens, their
+        log-probabilities, the top ones (with the token itself, vLLM's shape) and each token's character
+        offset in the choice's text (counted on from `stream.offset`)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(ids, entries):
+            text = self.token_text(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(stream.offset)
+            stream.offset += len(text)
+            out["token_logprobs"].append(None if entry is None else entry[token].logprob)
+            top = None
+            if entry is not None:  # two ids of one text: the likelier
+                top = {}
+                for t, lp in entry.items():
+                    top[self.token_text(t)] = max(lp.logprob, top.get(self.token_text(t), -math.inf))
+            out["top_logprobs"].append(top)
+        return out
+
+    def chat_logprobs(self, ids: list[int], entries: list[dict], k: int) -> dict:
+        """OpenAI's chat `logprobs`: per token its text, log-probability, UTF-8 bytes and the top k."""
+        def item(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token, entry in zip(ids, entries):
+            top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= k)[:k]
+            content.append({**item(token, entry[token].logprob),
+                            "top_logprobs": [item(t, lp) for _, t, lp in top]})
+        return {"content": content}
+
+    def logprobs_of(self, req: _Request, stream: _Stream, ids: list[int], entries: list,
+                    echo: bool = False) -> dict | None:
+        """The `logprobs` of a choice's tokens `ids` (None when not asked for), its prompt's first when
+        `echo`."""
+        if stream.params.logprobs is None:
+            return None
+        if req.chat:
+            return self.chat_logprobs(ids, entries, stream.params.logprobs)
+        if echo:
+            ids = stream.prompt_token_ids + ids
+            entries = (stream.prompt_logprobs or [None] * len(stream.prompt_token_ids)) + list(entries)
+        return self.completion_logprobs(stream, ids, entries)
+
+    def choice(self, req: _Request, stream: _Stream) -> dict:
+        """A finished choice of a non-streamed response."""
+        ids = [] if req.scores_only else stream.output_token_ids
+        text = "" if req.scores_only else stream.text.visible(final=True)
+        out: dict[str, Any] = {"index": stream.index,
+                               "finish_reason": "length" if req.scores_only else stream.finish_reason,
+                               "stop_reason": None if req.scores_only else stream.stop_reason}
+        logprobs = self.logprobs_of(req, stream, ids, stream.logprobs, echo=req.echo)
+        if req.chat:
+            out.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+        else:
+            out.update(text=(stream.echo or "") + text, logprobs=logprobs)
+        return out
+
+    async def complete(self, req: _Request, receive) -> Response:
         try:
-            async with self.running(stream, params, receive) as events:
-                async for event in events:
-                    reason = event.finish_reason
+            async with self.running(req, receive) as events:
+                async for _ in events:
+                    pass
         except ConnectionResetError:
             return Response(status_code=499)  # nobody reads it: the connection is gone
-        text = self.tokenizer.decode(self.text_ids(stream, params), params.skip_special_tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return JSONResponse({"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                             "usage": self.usage(stream)})
+        choices = [self.choice(req, stream) for stream in req.streams]
+        return JSONResponse({"id": req.id, "object": "chat.completion" if req.chat else "text_completion",
+                             "created": int(time.time()), "model": self.model_name, "choices": choices,
+                             "usage": self.usage(req)})
 
-    async def sse(self, stream: _Stream, params: SamplingParams, chat: bool, include_usage: bool,
-                  receive) -> AsyncIterator[str]:
-        """The SSE body of a streaming request: a chunk per step, then usage if asked, then `[DONE]`. An error
-        after the headers went out is reported in the stream, as OpenAI does."""
-        base = {"id": stream.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+    async def sse(self, req: _Request, include_usage: bool, receive) -> AsyncIterator[str]:
+        """The SSE body of a streaming request: a chunk per choice per step (its index says which), then
+        usage if asked, then `[DONE]`. An error after the headers went out is reported in the stream, as
+        OpenAI does."""
+        base = {"id": req.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        def chunk(choice: dict) -> str:
             return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
 
         try:
-            async with self.running(stream, params, receive) as events:
-                if chat:
-                    yield chunk(None, None, role=True)
-                async for event in events:
-                    delta = detok.step(self.text_ids(stream, params), final=event.finished)
-                    yield chunk(delta, event.finish_reason if event.finished else None)
+            async with self.running(req, receive) as events:
+                for stream in req.streams if req.chat else ():  # each choice opens with its role
+                    yield chunk({"index": stream.index, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None, "logprobs": None})
+                async for stream, event in events:
+                    yield chunk(self.delta(req, stream, event))
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except ConnectionResetError:
             return
         if include_usage:
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': self.usage(stream)})}\n\n"
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': self.usage(req)})}\n\n"
         yield "data: [DONE]\n\n"
 
+    def delta(self, req: _Request, stream: _Stream, event: StreamEvent) -> dict:
+        """One streamed chunk's choice: the text `stream` may show now that it did not show before, and
+        the log-probabilities of the event's tokens (an echo's prompt first, in the choice's first
+        chunk)."""
+        final = event.finished
+        text = "" if req.scores_only else stream.text.visible(final)
+        new, stream.shown = text[stream.shown:], max(stream.shown, len(text))
+        ids = [] if req.scores_only else event.token_ids
+        reason = ("length" if req.scores_only else event.finish_reason) if final else None
+        echo, stream.echo = stream.echo, None
+        logprobs = self.logprobs_of(req, stream, ids, event.logprobs or [], echo=echo is not None)
+        if req.chat:
+            return {"index": stream.index, "delta": {"content": new} if new else {},
+                    "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": stream.index, "text": (echo or "") + new, "finish_reason": reason,
+                  "logprobs": logprobs}
+        if final:
+            choice["stop_reason"] = None if req.scores_only else event.stop_reason
+        return choice
 
-async def _watch_disconnect(receive, stream: _Stream) -> None:
-    """Post _GONE into `stream` when the client disconnects (the request body has been read already, so the
-    next ASGI message is the disconnect, whenever it comes)."""
+
+async def _watch_disconnect(receive, queue: asyncio.Queue) -> None:
+    """Post _GONE into a request's `queue` when the client disconnects (the request body has been read
+    already, so the next ASGI message is the disconnect, whenever it comes)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    stream.queue.put_nowait(_GONE)
+    queue.put_nowait(_GONE)
 
 
 class _EventStream(StreamingResponse):
     """SSE whose generator runs under `aclosing`: a request ends in the engine as soon as the response does,
     never at garbage collection. (Disconnects are watched by `running`, not by Starlette's task group.)"""
 
-    def __init__(self, api: OpenAIServer, stream: _Stream, body: AsyncIterator[str]):
+    def __init__(self, api: OpenAIServer, req: _Request, body: AsyncIterator[str]):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.api, self.stream = api, stream
+        self.api, self.req = api, req
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -262,7 +392,7 @@ class _EventStream(StreamingResponse):
                     await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.api.active.discard(self.stream)  # never started: it was never queued either
+            self.api.active.difference_update(self.req.streams)  # never started: never queued either
 
 
 def build_app(api: OpenAIServer) -> FastAPI:
@@ -304,11 +434,14 @@ def build_app(api: OpenAIServer) -> FastAPI:
         raw = await request.body()
         req, ids, params = await api.off_loop(api.prepare, raw, model)
         chat = model is ChatCompletionRequest
-        stream = api.open(ids, chat)  # nothing await-ed from here to the engine: a drain cannot miss it
+        echo = not chat and req.echo
+        # nothing await-ed from here to the engine: a drain cannot miss it
+        running = api.open(ids, params, chat, None if chat else req.prompt, echo,
+                           scores_only=echo and req.max_tokens == 0)
         if not req.stream:
-            return await api.complete(stream, params, chat, request.receive)
+            return await api.complete(running, request.receive)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _EventStream(api, stream, api.sse(stream, params, chat, include_usage, request.receive))
+        return _EventStream(api, running, api.sse(running, include_usage, request.receive))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

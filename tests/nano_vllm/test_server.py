@@ -164,7 +164,7 @@ def test_disconnect_while_waiting_aborts_non_streaming_request(server, monkeypat
     ({"prompt": [1, 2], "top_k": -3}, "top_k"),
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
     ({"prompt": [1, 2], "seed": "x"}, "seed"),
-    ({"prompt": [1, 2], "n": 2}, "n"),
+    ({"prompt": [1, 2], "n": 0}, "n"),
     ({"prompt": [1, 10**6]}, "prompt"),                               # id outside the vocabulary
     ({"prompt": 5}, "prompt"),
     ({"max_tokens": 3}, "prompt"),                                    # no prompt
