@@ -253,6 +253,10 @@ def run(cfg: DictConfig) -> dict:
     mcfg = resolve_model_config(str(cfg.model))
     max_model_len = EngineConfig(model=str(cfg.model), **engine_args(cfg)).resolve_max_model_len(mcfg)
     reqs, notes = fit_workload(_workload(cfg.workload), mcfg.vocab_size, max_model_len)
+    if cfg.get("logprobs") is not None:  # every request also asks for its tokens' log-probabilities
+        reqs = [Request(r.prompt, replace(r.sampling_params, logprobs=int(cfg.logprobs))) for r in reqs]
+        notes.append(f"note: every request asks for logprobs={int(cfg.logprobs)} (the published workload asks "
+                     f"for none)")
     for note in notes:
         print(note, flush=True)
     bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
