@@ -6,6 +6,7 @@
 * `protocol.py` — the request bodies (pydantic) and OpenAI's error shape;
 * `request_prep.py` — a request body to prompt ids and sampling params, bounded, off the asyncio loop;
 * `http_server.py` — uvicorn with limits, timeouts (a first-byte timeout among them) and a graceful drain;
+* `auth.py` — the API key (`api_key`, `api_key_file`, NANO_VLLM_API_KEY) every `/v1` path needs once set;
 * `server_metrics.py` — the Prometheus metrics;
 * `__main__.py` — the Hydra app.
 """

@@ -4,13 +4,19 @@
     python -m nano_vllm.serve model=/path/to/Qwen3-0.6B port=8080 host=0.0.0.0 engine.max_model_len=8192
     python -m nano_vllm.serve server.max_body_bytes=1048576 server.drain_timeout_s=10
     python -m nano_vllm.serve performance_layers=false          # the paper path alone
+    NANO_VLLM_API_KEY=... python -m nano_vllm.serve host=0.0.0.0   # /v1 needs `Authorization: Bearer ...`
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 16, "stream": true}'
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight finish within `server.drain_timeout_s`;
-a second signal stops at once.
+a second signal stops at once. The API key (`api_key=`, `api_key_file=` or NANO_VLLM_API_KEY; serve/auth.py)
+is never printed: a failed start reports its traceback here, not through Hydra, which would print the
+command line's overrides.
 """
 
 from __future__ import annotations
+
+import sys
+import traceback
 
 import hydra
 from omegaconf import DictConfig
@@ -21,11 +27,20 @@ from nano_vllm.serve.server import build
 
 @hydra.main(version_base=None, config_path="../configs", config_name="serve")
 def main(cfg: DictConfig) -> None:
+    try:
+        serve(cfg)
+    except Exception:  # Hydra's report would print the overrides, api_key=... among them
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def serve(cfg: DictConfig) -> None:
     server, loop = build(cfg)
     host, port = server.server_address[:2]
+    key = "; /v1 needs an API key" if server.requires_api_key else ""
     print(f"nano_vllm: serving {cfg.model} as {server.api.model_name!r} on http://{host}:{port} "
           f"(max_model_len {loop.engine.max_model_len}; {kv_cache_summary(loop.engine.model_runner)}; "
-          f"layers: {', '.join(loop.engine.layers_applied) or 'none'})", flush=True)
+          f"layers: {', '.join(loop.engine.layers_applied) or 'none'}{key})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:  # a second Ctrl-C during the drain

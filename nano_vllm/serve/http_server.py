@@ -11,6 +11,7 @@ oversized header) and closes idle keep-alive connections. Added here, each a few
   `GET /metrics`, which are served on any connection (monitoring sees a server that is full);
 - a client's EOF (close or half-close) cancels its request; a half-closed client is told so (400);
 - OpenAI's JSON error object on every one of these responses, instead of plain text;
+- with an API key (auth.py), 401 on `/v1` paths without `Authorization: Bearer <key>`;
 - a graceful drain on SIGTERM / SIGINT: new requests get 503, requests in flight finish (or, after
   `drain_timeout_s`, end with an error event), then the server exits. A second signal exits at once.
 """
@@ -30,6 +31,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from nano_vllm.serve.auth import APIKeyAuth
 from nano_vllm.serve.protocol import error_body
 
 
@@ -239,13 +241,18 @@ class _Uvicorn(uvicorn.Server):
 class HTTPServer:
     """The listening socket and the uvicorn server on it, with the interface of `socketserver`'s servers:
     `server_address`, `serve_forever()`, `shutdown()`, `server_close()`. The socket is bound here (or given,
-    bound already by `listen`), so port 0 is resolved before serving starts."""
+    bound already by `listen`), so port 0 is resolved before serving starts. With `api_key`, paths under
+    `/v1` need `Authorization: Bearer <api_key>` (auth.py), checked before a body is read."""
 
-    def __init__(self, api, host: str, port: int, config: HTTPConfig, sock: socket.socket | None = None):
+    def __init__(self, api, host: str, port: int, config: HTTPConfig, sock: socket.socket | None = None,
+                 api_key: str | None = None):
         self.api, self.config = api, config
+        self.requires_api_key = api_key is not None
+        app = BodyLimits(api.app, config.max_body_bytes, config.read_timeout_s)
+        if api_key is not None:
+            app = APIKeyAuth(app, api_key)  # checks the key before the socket is taken
         self.socket = sock if sock is not None else listen(host, port)
         self.server_address = self.socket.getsockname()
-        app = BodyLimits(api.app, config.max_body_bytes, config.read_timeout_s)
         self.uvicorn = _Uvicorn(uvicorn.Config(
             app, http=protocol_class(config), ws="none", lifespan="off", loop="asyncio", log_config=None,
             log_level=config.log_level, access_log=False, timeout_keep_alive=config.keep_alive_timeout_s,

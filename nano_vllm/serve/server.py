@@ -11,6 +11,8 @@ whether or not tokens are flowing), a cancelled task or a failed drain aborts it
 blocks at the next step.
 The HTTP layer (`http_server.py`) adds what uvicorn leaves out: a body-size limit, read timeouts, a
 connection limit, JSON errors for malformed HTTP, and a graceful drain on SIGTERM.
+With an API key (`api_key`, `api_key_file` or NANO_VLLM_API_KEY; `auth.py`) every `/v1` path needs
+`Authorization: Bearer <key>` (else 401); `/health` and `/metrics` stay open, for probes and Prometheus.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nano_vllm.config import EngineConfig, engine_args_from
 from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
+from nano_vllm.serve.auth import resolve_api_key, warn_if_exposed
 from nano_vllm.serve.engine_loop import EngineLoop, RequestStream, StreamEvent
 from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from nano_vllm.serve.request_prep import RequestPreparation
@@ -455,15 +458,17 @@ def build_app(api: OpenAIServer) -> FastAPI:
 
 
 def make_server(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                config=None, sock: socket.socket | None = None):
+                config=None, sock: socket.socket | None = None, api_key: str | None = None):
     """An HTTP server bound to (host, port) (port 0: any free port), or listening on `sock` (from
     `http_server.listen`), serving `loop`'s engine; `config` is an `http_server.HTTPConfig` (limits,
-    timeouts). `serve_forever()` runs it, `shutdown()` drains and stops it."""
+    timeouts); `api_key`: `/v1` paths need `Authorization: Bearer <api_key>` (auth.py; a non-loopback
+    `host` without one is warned about). `serve_forever()` runs it, `shutdown()` drains and stops it."""
     from nano_vllm.serve.http_server import HTTPConfig, HTTPServer
 
     config = config or HTTPConfig()
+    warn_if_exposed(host, api_key)
     api = OpenAIServer(loop, model_name, config.drain_timeout_s, config.health_stall_s)
-    return HTTPServer(api, host, port, config, sock)
+    return HTTPServer(api, host, port, config, sock, api_key)
 
 
 def http_config(cfg: DictConfig) -> HTTPConfig:
@@ -475,10 +480,12 @@ def http_config(cfg: DictConfig) -> HTTPConfig:
 
 def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config (configs/serve.yaml); the loop is started, the server
-    not yet. The port is bound first, so a bad or busy one fails before the model is loaded. The engine is
+    not yet. The port is bound first, so a bad or busy one fails before the model is loaded, and the API
+    key (`api_key`, `api_key_file` or NANO_VLLM_API_KEY: auth.py) is read before that. The engine is
     fast by default; `performance_layers: false` runs the paper path alone."""
     from nano_vllm.serve.http_server import listen
 
+    api_key = resolve_api_key(cfg.get("api_key"), cfg.get("api_key_file"))
     http = http_config(cfg)
     args = engine_args_from(OmegaConf.to_container(cfg.engine, resolve=True) or {})
     if cfg.get("performance_layers") is not None:
@@ -490,4 +497,4 @@ def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
         sock.close()
         raise
     name = cfg.get("served_model_name") or str(cfg.model)
-    return make_server(loop, name, str(cfg.host), sock.getsockname()[1], http, sock), loop
+    return make_server(loop, name, str(cfg.host), sock.getsockname()[1], http, sock, api_key), loop
