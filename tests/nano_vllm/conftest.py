@@ -93,6 +93,12 @@ def gpu_of_this_process(monkeypatch) -> int:
 
 
 @pytest.fixture(autouse=True)
+def no_api_key_from_the_shell(monkeypatch):
+    """A NANO_VLLM_API_KEY set where the tests run would turn every server test's request into a 401."""
+    monkeypatch.delenv("NANO_VLLM_API_KEY", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def one_thread():
     """The models here are tiny: one intra-op thread is fastest, and immune to a busy CI box (OpenMP
     threads spinning against other processes slow tiny matmuls down 50x)."""
