@@ -1,0 +1,36 @@
+"""nano_specdec: speculative decoding — a draft proposes, the target verifies in one forward.
+
+The paper path so far: `sampling.py`, the verification rules — speculative sampling (Leviathan et al.
+2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318) for a chain of drafts, SpecInfer's
+multi-step speculative sampling (arXiv 2305.09781) for a draft tree, and their greedy cases:
+
+    from nano_specdec import verify_chain, verify_tree
+    emitted = verify_chain(draft_tokens, draft_probs, target_probs)          # [k], [k, V], [k + 1, V]
+    emitted, nodes = verify_tree(parents, tokens, draft_probs, target_probs)  # [n], [n], [n, V], [n + 1, V]
+
+`verify_chains` / `verify_trees` (and `*_greedy`) are the batched forms an engine calls.
+"""
+
+from .sampling import (
+    residual,
+    verify_chain,
+    verify_chain_greedy,
+    verify_chains,
+    verify_chains_greedy,
+    verify_tree,
+    verify_tree_greedy,
+    verify_trees,
+    verify_trees_greedy,
+)
+
+__all__ = [
+    "residual",
+    "verify_chain",
+    "verify_chain_greedy",
+    "verify_chains",
+    "verify_chains_greedy",
+    "verify_tree",
+    "verify_tree_greedy",
+    "verify_trees",
+    "verify_trees_greedy",
+]
