@@ -34,6 +34,7 @@ STANDS_ON = {
     "nano_quant": ["shared", "nano_flashattn"],
     "nano_sglang": ["nano_vllm", "shared", "nano_flashattn", "nano_quant"],
     "nano_distserve": ["nano_vllm", "shared", "nano_flashattn", "nano_quant"],
+    "nano_specdec": ["nano_vllm", "shared", "nano_flashattn", "nano_quant"],
 }
 CHECK = textwrap.dedent('''
     import importlib, pkgutil, sys
@@ -46,7 +47,7 @@ CHECK = textwrap.dedent('''
     for info in pkgutil.walk_packages(mod.__path__, package + "."):
         importlib.import_module(info.name)
     for other in {"shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang",
-                  "nano_distserve", "nano_quant"} - allowed - {package}:
+                  "nano_distserve", "nano_quant", "nano_specdec"} - allowed - {package}:
         try:
             importlib.import_module(other)
         except ImportError:

@@ -4,7 +4,7 @@
     shared           <- nano_flashattn
     nano_megatron, nano_zero, nano_vllm   <- shared (+ nano_flashattn)
     nano_quant                            <- shared (+ nano_flashattn); nano_vllm may import it
-    nano_sglang, nano_distserve           <- nano_vllm (+ shared, nano_flashattn)
+    nano_sglang, nano_distserve, nano_specdec   <- nano_vllm (+ shared, nano_flashattn)
 
 Every `import` / `from ... import` anywhere in a package's files (function bodies included) is read with
 `ast`; relative imports stay inside the package and are fine.
@@ -27,6 +27,7 @@ ALLOWED = {
     "nano_quant": {"shared", "nano_flashattn"},
     "nano_sglang": {"nano_vllm", "shared", "nano_flashattn"},
     "nano_distserve": {"nano_vllm", "shared", "nano_flashattn"},
+    "nano_specdec": {"shared", "nano_vllm", "nano_flashattn"},
 }
 
 

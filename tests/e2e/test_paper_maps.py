@@ -22,7 +22,7 @@ from shared.reader.maps import code_cells
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["shared", "nano_flashattn", "nano_megatron", "nano_zero", "nano_vllm", "nano_sglang", "nano_distserve",
-            "nano_quant"]
+            "nano_quant", "nano_specdec"]
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
