@@ -187,7 +187,31 @@ class ChatCompletionRequest(_Base):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
 
-def parse_request(model: type[_Base], body: Any) -> _Base:
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's): a text to token ids. `add_special_tokens` is accepted for the clients that
+    send it; this server's tokenizers add none."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        pass
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass
+
+
+def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body against `model`; a schema violation becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")

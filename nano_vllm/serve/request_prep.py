@@ -16,7 +16,14 @@ import threading
 
 from nano_vllm.inputs import check_request_params
 from nano_vllm.sampling_params import SamplingParams
-from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from nano_vllm.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
 
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, each on a thread of its own
 
@@ -137,6 +144,39 @@ class RequestPreparation:
         self.check_model(req.model)
         ids = self.prompts_ids(req)
         return req, ids, self.sampling_params(req, max(map(len, ids)))
+
+    # ------------------------------------------------------------------ vLLM's tokenizer routes
+    def _body(self, raw: bytes, model: type):
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        req = parse_request(model, body)
+        self.check_model(req.model)
+        return req
+
+    def tokenize(self, raw: bytes) -> dict:
+        """`POST /tokenize`: {"count", "max_model_len", "tokens"} of a text (vLLM's response)."""
+        req = self._body(raw, TokenizeRequest)
+        self.check_length(len(req.prompt), "prompt")
+        ids = self.tokenizer.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, raw: bytes) -> dict:
+        """`POST /detokenize`: {"prompt"}, the text of token ids."""
+        req = self._body(raw, DetokenizeRequest)
+        vocab = self.engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be in [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict:
+        """`GET /tokenizer_info`: the special tokens and chat template (vLLM's keys that clients read)."""
+        specials = self.tokenizer.special_tokens
+        return {"tokenizer_class": type(self.tokenizer).__name__, "name": self.tokenizer.name,
+                "eos_token": specials.get("eos_token"), "bos_token": specials.get("bos_token"),
+                "pad_token": specials.get("pad_token"), "chat_template": self.tokenizer.chat_template,
+                "model_max_length": self.max_model_len}
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on a thread of its own (at most PREPARE_THREADS at once; the others wait here), so

@@ -39,7 +39,12 @@ from nano_vllm.engine import LLMEngine
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.serve.auth import resolve_api_key, warn_if_exposed
 from nano_vllm.serve.engine_loop import EngineLoop, RequestStream, StreamEvent
-from nano_vllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from nano_vllm.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 from nano_vllm.serve.request_prep import RequestPreparation
 from nano_vllm.serve.server_metrics import ServerMetrics
 from nano_vllm.tokenizer import StopChecker
@@ -426,6 +431,20 @@ def build_app(api: OpenAIServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(api.metrics.render(), media_type=api.metrics.content_type)
+
+    # vLLM's tokenizer routes (what lm-evaluation-harness's remote tokenizer calls), at the root as vLLM
+    # serves them: the same tokenizer as the completions, so a client can split contexts exactly
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(api.tokenizer_info())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await api.off_loop(api.tokenize, await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await api.off_loop(api.detokenize, await request.body()))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -239,7 +239,10 @@ def test_replayed_harness_requests_match_offline(server, questions, offline, sha
 
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("lm_eval", "tenacity")),
                     reason='lm-evaluation-harness with its API models: pip install -e ".[eval]"')
-def test_lm_eval_local_completions_matches_offline(server, questions, offline, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["remote", "tiktoken"])
+def test_lm_eval_local_completions_matches_offline(server, questions, offline, tmp_path, monkeypatch, backend):
+    """`remote`: lm-eval tokenizes through the server's vLLM routes (/tokenizer_info, /tokenize,
+    /detokenize), nothing patched; `tiktoken`: its own copy of the tokenizer."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # a local task: nothing comes from the hub
         monkeypatch.setenv(name, "1")
     import lm_eval
@@ -249,7 +252,7 @@ def test_lm_eval_local_completions_matches_offline(server, questions, offline, t
     from lm_eval.tasks import TaskManager
 
     # tokenizer_backend="tiktoken" looks the encoding up by the model's name: the project's, for "tiny"
-    # (the walkthrough checkpoint ships no Hugging Face tokenizer, and the server no /tokenize route)
+    # (the walkthrough checkpoint ships no Hugging Face tokenizer)
     lookup = tiktoken.encoding_for_model
     monkeypatch.setattr(tiktoken, "encoding_for_model",
                         lambda name: get_tokenizer() if name == MODEL_NAME else lookup(name))
@@ -270,7 +273,7 @@ def test_lm_eval_local_completions_matches_offline(server, questions, offline, t
                             for m in ("acc", "acc_norm", "exact_match")]}
     host, port = server.server_address[:2]
     lm = LocalCompletionsAPI(model=MODEL_NAME, base_url=f"http://{host}:{port}/v1/completions",
-                             tokenizer_backend="tiktoken", batch_size=BATCH_SIZE, max_retries=1)
+                             tokenizer_backend=backend, batch_size=BATCH_SIZE, max_retries=1)
     results = lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=0, log_samples=True,
                                       bootstrap_iters=0, task_manager=TaskManager(include_defaults=False))
 

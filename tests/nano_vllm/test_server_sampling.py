@@ -9,6 +9,7 @@ import socket
 
 import pytest
 from server_client import DEADLINE_S, gate_steps, post, sse, start, stop, wait_for, wait_idle
+from server_client import conn as srv_conn
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
@@ -190,3 +191,22 @@ def test_openai_client(server):
                                           max_tokens=2, logprobs=True, top_logprobs=2)
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
     wait_idle(loop, srv)
+
+
+def test_tokenizer_routes(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, with the completions' tokenizer."""
+    srv, loop = server
+    tok = loop.engine.tokenizer
+    status, out = post(srv, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False})
+    assert status == 200 and out == {"count": len(tok.encode("Hello there")), "max_model_len": 128,
+                                     "tokens": tok.encode("Hello there")}
+    status, out = post(srv, "/detokenize", {"tokens": tok.encode("Hello there")})
+    assert status == 200 and out == {"prompt": "Hello there"}
+    status, out = post(srv, "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and out["error"]["param"] == "tokens"
+    status, out = post(srv, "/tokenize", {"text": "x"})
+    assert status == 400 and "'prompt'" in out["error"]["message"]
+    c = srv_conn(srv)
+    c.request("GET", "/tokenizer_info")
+    info = json.loads(c.getresponse().read())
+    assert info["eos_token"] == tok.special_tokens.get("eos_token") and info["model_max_length"] == 128
