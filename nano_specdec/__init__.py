@@ -9,8 +9,14 @@ multi-step speculative sampling (arXiv 2305.09781) for a draft tree, and their g
     emitted, nodes = verify_tree(parents, tokens, draft_probs, target_probs)  # [n], [n], [n, V], [n + 1, V]
 
 `verify_chains` / `verify_trees` (and `*_greedy`) are the batched forms an engine calls.
+
+In nano_vllm's engine, for draft chains (engine.py): `LLM(model, speculative_config={"method": "ngram" |
+"draft_model", "num_speculative_tokens": k, ...})`, or `SpecDecodeEngine(EngineConfig(...), config)`.
 """
 
+from .config import SpeculativeConfig
+from .engine import LLM, SpecDecodeEngine
+from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .sampling import (
     residual,
     verify_chain,
@@ -24,6 +30,12 @@ from .sampling import (
 )
 
 __all__ = [
+    "LLM",
+    "DraftModelProposer",
+    "NgramProposer",
+    "Proposer",
+    "SpecDecodeEngine",
+    "SpeculativeConfig",
     "residual",
     "verify_chain",
     "verify_chain_greedy",

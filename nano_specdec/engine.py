@@ -1,0 +1,86 @@
+"""`SpecDecodeEngine` and `LLM`: nano_vllm's engine with speculative decoding, through its extension
+points (`scheduler_cls`, `model_runner_cls`), and vLLM's `speculative_config`.
+
+    from nano_specdec import LLM
+    llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=64))
+    llm.engine.num_accepted_tokens, llm.engine.num_draft_tokens
+
+One step (`LLMEngine.step`, unchanged): the scheduler schedules as nano_vllm does and gives each decode
+its drafts (scheduler.py, the proposers of proposers.py); the runner scores every sequence's last token
+and drafts in one target forward and verifies them (model_runner.py, sampling.py); the scheduler appends
+the emitted tokens and rolls the KV cache back to the accepted ones. Greedy output is the target's own,
+token for token; sampled output is distributed as the target's (Leviathan Appendix A.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nano_specdec.config import SpeculativeConfig
+from nano_specdec.model_runner import SpecModelRunner
+from nano_specdec.proposers import DraftModelProposer, NgramProposer, Proposer
+from nano_specdec.scheduler import SpecDecodeStats, SpecScheduler
+from nano_vllm.config import EngineConfig
+from nano_vllm.engine import LLM as PlainLLM
+from nano_vllm.engine import LLMEngine
+from shared.config import resolve_model_config
+
+
+class SpecDecodeEngine(LLMEngine):
+    """nano_vllm's engine; `speculative_config` (a dict with vLLM's keys, or a SpeculativeConfig) says
+    which proposer drafts and how many tokens. Every bad value is an error before the target loads."""
+
+    scheduler_cls = SpecScheduler
+    model_runner_cls = SpecModelRunner
+
+    def __init__(self, config: EngineConfig, speculative_config: Any):
+        spec = SpeculativeConfig.of(speculative_config)
+        if config.tensor_parallel_size != 1:
+            raise ValueError("nano_specdec runs on one device: tensor_parallel_size must be 1")
+        draft_config = None
+        if spec.method == "draft_model":
+            draft_config = resolve_model_config(spec.model)
+            target = resolve_model_config(config.model)
+            if draft_config.vocab_size != target.vocab_size:
+                raise ValueError(f"speculative_config: the draft {spec.model!r} has a vocabulary of "
+                                 f"{draft_config.vocab_size} tokens, the target {config.model!r} "
+                                 f"{target.vocab_size}: a draft must share the target's vocabulary")
+        super().__init__(config)
+        if draft_config is not None and draft_config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config: the draft's max_position_embeddings "
+                             f"({draft_config.max_position_embeddings}) is below max_model_len "
+                             f"({self.max_model_len})")
+        self.speculative_config = spec
+        self.proposer: Proposer = (
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft_config is None
+            else DraftModelProposer(config, spec.model, draft_config, self.model_runner.num_blocks,
+                                    self.max_model_len))
+        self.scheduler.proposer = self.proposer
+        self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        return self.scheduler.stats
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.scheduler.stats.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.scheduler.stats.num_accepted_tokens
+
+
+class LLM(PlainLLM):
+    """vLLM's offline API with speculative decoding:
+    `LLM(model, speculative_config={...}, **engine_args).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, speculative_config: Any = None, **engine_args: Any):
+        if speculative_config is None:
+            raise TypeError("nano_specdec.LLM needs speculative_config (for plain decoding use "
+                            "nano_vllm.LLM)")
+        EngineConfig.check_args(engine_args)
+        self.engine = SpecDecodeEngine(EngineConfig(model=str(model), **engine_args),
+                                       speculative_config)
+        self.tokenizer = self.engine.tokenizer

@@ -1,0 +1,89 @@
+"""`SpecModelRunner`: nano_vllm's runner, returning the logits of every verified row and verifying them.
+
+A sequence with k drafts computes `[last token, d_1 .. d_k]` as one chunk over the paged KV cache
+(nano_vllm's `prepare` packs it like a prefill chunk; attention is causal within it, so row i sees the
+cached prefix and d_1 .. d_i). Its k + 1 rows all give logits: row i is the target's distribution after
+the first i drafts (Leviathan §3: "run M_p in parallel" on the k + 1 prefixes), which is
+`target_probs[i]` of `sampling.verify_chains`. Each sequence is then verified by the rule its request
+asks for:
+
+* greedy: `verify_chains_greedy` on the rows' argmax — drafts kept while they equal it;
+* temperature > 0: speculative sampling (`verify_chains`, Leviathan Algorithm 1, Chen Algorithm 2) with
+  p from the target's rows and q from the draft (one-hot for prompt lookup), both after temperature,
+  top-k and top-p exactly as nano_vllm's sampler applies them, and the draws from the request's own
+  generator when it has a seed.
+
+Rows without drafts (prefill chunks that end their prompt, decodes without a proposal) are sampled by
+nano_vllm's sampler, the same draw as in a plain step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nano_specdec.proposers import request_probs
+from nano_specdec.sampling import verify_chains, verify_chains_greedy
+from nano_vllm.logprobs import StepLogprobs
+from nano_vllm.model_runner import ModelRunner, StepInputs
+from nano_vllm.sampler import SamplingTensors
+from nano_vllm.scheduler import SchedulerOutput
+
+
+class SpecModelRunner(ModelRunner):
+    """nano_vllm's runner with verification (module docstring); `execute` returns, per scheduled
+    sequence, the tokens it emits."""
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """nano_vllm's packed batch; a sequence with drafts returns the logits of all its k + 1 rows."""
+        inputs = super().prepare(out)
+        drafts = getattr(out, "drafts", None)
+        if drafts and any(drafts):
+            cu = inputs.cu_seqlens_q
+            inputs.sample_rows = [row for i, s in enumerate(out.samples) if s
+                                  for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
+        return inputs
+
+    def execute(self, out: SchedulerOutput) -> list[list[int]]:
+        drafts = getattr(out, "drafts", None)
+        if not (drafts and any(drafts)):  # a plain step
+            tokens = iter(super().execute(out))
+            return [[next(tokens)] if s else [] for s in out.samples]
+        logits = self.run(self.prepare(out))
+        scores = StepLogprobs.of(self, out, None, None)  # prompt log-probabilities, if asked for
+        if scores is not None:
+            scores.attach()
+        return self.verify(logits, out)
+
+    def verify(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[int]]:
+        """The emitted tokens of every scheduled sequence, from its rows of `logits`."""
+        picked = [i for i, s in enumerate(out.samples) if s]
+        starts, row = [], 0
+        for i in picked:
+            starts.append(row)
+            row += len(out.drafts[i]) + 1
+        emitted: dict[int, list[int]] = {}
+        plain = [(i, start) for i, start in zip(picked, starts) if not out.drafts[i]]
+        if plain:  # nano_vllm's own draw for rows without drafts
+            seqs = [out.seqs[i] for i, _ in plain]
+            st = SamplingTensors.build([s.sampling_params for s in seqs],
+                                       [self._generator(s) for s in seqs], self.vocab_size,
+                                       self.device)
+            rows = torch.tensor([start for _, start in plain], device=logits.device)
+            for (i, _), t in zip(plain, self.sampler.sample(logits[rows], st).tolist()):
+                emitted[i] = [t]
+        argmax = logits.argmax(-1)
+        for i, start in zip(picked, starts):
+            d = out.drafts[i]
+            if not d:
+                continue
+            seq, k = out.seqs[i], len(d)
+            tokens = torch.tensor([d], device=logits.device)
+            if seq.sampling_params.greedy:
+                n, nxt = verify_chains_greedy(tokens, argmax[None, start : start + k + 1])
+            else:
+                p = request_probs(logits[start : start + k + 1], seq.sampling_params)
+                q = out.draft_probs[i]
+                n, nxt = verify_chains(tokens, None if q is None else q[None].to(p), p[None],
+                                       self._generator(seq))
+            emitted[i] = [*d[: int(n)], int(nxt)]
+        return [emitted.get(i, []) for i in range(len(out.seqs))]
