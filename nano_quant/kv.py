@@ -141,6 +141,8 @@ class KIVICache:
     def dequantize(self) -> tuple[Tensor, Tensor]:
         """Every cached K and V (tokens, kv_heads, head_dim) in the window's dtype, as attention reads
         them: the groups dequantized in the order they were written, then the 16-bit window."""
+        if self.key_residual is None:
+            raise ValueError("KIVICache.dequantize: the cache is empty (append K and V first)")
         bits, G, dtype = self.spec.bits, self.spec.group_size, self.key_residual.dtype
         k = [dequantize(*g, bits, G, KEY_AXIS, dtype) for g in self.key_groups]
         v = [dequantize(*g, bits, G, VALUE_AXIS, dtype) for g in self.value_groups]

@@ -27,7 +27,7 @@ BUDGETS = {
     "nano_vllm": 740,
     "nano_sglang": 730,
     "nano_distserve": 640,
-    "nano_quant": 600,
+    "nano_quant": 700,  # three papers: SmoothQuant, AWQ and KIVI
     "nano_specdec": 700,
 }
 # No paper-path line that holds code is longer than this (written at the density of the Triton tutorial).

@@ -344,3 +344,10 @@ def test_kivi_cache_rejects_bad_input():
         cache.append(torch.zeros(4, 2, 64), torch.zeros(4, 2, 32))  # K and V differ
     with pytest.raises(ValueError, match="k, v"):
         cache.append(torch.zeros(4, 2, 48), torch.zeros(4, 2, 48))  # head_dim not a multiple of G
+
+
+def test_an_empty_cache_says_so():
+    from nano_quant.kv import KIVICache, parse_kv_cache_dtype
+
+    with pytest.raises(ValueError, match="empty"):
+        KIVICache(parse_kv_cache_dtype("kivi2")).dequantize()
