@@ -1,6 +1,6 @@
 """nano_specdec: speculative decoding — a draft proposes, the target verifies in one forward.
 
-The paper path so far: `sampling.py`, the verification rules — speculative sampling (Leviathan et al.
+`sampling.py` holds the verification rules — speculative sampling (Leviathan et al.
 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318) for a chain of drafts, SpecInfer's
 multi-step speculative sampling (arXiv 2305.09781) for a draft tree, and their greedy cases:
 
@@ -10,8 +10,12 @@ multi-step speculative sampling (arXiv 2305.09781) for a draft tree, and their g
 
 `verify_chains` / `verify_trees` (and `*_greedy`) are the batched forms an engine calls.
 
-In nano_vllm's engine, for draft chains (engine.py): `LLM(model, speculative_config={"method": "ngram" |
-"draft_model", "num_speculative_tokens": k, ...})`, or `SpecDecodeEngine(EngineConfig(...), config)`.
+In nano_vllm's engine, for draft chains proposed by prompt lookup (Saxena 2023) or a draft model
+(engine.py, scheduler.py, proposers.py, model_runner.py):
+
+    llm = LLM(model, speculative_config={"method": "ngram" | "draft_model", "num_speculative_tokens": k,
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1, "model": DIR})
+    engine = SpecDecodeEngine(EngineConfig(model=model), speculative_config)
 """
 
 from .config import SpeculativeConfig

@@ -43,9 +43,10 @@ class SpecDecodeEngine(LLMEngine):
             draft_config = resolve_model_config(spec.model)
             target = resolve_model_config(config.model)
             if draft_config.vocab_size != target.vocab_size:
-                raise ValueError(f"speculative_config: the draft {spec.model!r} has a vocabulary of "
-                                 f"{draft_config.vocab_size} tokens, the target {config.model!r} "
-                                 f"{target.vocab_size}: a draft must share the target's vocabulary")
+                raise ValueError(f"speculative_config: the draft {spec.model!r} has a vocabulary "
+                                 f"of {draft_config.vocab_size} tokens, the target "
+                                 f"{config.model!r} {target.vocab_size}: a draft must share the "
+                                 "target's vocabulary")
         super().__init__(config)
         if draft_config is not None and draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config: the draft's max_position_embeddings "

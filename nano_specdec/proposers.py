@@ -90,7 +90,8 @@ class DraftSeq:
     """The draft model's view of one request: its tokens (accepted ones, then this step's drafts) and its
     own block table over the draft's KV pool — what nano_vllm's `prepare` and `BlockManager` read."""
 
-    sampling_params = SamplingParams()  # no prompt log-probabilities: only sampled rows are computed
+    # no prompt log-probabilities: only the sampled rows are computed
+    sampling_params = SamplingParams()
 
     def __init__(self, seq: Sequence):
         self.seq_id, self.params = seq.seq_id, seq.sampling_params
@@ -139,7 +140,8 @@ class DraftModelProposer:
         d.num_computed_tokens = min(d.num_computed_tokens, valid)
         release_blocks(self.block_manager, d, d.num_computed_tokens)
         d.drafts, d.probs = [], []
-        return d if self.block_manager.allocate_slots(d, d.num_tokens - d.num_computed_tokens) else None
+        fits = self.block_manager.allocate_slots(d, d.num_tokens - d.num_computed_tokens)
+        return d if fits else None
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> Drafts:
@@ -174,7 +176,8 @@ class DraftModelProposer:
         if sp.greedy:
             return int(logits.argmax())
         if d.generator is None and sp.seed is not None:
-            d.generator = torch.Generator(self.runner.device).manual_seed(seed64(sp.seed) ^ DRAFT_SEED)
+            seed = seed64(sp.seed) ^ DRAFT_SEED
+            d.generator = torch.Generator(self.runner.device).manual_seed(seed)
         q = request_probs(logits, sp)
         d.probs.append(q)
         return int(torch.multinomial(q, 1, generator=d.generator))

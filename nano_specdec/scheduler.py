@@ -83,7 +83,8 @@ class SpecScheduler(Scheduler):
         decodes, ks = [], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             sp = seq.sampling_params
-            room = min(self.num_speculative_tokens, budget, sp.max_tokens - seq.num_output_tokens - 1,
+            room = min(self.num_speculative_tokens, budget,
+                       sp.max_tokens - seq.num_output_tokens - 1,
                        self.config.max_model_len - seq.num_tokens - 1)
             if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and room > 0:
                 decodes.append(seq)
