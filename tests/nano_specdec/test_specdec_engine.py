@@ -232,3 +232,19 @@ def test_a_draft_with_another_vocabulary_fails_before_anything_loads(target, oth
         SpecDecodeEngine(EngineConfig(model=target, **ARGS), spec_config("draft_model", other_vocab))
     with pytest.raises(TypeError, match="needs speculative_config"):
         LLM(target, **ARGS)
+
+
+# --------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixed", [(), (16, 64)])
+def test_cuda_greedy_equals_the_plain_engine(target, method, mixed):
+    """With the performance layers nano_vllm runs on CUDA (decode graphs, the warm-up, and mixed-step
+    graphs that the verify steps fit where `mixed` captures them), fp32: the plain engine's tokens."""
+    args = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
+                max_num_batched_tokens=64, mixed_cudagraph_sizes=mixed)
+    prompts = random_prompts(8, [5, 19, 33, 8])
+    llm = LLM(target, speculative_config=method[1], **args)
+    assert "cudagraph" in llm.engine.layers_applied
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    same(got, PlainLLM(target, **args).generate(prompts, GREEDY, use_tqdm=False))
+    assert_all_free(llm)
