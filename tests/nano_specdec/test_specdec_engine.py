@@ -122,6 +122,14 @@ def test_prefix_cache_hits_blocks_filled_by_accepted_drafts(target, method):
         llm.engine.step()
     assert seq.num_cached_tokens >= 48  # three full blocks of 16 came from the cache
     assert seq.output_token_ids == plain(target, again, GREEDY)[0].token_ids
+    # a fully cached prompt (two blocks): its last token is recomputed with the first drafts after it
+    whole = [random_prompts(9, [10])[0] * 3 + [5, 6]]
+    want = plain(target, whole, GREEDY)[0].token_ids
+    assert llm.generate(whole, GREEDY, use_tqdm=False)[0].token_ids == want
+    seq = llm.engine.add_request(whole[0], GREEDY)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert seq.num_cached_tokens == 32 and seq.output_token_ids == want
     assert_all_free(llm)
 
 
