@@ -25,7 +25,12 @@ import torch
 
 from .checks import HEAD_DIMS, trusted_metadata
 from .dispatch import REGISTRY, load_layers, performance_layers
-from .reference import flash_attn_func_torch, flash_attn_varlen_func_torch, flash_attn_with_kvcache_torch
+from .reference import (
+    flash_attn_func_torch,
+    flash_attn_varlen_func_torch,
+    flash_attn_with_kvcache_torch,
+    store_kv_fp8_torch,
+)
 
 try:
     import triton  # noqa: F401
@@ -40,12 +45,14 @@ if HAS_TRITON:  # outside the try: a bug in a kernel module must be an error, no
         flash_attn_varlen_func_triton,
         flash_attn_with_kvcache_triton,
     )
+    from .kv_fp8 import store_kv_fp8 as store_kv_fp8_triton
 else:
 
     def _no_triton(*args, **kwargs):
         raise RuntimeError("Triton is not installed; use the *_torch references")
 
     flash_attn_func_triton = flash_attn_varlen_func_triton = flash_attn_with_kvcache_triton = _no_triton
+    store_kv_fp8_triton = _no_triton
 
 __all__ = [
     "HEAD_DIMS",
@@ -61,6 +68,9 @@ __all__ = [
     "flash_attn_with_kvcache_triton",
     "load_layers",
     "performance_layers",
+    "store_kv_fp8",
+    "store_kv_fp8_torch",
+    "store_kv_fp8_triton",
     "trusted_metadata",
     "use_triton",
 ]
@@ -89,25 +99,28 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False):
+                           softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False,
+                           k_scale=None, v_scale=None):
     """flash_attn_func over a packed batch of variable-length sequences.
 
     q: (total_q, heads_q, head_dim), sequence b its rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; k, v likewise
     with cu_seqlens_k (int32, (batch + 1,)); max_seqlen_* bound the lengths (they size the grid, so no
     device sync is needed). With block_table (int32, (batch, max_pages)) k and v are a paged cache
     (num_pages, page_size, heads_k, head_dim) and sequence b's key j lives in page
-    block_table[b, j // page_size] (inference only). Autograd without block_table.
+    block_table[b, j // page_size] (inference only); a paged cache may be float8_e4m3fn codes, read as
+    code * k_scale / v_scale (fp32, 1 or heads_k elements; `store_kv_fp8` writes it). Autograd without
+    block_table.
     Returns out (total_q, heads_q, head_dim) and with return_lse the LSE (heads_q, total_q).
     Rows past cu_seqlens_q[-1] belong to no sequence: the kernels leave them unwritten.
     """
     impl = flash_attn_varlen_func_triton if use_triton(q) else flash_attn_varlen_func_torch
     return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                 softmax_scale=softmax_scale, block_table=block_table, window_size=window_size,
-                return_lse=return_lse)
+                return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
-                            num_splits=0, causal=False, return_lse=False):
+                            num_splits=0, causal=False, return_lse=False, k_scale=None, v_scale=None):
     """Decode attention (Flash-Decoding) of a few new query tokens against a KV cache.
 
     q: (batch, seqlen_q, heads_q, head_dim); cache_seqlens: int32 (batch,) or an int, the number of
@@ -115,8 +128,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None
     head_dim), or paged (num_pages, page_size, heads_k, head_dim) with block_table (batch, max_pages)
     and page_size a power of two >= 16. num_splits: how many slices the keys are split into (0: chosen
     from the SM count and the cache size). causal aligns the new tokens to the end of the cache.
+    An FP8 cache (vLLM's kv_cache_dtype="fp8"): float8_e4m3fn k_cache / v_cache with fp32 k_scale /
+    v_scale of 1 (per tensor) or heads_k (per kv head) elements, values code * scale.
     Returns out like q, and with return_lse the LSE (batch, heads_q, seqlen_q).
     """
     impl = flash_attn_with_kvcache_triton if use_triton(q) else flash_attn_with_kvcache_torch
     return impl(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
-                num_splits=num_splits, causal=causal, return_lse=return_lse)
+                num_splits=num_splits, causal=causal, return_lse=return_lse, k_scale=k_scale,
+                v_scale=v_scale)
+
+
+def store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Write new K/V rows (..., heads_k, head_dim) into an FP8 paged cache (vLLM's kv_cache_dtype="fp8"):
+    float8_e4m3fn k_cache / v_cache (num_blocks, block_size, heads_k, head_dim), row i to slot
+    slot_mapping[i] = block * block_size + offset (negative: skipped), as E4M3(clamp(x / scale, ±448))
+    with fp32 k_scale / v_scale of 1 (per tensor) or heads_k (per kv head) elements."""
+    impl = store_kv_fp8_triton if use_triton(k) else store_kv_fp8_torch
+    impl(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -20,6 +20,7 @@ import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REF_DTYPES = (*DTYPES, torch.float64)  # the references also run in fp64: the tests' oracle
+FP8 = torch.float8_e4m3fn  # an FP8 KV cache's codes (kv_fp8.py), read with k_scale / v_scale
 # head_dims the kernels take: multiples of 8 (16-byte rows in 16-bit dtypes) from 16 to 256; a tile pads its
 # head axis to the next power of two. The torch references take any head_dim.
 HEAD_DIMS = tuple(range(16, 257, 8))
@@ -50,10 +51,13 @@ def _values_checkable(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tuple[int, int, int]:
-    """Common checks for q, k, v laid out (..., seq, heads, head_dim).
+def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v"),
+              fp8_kv: bool = False) -> tuple[int, int, int]:
+    """Common checks for q, k, v laid out (..., seq, heads, head_dim); `fp8_kv`: k and v may be
+    float8_e4m3fn caches (then both are).
 
     Returns (heads_q, heads_k, head_dim)."""
+    kv_dtype = FP8 if fp8_kv and getattr(k, "dtype", None) == FP8 else getattr(q, "dtype", None)
     for name, t, ndim in zip(names, (q, k, v), (q_ndim, kv_ndim, kv_ndim)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -61,10 +65,13 @@ def check_qkv(q, k, v, q_ndim: int, kv_ndim: int, names=("q", "k", "v")) -> tupl
             raise ValueError(
                 f"{name} must have {ndim} dims (..., seqlen, heads, head_dim), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in REF_DTYPES:
-            raise ValueError(f"{name} has dtype {t.dtype}; supported: fp16, bf16, fp32")
+        if t.dtype not in REF_DTYPES and not (t is not q and t.dtype == kv_dtype):
+            fp8 = " (or float8_e4m3fn with k_scale / v_scale)" if fp8_kv and t is not q else ""
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: fp16, bf16, fp32{fp8}")
     for name, t in zip(names[1:], (k, v)):
-        if t.dtype != q.dtype:
+        if t.dtype != kv_dtype and kv_dtype == FP8:
+            raise ValueError(f"{name} has dtype {t.dtype} but {names[1]} is float8_e4m3fn: both or neither")
+        if t.dtype != kv_dtype:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k, v must share a dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}: q, k, v must share a device")
@@ -185,7 +192,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                  block_table, window_size) -> tuple[float, int, int, int, int]:
     """flash_attn_varlen_func's arguments. Returns (scale, left, right, max_seqlen_q, max_seqlen_k)."""
     paged = block_table is not None
-    _, _, head_dim = check_qkv(q, k, v, 3, 4 if paged else 3)
+    _, _, head_dim = check_qkv(q, k, v, 3, 4 if paged else 3, fp8_kv=paged)  # FP8: a paged cache
     batch = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, None)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, batch)
     max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q")
@@ -222,7 +229,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits):
     """flash_attn_with_kvcache's arguments. Returns (scale, cache_seqlens as an int32 tensor)."""
-    _, _, head_dim = check_qkv(q, k_cache, v_cache, 4, 4, names=("q", "k_cache", "v_cache"))
+    _, _, head_dim = check_qkv(q, k_cache, v_cache, 4, 4, names=("q", "k_cache", "v_cache"),
+                               fp8_kv=True)
     batch = q.shape[0]
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -243,6 +251,75 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale
         capacity = k_cache.shape[1]
     check_lengths_fit(cache_seqlens, "cache_seqlens", capacity, is_cumulative=False)
     return check_scale(softmax_scale, head_dim), cache_seqlens
+
+
+def check_kv_scales(q, k, k_scale, v_scale, names=("k_cache", "v_cache")):
+    """An FP8 (float8_e4m3fn) K/V cache's scales: fp32 tensors of 1 element (per tensor) or heads_k (per
+    kv head), on q's device, positive and finite (a value check: skipped where syncs are). Any other
+    cache takes none. Returns them flat and contiguous, or (None, None)."""
+    if k.dtype != FP8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale are for float8_e4m3fn caches; {names[0]} is {k.dtype}")
+        return None, None
+    heads_k, out = k.shape[-2], []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{name} is required: {names[0]} is float8_e4m3fn (value = code * scale)")
+        if (not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != q.device
+                or s.numel() not in (1, heads_k)):
+            got = (f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor)
+                   else type(s).__name__)
+            raise ValueError(f"{name} must be a float32 tensor of 1 (per tensor) or {heads_k} (per kv "
+                             f"head) elements on {q.device}; got {got}")
+        if _values_checkable(s) and not bool(((s > 0) & s.isfinite()).all()):
+            raise ValueError(f"{name} must be positive and finite, got {s.flatten().tolist()[:8]}")
+        out.append(s.reshape(-1).contiguous())
+    return tuple(out)
+
+
+def scale_stride(scale: torch.Tensor) -> int:
+    """The kernels read kv head h's scale at h * stride: 0 for one scale per tensor."""
+    return 1 if scale.numel() > 1 else 0
+
+
+def check_store_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """kv_fp8.store_kv_fp8's arguments. Returns k, v as (tokens, heads, head_dim) and the flat scales."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dtype != FP8 or c.dim() != 4:
+            got = f"{c.dtype} {tuple(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"{name} must be a float8_e4m3fn (num_blocks, block_size, kv_heads, "
+                             f"head_dim) tensor, got {got}")
+        if c.stride(-1) != 1 or c.stride(0) != c.shape[1] * c.stride(1):
+            raise ValueError(f"{name} strides {c.stride()}: slots (block, offset) must be evenly spaced "
+                             "and head_dim contiguous")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} / {v_cache.stride()} must match k_cache "
+                         f"{tuple(k_cache.shape)} / {k_cache.stride()} in shape and strides")
+    heads, dim = k_cache.shape[-2:]
+    for name, t in (("k", k), ("v", v)):
+        if (not isinstance(t, torch.Tensor) or t.dtype not in DTYPES or t.shape[-2:] != (heads, dim)
+                or t.device != k_cache.device):
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+            raise ValueError(f"{name} must be a fp16/bf16/fp32 (..., {heads}, {dim}) tensor on "
+                             f"{k_cache.device} like the cache, got {got}")
+    k, v = k.reshape(-1, heads, dim), v.reshape(-1, heads, dim)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (k.shape[0],)
+            or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or slot_mapping.device != k_cache.device or v.shape != k.shape):
+        got = (f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+               if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
+        raise ValueError(f"slot_mapping must be an int32/int64 ({k.shape[0]},) tensor on the cache's "
+                         f"device, one slot per row of k (and v, shaped like k); got {got}")
+    if slot_mapping.numel() and _values_checkable(slot_mapping):
+        hi = slot_mapping.max().item()
+        if hi >= k_cache.shape[0] * k_cache.shape[1]:
+            raise ValueError(f"slot_mapping has slot {hi}, the cache has "
+                             f"{k_cache.shape[0] * k_cache.shape[1]} slots")
+    return (k, v, *check_kv_scales(k, k_cache, k_scale, v_scale))
 
 
 def cdiv(a: int, b: int) -> int:

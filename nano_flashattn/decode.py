@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import NO_WINDOW, cdiv, next_pow2
+from .checks import NO_WINDOW, cdiv, next_pow2, scale_stride
 from .configs import DECODE_TUNING, block_d, decode_config, num_sms
 from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
 
@@ -35,18 +35,19 @@ NO_WINDOW_C = tl.constexpr(NO_WINDOW)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
-def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
+def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, K_scale, V_scale,
                          seqlen_q, group, qk_scale, window_right,
                          stride_qb, stride_qt, stride_qh,
-                         stride_kb, stride_kt, stride_kh, stride_bt,
+                         stride_kb, stride_kt, stride_kh, stride_bt, stride_ks, stride_vs,
                          stride_ob, stride_ot, stride_oh, stride_os,
                          stride_lb, stride_lt, stride_lh, stride_ls,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     """One key slice of one (kv head, row block, sequence): grid (num_splits, heads_k * row_blocks, batch).
 
-    Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q."""
+    Tile row r stands for query head hk * group + r // seqlen_q at token r % seqlen_q. FP8_KV: K and V
+    are E4M3 codes, kv head hk's values code * K_scale[hk * stride_ks] (V likewise; stride 0: one scale)."""
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks
@@ -82,10 +83,18 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
     # the last key that token 0 (the first) may see
     full_hi = tl.minimum(hi, diag + window_right + 1)
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
+    # FP8: fwd_tiles runs on the codes (widened to q's dtype in registers, exactly), and the scales
+    # come out of both sums: S = Q (k_scale C_K)^T = (Q C_K^T) k_scale, folded into the softmax scale;
+    # O = P (v_scale C_V) / l = (P C_V) v_scale / l, folded into the normalisation below
+    k_scale, v_scale = 1.0, 1.0
+    if FP8_KV:
+        k_scale = tl.load(K_scale + hk * stride_ks)
+        v_scale = tl.load(V_scale + hk * stride_vs)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base, v_base = K + k_off, V + k_off
+    qk_scale = qk_scale * k_scale
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, t,
                               lo=lo, hi=full_hi, n=hi, shift=diag,
                               lo_w=NO_WINDOW_C, hi_w=window_right, qk_scale=qk_scale,
@@ -107,7 +116,8 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
     o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
               + split * stride_os)
     o_ok = row_ok[:, None] & d_ok[None, :]
-    tl.store(o_ptrs + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
+    out = acc * v_scale / l_i[:, None]  # O_s = P C_V v_scale / l (v_scale = 1: 16-bit caches)
+    tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_ok)
     lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
     tl.store(lse_ptrs, lse, mask=row_ok)
 
@@ -145,9 +155,10 @@ def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
 
 
 def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, num_splits,
-                   config=None, kernels=None, **launch):
+                   k_scale=None, v_scale=None, config=None, kernels=None, **launch):
     """Launch Flash-Decoding. q (B, Sq, Hq, D); caches (B, S, Hk, D) or (pages, page_size, Hk, D) with
-    block_table. Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
+    block_table, of q's dtype or float8_e4m3fn with flat fp32 k_scale, v_scale (1 or Hk elements).
+    Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
     config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`.
     kernels, launch: a (split, combine) pair taking the same arguments, and Triton launch options for both
@@ -182,18 +193,22 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
         return out, lse.transpose(1, 2)
     split_kernel[(num_splits, heads_k * row_blocks, batch)](
         Q=q, K=k_cache, V=v_cache, Out=o_part, LSE=lse_part, cache_seqlens=cache_seqlens,
-        block_table=block_table, seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
+        block_table=block_table, K_scale=k_scale, V_scale=v_scale,
+        seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
         window_right=0 if causal else NO_WINDOW,
         stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
         stride_kb=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_bt=block_table.stride(0) if paged else 0,
+        stride_ks=0 if k_scale is None else scale_stride(k_scale),
+        stride_vs=0 if v_scale is None else scale_stride(v_scale),
         stride_ob=o_part.stride(0), stride_ot=o_part.stride(1), stride_oh=o_part.stride(2),
         stride_os=s_strides[0],
         stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1), stride_lh=lse_part.stride(2),
         stride_ls=s_strides[1],
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **launch)
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None,
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if num_splits > 1:
         combine_kernel[(batch * seqlen_q * heads_q,)](
             O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,

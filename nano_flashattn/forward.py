@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import cdiv
+from .checks import cdiv, scale_stride
 from .configs import block_d, fwd_config
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -103,8 +103,10 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv = kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp, PAGED, PAGE_SIZE)
         # line 7: load K_j (transposed) and, below, V_j
+        # (an FP8 cache's E4M3 codes widen to q's dtype: exact, every E4M3 value is an fp16 / bf16
+        # value; tl.dot sums the products in fp32)
         k_t = load_tile(k_base + kv[None, :] + offs_d[:, None], offs_n[None, :] < n, d_ok[:, None],
-                        MASKED, pad_d)
+                        MASKED, pad_d).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # line 8: S_ij = Q_i K_j^T
         if MASKED:
             seen = visible(offs_m, offs_n, shift, lo_w, hi_w, n)
@@ -122,7 +124,7 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
         alpha = tl.math.exp2(m_i - m_use)  # line 9: rescale what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)  # line 9: l_ij
         v = load_tile(v_base + kv[:, None] + offs_d[None, :], offs_n[:, None] < n, d_ok[None, :],
-                      MASKED, pad_d)
+                      MASKED, pad_d).to(q.dtype)
         # line 10: O_ij = diag(alpha) O_i(j-1) + P~_ij V_j
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -146,14 +148,16 @@ def seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.con
 # "equals 1" pattern of each, mid-serving (a ~1 s stall: an H200 serving run built one inside a timed rate).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
                                "stride_bt", "stride_lse_h"])
-def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
+def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, K_scale, V_scale,
                 seqlen_q, seqlen_k, group, qk_scale, window_left, window_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_bt, stride_lse_h,
+                stride_ks, stride_vs,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                FP8_KV: tl.constexpr):
     """Algorithm 1, lines 4-15, for one query tile Q_i of one head of one sequence (line 3's loop is the grid:
-    (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch))."""
+    (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)). FP8_KV: E4M3 K/V codes, scaled as in decode.py."""
     pid_m = tl.program_id(0)
     # causal: the last query tiles see the most keys; start them first so the tail is short
     if REVERSE:
@@ -180,6 +184,11 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
         k_off = k_start.to(tl.int64) * stride_kt + hk * stride_kh
         bt_row = block_table  # unused
     k_base, v_base = K + k_off, V + k_off
+    k_scale, v_scale = 1.0, 1.0  # FP8: K's scale joins the softmax scale, V's the normalisation
+    if FP8_KV:
+        k_scale = tl.load(K_scale + hk * stride_ks)
+        v_scale = tl.load(V_scale + hk * stride_vs)
+    qk_scale = qk_scale * k_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # line 5: O_i = 0, l_i = 0, m_i = -inf
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -219,7 +228,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table,
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
     o_ptrs = Out + q_off + offs_m[:, None] * stride_qt + offs_d[None, :]  # line 14: write O_i
     o_ok = row_ok[:, None] & d_ok[None, :]
-    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
+    tl.store(o_ptrs, (acc * v_scale / l_i[:, None]).to(Out.dtype.element_ty), mask=o_ok)
     tl.store(LSE + h * stride_lse_h + q_start + offs_m, lse, mask=row_ok)  # line 15: write L_i
 
 
@@ -229,23 +238,27 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table,
-                      scale, window_left, window_right, config=None):
+                      scale, window_left, window_right, config=None, k_scale=None, v_scale=None):
     """Launch Algorithm 1. q: (total_q, Hq, D); k, v: (total_k, Hk, D), or (pages, page_size, Hk, D)
-    with block_table. Dense batches pass cu_seqlens None and seqlen_q/k per sequence; varlen batches
-    pass the max lengths. Returns out (total_q, Hq, D) and lse (Hq, total_q) fp32.
+    with block_table (float8_e4m3fn with flat fp32 k_scale, v_scale of 1 or Hk elements: an FP8 cache).
+    Dense batches pass cu_seqlens None and seqlen_q/k per sequence; varlen batches pass the max
+    lengths. Returns out (total_q, Hq, D) and lse (Hq, total_q) fp32.
 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `configs.fwd_config`."""
     head_dim = q.shape[2]
     config = config or fwd_config(head_dim, q.dtype, q.device)
     return launch_forward(_fwd_kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q,
                           cu_seqlens_k, block_table, scale, window_left, window_right, config,
-                          HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
+                          HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), K_scale=k_scale,
+                          V_scale=v_scale, FP8_KV=k_scale is not None,
+                          stride_ks=0 if k_scale is None else scale_stride(k_scale),
+                          stride_vs=0 if v_scale is None else scale_stride(v_scale))
 
 
 def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
                    block_table, scale, window_left, window_right, config, **head_axis):
     """Algorithm 1's grid (line 3's loop: one program per query tile, query head and sequence) for `kernel`;
-    `head_axis`: the kernel's head-dim constexprs."""
+    `head_axis`: the kernel's head-dim constexprs (and forward.py's: the FP8 scales)."""
     total_q, heads_q = q.shape[:2]
     out = torch.empty_like(q)
     lse = torch.empty(heads_q, total_q, dtype=torch.float32, device=q.device)

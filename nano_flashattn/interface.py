@@ -19,7 +19,14 @@ from collections.abc import Callable
 import torch
 
 from .backward import attention_backward
-from .checks import check_dense, check_kernel_dtype, check_kernel_head_dim, check_kvcache, check_varlen
+from .checks import (
+    check_dense,
+    check_kernel_dtype,
+    check_kernel_head_dim,
+    check_kv_scales,
+    check_kvcache,
+    check_varlen,
+)
 from .decode import decode_forward
 from .dispatch import REGISTRY
 from .forward import attention_forward
@@ -86,12 +93,13 @@ def flash_attn_func_triton(q, k, v, causal=False, softmax_scale=None, window_siz
 
 def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
-                                  return_lse=False):
+                                  return_lse=False, k_scale=None, v_scale=None):
     """Packed variable-length FlashAttention-2; see `nano_flashattn.flash_attn_varlen_func`."""
     scale, left, right, max_q, max_k = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
     )
+    k_scale, v_scale = check_kv_scales(q, k, k_scale, v_scale, names=("k", "v"))
     _check_kernel_inputs(q)
     batch = cu_seqlens_q.numel() - 1
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -101,19 +109,24 @@ def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     else:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise ValueError("block_table: no backward through a paged KV cache; call under torch.no_grad()")
-        out, lse = run_kernel("forward", q=q, k=k, v=v, batch=batch, seqlen_q=max_q, seqlen_k=max_k,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              block_table=block_table.contiguous(), scale=scale, window_left=left,
-                              window_right=right)
+        paged = dict(q=q, k=k, v=v, batch=batch, seqlen_q=max_q, seqlen_k=max_k,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     block_table=block_table.contiguous(), scale=scale, window_left=left,
+                     window_right=right)
+        if k_scale is None:
+            out, lse = run_kernel("forward", **paged)
+        else:  # an FP8 cache: forward.py's kernel (the layers read 16-bit K/V)
+            out, lse = attention_forward(**paged, k_scale=k_scale, v_scale=v_scale)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
-                                   num_splits=0, causal=False, return_lse=False):
+                                   num_splits=0, causal=False, return_lse=False, k_scale=None, v_scale=None):
     """Flash-Decoding over a contiguous or paged KV cache; see `nano_flashattn.flash_attn_with_kvcache`."""
     scale, cache_seqlens = check_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits
     )
+    k_scale, v_scale = check_kv_scales(q, k_cache, k_scale, v_scale)
     _check_kernel_inputs(q)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(
@@ -127,5 +140,5 @@ def flash_attn_with_kvcache_triton(q, k_cache, v_cache, cache_seqlens, block_tab
     with torch.no_grad():  # inference only
         out, lse = run_kernel("decode", q=q, k_cache=k_cache, v_cache=v_cache,
                               cache_seqlens=cache_seqlens.contiguous(), block_table=block_table, scale=scale,
-                              causal=causal, num_splits=num_splits)
+                              causal=causal, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     return (out, lse) if return_lse else out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_dense, check_kvcache, check_varlen
+from .checks import check_dense, check_kv_scales, check_kvcache, check_store_fp8, check_varlen
 
 
 def attention_torch(q, k, v, scale: float, left: int, right: int, upcast: bool = True):
@@ -59,14 +59,25 @@ def _paged_rows(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> to
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
+def dequantize_kv(rows: torch.Tensor, scale: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's rows (..., heads_k, head_dim) as values, code * scale (flat, 1 or heads_k
+    elements), in fp32 (fp64 for an fp64 q); a 16-bit cache's rows as they are."""
+    if scale is None:
+        return rows
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    return rows.to(dtype) * scale.to(dtype)[:, None]
+
+
 def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
-                                 return_lse=False):
-    """Reference of `flash_attn_varlen_func`: one dense attention per packed sequence."""
+                                 return_lse=False, k_scale=None, v_scale=None):
+    """Reference of `flash_attn_varlen_func`: one dense attention per packed sequence (an FP8 paged
+    cache dequantized first)."""
     scale, left, right, _, _ = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
     )
+    k_scale, v_scale = check_kv_scales(q, k, k_scale, v_scale, names=("k", "v"))
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     # rows outside every sequence (before cu_seqlens_q[0] or past cu_seqlens_q[-1]) stay 0, their LSE -inf
     out = q.new_zeros(q.shape)
@@ -77,7 +88,8 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
             kb, vb = k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
         else:
             n = ck[b + 1] - ck[b]
-            kb, vb = _paged_rows(k, block_table[b], n), _paged_rows(v, block_table[b], n)
+            kb = dequantize_kv(_paged_rows(k, block_table[b], n), k_scale, q)
+            vb = dequantize_kv(_paged_rows(v, block_table[b], n), v_scale, q)
         o, lse_b = attention_torch(qb[None], kb[None], vb[None], scale, left, right)
         out[cq[b] : cq[b + 1]] = o[0]
         lse[:, cq[b] : cq[b + 1]] = lse_b[0]
@@ -85,13 +97,15 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,
-                                  num_splits=0, causal=False, return_lse=False):
+                                  num_splits=0, causal=False, return_lse=False, k_scale=None, v_scale=None):
     """Reference of `flash_attn_with_kvcache`: q (B, Sq, Hq, D) attends to the first cache_seqlens[b]
-    rows of sequence b's cache (row b of a contiguous cache, or the pages block_table[b] lists).
-    `num_splits` only changes how the kernel splits the work, so the reference ignores it."""
+    rows of sequence b's cache (row b of a contiguous cache, or the pages block_table[b] lists; an FP8
+    cache dequantized first). `num_splits` only changes how the kernel splits the work, so the
+    reference ignores it."""
     scale, cache_seqlens = check_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits
     )
+    k_scale, v_scale = check_kv_scales(q, k_cache, k_scale, v_scale)
     left, right = (1 << 30), (0 if causal else 1 << 30)
     outs, lses = [], []
     for b, n in enumerate(cache_seqlens.tolist()):
@@ -99,8 +113,20 @@ def flash_attn_with_kvcache_torch(q, k_cache, v_cache, cache_seqlens, block_tabl
             kb, vb = k_cache[b, :n], v_cache[b, :n]
         else:
             kb, vb = _paged_rows(k_cache, block_table[b], n), _paged_rows(v_cache, block_table[b], n)
+        kb, vb = dequantize_kv(kb, k_scale, q), dequantize_kv(vb, v_scale, q)
         o, lse = attention_torch(q[b : b + 1], kb[None], vb[None], scale, left, right)
         outs.append(o)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)
     return (out, lse) if return_lse else out
+
+
+def store_kv_fp8_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Reference of `store_kv_fp8`: E4M3(clamp(x / scale, ±448)) scattered into the cache slots (one
+    index_copy_ each; a negative slot is skipped)."""
+    k, v, k_scale, v_scale = check_store_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    keep = slot_mapping >= 0
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        codes = (x.float() / s[:, None]).clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
+        rows = cache.view(torch.uint8).view(-1, *cache.shape[2:])  # index_copy_ takes no float8
+        rows.index_copy_(0, slot_mapping[keep], codes[keep])

@@ -51,25 +51,26 @@ def launch_args(device: torch.device) -> dict[str, bool]:
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
-def _pdl_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
+def _pdl_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, K_scale, V_scale,
                       seqlen_q, group, qk_scale, window_right,
                       stride_qb, stride_qt, stride_qh,
-                      stride_kb, stride_kt, stride_kh, stride_bt,
+                      stride_kb, stride_kt, stride_kh, stride_bt, stride_ks, stride_vs,
                       stride_ob, stride_ot, stride_oh, stride_os,
                       stride_lb, stride_lt, stride_lh, stride_ls,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     """decode.py's split kernel after a wait for the kernel before (the next one is placed as this one
     exits: a slice's main loop is long, and programs parked early would land unevenly)."""
     pdl_prologue(True, RELEASE=False)
-    _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table,
+    _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, K_scale, V_scale,
                          seqlen_q, group, qk_scale, window_right,
                          stride_qb, stride_qt, stride_qh,
-                         stride_kb, stride_kt, stride_kh, stride_bt,
+                         stride_kb, stride_kt, stride_kh, stride_bt, stride_ks, stride_vs,
                          stride_ob, stride_ot, stride_oh, stride_os,
                          stride_lb, stride_lt, stride_lh, stride_ls,
-                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION)
+                         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION,
+                         FP8_KV)
 
 
 @triton.jit
