@@ -33,8 +33,8 @@ def to_e4m3(x, scale):
     y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3), an exact power of two
-    m = (tl.abs(y) / step + RNE_MAGIC) - RNE_MAGIC
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): exact products below
+    m = (tl.abs(y) * ((3 - e + 127) << 23).to(tl.float32, bitcast=True) + RNE_MAGIC) - RNE_MAGIC
     return tl.where(bits < 0, -m * step, m * step).to(tl.float8e4nv)  # -0 stays -0, as in torch
 
 
