@@ -56,6 +56,19 @@ def layer_args(request):
     return {"performance_layers": False} if request.param == "paper_path" else dict(LAYERS)
 
 
+@functools.cache
+def _hf_logprobs(path: str, ids: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return _hf_model(path)(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+@pytest.fixture
+def hf_logprobs():
+    """hf_logprobs(path, ids) -> log_softmax of transformers' logits over `ids` (fp32, CPU): row i is the
+    distribution of token i + 1."""
+    return lambda path, ids: _hf_logprobs(path, tuple(ids))
+
+
 @pytest.fixture
 def hf_greedy():
     """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' greedy generate produces."""

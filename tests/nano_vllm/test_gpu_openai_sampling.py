@@ -6,8 +6,6 @@ against the paper path on the same card."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import _hf_model
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
@@ -17,12 +15,7 @@ KV = {"num_kv_blocks": 512}
 TF32_ATOL = 2e-2  # TF32 keeps 10 mantissa bits: attention scores off by ~1e-3 relative
 
 
-def hf_logprobs(path: str, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return _hf_model(path)(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
-
-
-def test_logprobs_with_layers_match_transformers_fp32(ckpt):
+def test_logprobs_with_layers_match_transformers_fp32(ckpt, hf_logprobs):
     prompts = random_prompts(95, [3, 20, 70])
     llm = LLM(ckpt, device="cuda", dtype="float32", max_model_len=128, **KV)
     assert "cudagraph" in llm.engine.layers_applied and "overlap" in llm.engine.layers_applied

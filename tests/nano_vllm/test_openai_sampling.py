@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-from conftest import _hf_model
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
@@ -25,13 +24,6 @@ CASES = {
     "chunked_prefill": {"max_num_batched_tokens": 16, "max_num_seqs": 4},
     "preemption": {"num_kv_blocks": 8},
 }
-
-
-def hf_logprobs(path: str, ids: list[int]) -> torch.Tensor:
-    """log_softmax of transformers' logits over `ids`: row i is the distribution of token i + 1."""
-    with torch.no_grad():
-        logits = _hf_model(path)(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(dim=-1)
 
 
 def check_entry(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
@@ -48,7 +40,7 @@ def check_entry(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_logprobs_equal_transformers_log_softmax(ckpt, layer_args, case):
+def test_logprobs_equal_transformers_log_softmax(ckpt, layer_args, case, hf_logprobs):
     prompts = random_prompts(3, [1, 9, 40, 70])
     llm = LLM(ckpt, max_model_len=128, **CASES[case], **layer_args)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2)
@@ -67,7 +59,7 @@ def test_logprobs_equal_transformers_log_softmax(ckpt, layer_args, case):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_logprobs_are_raw_at_any_temperature(llama_ckpt, layer_args):
+def test_logprobs_are_raw_at_any_temperature(llama_ckpt, layer_args, hf_logprobs):
     """vLLM's default logprobs_mode: the model's log-softmax, not the temperature-scaled distribution."""
     prompt = random_prompts(4, [12])[0]
     llm = LLM(llama_ckpt, max_model_len=64, **layer_args)
@@ -79,7 +71,7 @@ def test_logprobs_are_raw_at_any_temperature(llama_ckpt, layer_args):
         assert entry[token].logprob == pytest.approx(ref[len(prompt) - 1 + j, token].item(), abs=ATOL)
 
 
-def test_prompt_logprobs_skip_the_prefix_cache(llama_ckpt):
+def test_prompt_logprobs_skip_the_prefix_cache(llama_ckpt, hf_logprobs):
     """A cached token's logits are never computed: a prompt_logprobs request recomputes its prompt."""
     prompt = random_prompts(5, [48])[0]
     llm = LLM(llama_ckpt, max_model_len=64, performance_layers=False)
