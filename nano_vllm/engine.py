@@ -101,6 +101,8 @@ class LLMEngine:
         seq = self.sequence_cls(ids, params, request_id, arrival_time, **sequence_kwargs)
         if params.stop:
             seq.stop_checker = StopChecker(self.tokenizer, params)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.model_runner.scored_seqs.add(seq)
         self.scheduler.add(seq)
         return seq
 

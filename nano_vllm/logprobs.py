@@ -3,8 +3,10 @@
 What is returned is the model's raw distribution — `log_softmax` of the logits, before temperature and
 top-k / top-p (vLLM's default `logprobs_mode`, and what an evaluation harness scores with) — for the token
 that was sampled (or, for the prompt, the token that follows) plus the `k` most likely, each with its
-rank (1 = the argmax). It is computed on the device, in the step that produces the logits, and read back
-with the sampled tokens; a step in which no request asks does nothing here.
+rank (1 = the argmax). It is computed on the device, in the step that produces the logits, without
+materialising log_softmax (log p = logit - logsumexp), and copied to pinned host memory behind the sampled
+tokens, so reading it back waits for nothing the tokens did not (an overlapped step keeps overlapping).
+While no request of the engine asks (`ModelRunner.scored_seqs` is empty), a step does nothing here.
 
 Prompt tokens are scored from the hidden states of the prefill: row r of a step, at position p of its
 sequence, holds the logits of prompt token p + 1. Their LM head runs in chunks of `SCORE_ROWS` rows, so
@@ -30,10 +32,13 @@ class Logprob:
     decoded_token: str | None = None
 
 
-def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int]) -> list[tuple[Any, int, int]]:
+def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int], scored: Any) -> list[tuple[Any, int, int]]:
     """(sequence, row, position) of each row of the step whose logits score a prompt token: row `row`, at
-    `position` of its sequence, gives the log-probabilities of prompt token `position + 1`."""
+    `position` of its sequence, gives the log-probabilities of prompt token `position + 1`. `scored`: the
+    engine's sequences that ask for any log-probabilities (none: nothing to look at)."""
     rows = []
+    if not scored:
+        return rows
     for seq, n, q0 in zip(out.seqs, out.num_new_tokens, cu_seqlens_q):
         if seq.sampling_params.prompt_logprobs is not None:
             start = seq.num_computed_tokens
@@ -42,12 +47,24 @@ def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int]) -> list[tuple[Any, in
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """Per row: the target, its log-probability and rank, and the k most likely (ids, log-probabilities)."""
-    logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, targets[:, None])
-    rank = (logp > chosen).sum(dim=-1) + 1
-    top = logp.topk(k, dim=-1) if k else (logp[:, :0], targets[:, None][:, :0])
-    return [targets, chosen[:, 0], rank, top[1], top[0]]
+    """Per row: the target, its log-probability and rank, and the k most likely (ids, log-probabilities),
+    each on its way to pinned host memory. log p(x) = logit(x) - logsumexp(logits): the ranks and the top k
+    come from the logits themselves, so no (rows, vocabulary) log_softmax is written."""
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = logits.gather(1, targets[:, None])
+    rank = (logits > chosen).sum(dim=-1) + 1
+    top_lps, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], targets[:, None][:, :0])
+    return [_to_host(t) for t in (targets, (chosen - lse)[:, 0], rank, top_ids, top_lps - lse)]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied to pinned host memory without a wait (on a CPU: `t`); read it once the stream has
+    passed this point (the step's tokens are read after it)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class StepLogprobs:
@@ -63,6 +80,8 @@ class StepLogprobs:
            tokens: torch.Tensor | None) -> StepLogprobs | None:
         """The step's scores, or None when no request of the step asks for any."""
         step, prompt_rows = cls(), runner.scored_prompt_rows
+        if not runner.scored_seqs:
+            return None
         if logits is not None:
             seqs = [s for s, f in zip(out.seqs, out.samples) if f]
             wanted = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]

@@ -21,6 +21,7 @@ sized by nano_vllm.kv_cache (§5); tensor parallelism (§4.6) is a subclass, nan
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -110,7 +111,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seeded requests' own random streams
         self.cudagraphs: list[StepGraphs] = []  # tried in order before the eager forward
-        # this step's prompt rows to score (nano_vllm.logprobs) and, after the forward, their hidden states
+        # the sequences that ask for log-probabilities (nano_vllm.logprobs); this step's prompt rows to
+        # score and, after the forward, their hidden states
+        self.scored_seqs: weakref.WeakSet = weakref.WeakSet()
         self.scored_prompt_rows: list = []
         self.prompt_hidden: torch.Tensor | None = None
         with config.layers_context():  # performance_layers=False: no layer, here or in the kernels
@@ -171,7 +174,7 @@ class ModelRunner:
         while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] == 1:
             lead += 1
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
-        self.scored_prompt_rows = prompt_logprob_rows(out, cu_q)
+        self.scored_prompt_rows = prompt_logprob_rows(out, cu_q, self.scored_seqs)
         prompt_rows = [row for _, row, _ in self.scored_prompt_rows]
         return StepInputs(ids, positions, slots, cu_q, cu_k, tables, sample_rows, is_decode,
                           paged or is_decode, lead, out.copies, prompt_rows)
