@@ -74,6 +74,7 @@ def export_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
 
 
 def import_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
-    """Scatter `export_blocks`' copy into blocks `block_ids` of this instance's cache."""
+    """Scatter `export_blocks`' copy into blocks `block_ids` of this instance's cache: as bytes, so any
+    cache dtype moves (index_copy_ takes no float8, an FP8 cache's, on a CPU)."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(2, idx, blocks)
+    kv_cache.view(torch.uint8).index_copy_(2, idx, blocks.view(torch.uint8))

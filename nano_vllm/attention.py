@@ -18,6 +18,9 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
 
 Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
 the same step writes (two identical prompts admitted together share their prefix blocks).
+
+An FP8 cache (`kv_cache_dtype="fp8"`, vLLM's) holds E4M3 codes: step 1 quantizes, x -> E4M3(x / scale),
+and step 2's kernels read code * scale, with one fp32 scale per layer for K and one for V.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nano_flashattn import flash_attn_varlen_func, flash_attn_with_kvcache
+from nano_flashattn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kv_fp8
 from nano_flashattn.checks import HEAD_DIMS, HEAD_DIMS_TEXT
 
 
@@ -76,24 +79,35 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 class PagedAttention:
     """The `attn_fn(q, k, v, layer_idx, ctx)` installed with `model.set_attention`; owns no state but a
-    view of the KV cache, shape (2, num_layers, num_blocks, block_size, kv_heads, head_dim)."""
+    view of the KV cache, shape (2, num_layers, num_blocks, block_size, kv_heads, head_dim), and for an
+    FP8 cache its scales, shape (2, num_layers, 1): K's and V's of each layer."""
 
-    def __init__(self, kv_cache: torch.Tensor):
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None):
+        self.kv_cache, self.kv_scales = kv_cache, kv_scales
+
+    def scales(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """The k_scale / v_scale keyword arguments of layer `layer_idx` (none for a 16-bit cache)."""
+        if self.kv_scales is None:
+            return {}
+        return {"k_scale": self.kv_scales[0, layer_idx], "v_scale": self.kv_scales[1, layer_idx]}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                  ctx: AttentionContext) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
-        store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if self.kv_scales is None:
+            store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        else:
+            store_kv_fp8(k, v, k_cache, v_cache, ctx.slot_mapping, **self.scales(layer_idx))
         return self.attend(q, k, v, layer_idx, ctx)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                ctx: AttentionContext) -> torch.Tensor:
         """Step 2, with this step's K/V already in the cache (`__call__` wrote them, or a fused kernel)."""
         k_cache, v_cache = self.kv_cache[0, layer_idx], self.kv_cache[1, layer_idx]
+        scales = self.scales(layer_idx)
         if ctx.is_decode:  # q: (batch, 1, heads, dim); every key, the new one too, is in the cache
             return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens,
-                                           block_table=ctx.block_tables, causal=True)
+                                           block_table=ctx.block_tables, causal=True, **scales)
         q0 = q[0]  # (num_tokens, heads, dim), sequences packed
         if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
             out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
@@ -101,12 +115,12 @@ class PagedAttention:
         else:
             out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
-                                         block_table=ctx.block_tables)
+                                         block_table=ctx.block_tables, **scales)
             if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel
                 lens = ctx.decode_lens
                 rows = lens.shape[0]
                 dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens,
                                               block_table=ctx.block_tables[:rows],
-                                              causal=True)[:, 0]
+                                              causal=True, **scales)[:, 0]
                 out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
         return out[None]

@@ -38,6 +38,10 @@ REGISTRY = Registry("nano_vllm", points=("runner", "graphs", "engine"),
 LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused",
                   "fused_sampling": "fused_sampling", "gemv_max_tokens": "gemv"}
 
+# kv_cache_dtype -> the cache's element type (None: the model's dtype); KIVI is nano_quant.kv's for now
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
+KV_CACHE_LATER = ("kivi2", "kivi4")
+
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
@@ -74,6 +78,10 @@ class EngineConfig:
         weights and per-token activations), "naive-fp8" (the same in e4m3). None: the model as it is; a
         checkpoint whose config.json has a `quantization_config` (AWQ / AutoAWQ GEMM, SmoothQuant W8A8) is
         served quantized by itself. Both go through nano_quant, imported only then.
+    kv_cache_dtype: vLLM's name: "auto" (K/V in the model's dtype) or "fp8" (E4M3 codes, one byte an
+        element, so the same memory holds 2x the tokens of bf16; written by nano_flashattn's
+        `store_kv_fp8`, read back as code x scale with one fp32 scale per layer for K and for V, 1.0 as
+        in vLLM for a model without calibrated scales). KIVI (kivi2 / kivi4) is not served yet.
 
     Performance layers (nano_vllm/layers/), each the same tokens faster. None: on where the layer is
     present and applies (on CUDA), True: asked for (ValueError if the layer is missing), False: off.
@@ -107,6 +115,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     performance_layers: bool = True
     async_scheduling: bool | None = None
     fused_projections: bool | None = None
@@ -130,6 +139,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self._check_layers()
         self._check_quantization()
+        self._check_kv_cache_dtype()
         if self.async_scheduling is True and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would not see the "
                              "tokens of the step in flight); pass async_scheduling=False")
@@ -205,6 +215,14 @@ class EngineConfig:
                                  f"{what}: nano_quant's quantized layers are not sharded; use "
                                  "tensor_parallel_size=1")
 
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype in KV_CACHE_LATER:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: kivi2/kivi4: the quantized cache is "
+                             "not served yet; the paper path is nano_quant.kv")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
@@ -214,6 +232,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: `kv_cache_dtype`'s, or the model's for "auto"."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

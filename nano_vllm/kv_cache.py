@@ -5,7 +5,9 @@ every layer, one scratch block at the end (`ModelRunner.allocate_kv_cache`). Its
 `num_kv_blocks`; `kv_cache_memory_bytes`; on CUDA, the memory left under `gpu_memory_utilization` once
 the weights are loaded and the largest step has been profiled for its peak activation memory (§5); on a
 CPU, room for `max_num_seqs` full sequences, at most 1 GiB. Quantized weights (nano_quant) leave that
-sizing more memory: `kv_cache_summary` reports both.
+sizing more memory: `kv_cache_summary` reports both. A block's bytes count the cache's own elements
+(`kv_block_bytes`), so an FP8 cache (`kv_cache_dtype="fp8"`, one byte an element) holds 2x the tokens
+of a 16-bit one in the same memory.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V (shared.accounting.kv_cache_bytes' formula)."""
+    """Bytes of one block across all layers, K and V, elements of `dtype`, the cache's (1 byte for FP8)
+    (shared.accounting.kv_cache_bytes' formula). An FP8 cache's per-layer scales are not counted (8 bytes
+    a layer, not per block)."""
     cfg = model_config
     return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
@@ -166,16 +170,18 @@ def profile_num_blocks(runner: Runner) -> int:
 
 def kv_cache_summary(r: Runner) -> str:
     """One line of a built runner (`engine.model_runner`): the weights (GiB on rank 0, and their
-    quantization), then the KV cache: blocks, tokens, GiB (all tensor-parallel ranks) and how many
-    full-length sequences fit. With the weights quantized, what they no longer take is what §5's sizing
-    gives to KV blocks."""
+    quantization), then the KV cache: its dtype, blocks, tokens, GiB (all tensor-parallel ranks), tokens
+    per GiB and how many full-length sequences fit. With the weights quantized, what they no longer take
+    is what §5's sizing gives to KV blocks; an FP8 cache holds 2x the tokens per GiB of a 16-bit one."""
     bs = r.block_size
     qcfg = getattr(r.model, "quantization_config", None)
     quantized = str(r.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
         f"quantized: {qcfg.to_dict()}"
+    kv_dtype = str(r.config.kv_torch_dtype).removeprefix("torch.")
+    per_gib = round(bs * 2**30 / (r.block_bytes * r.tp_size))
     return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
-            f"KV cache: {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
-            f"{_size(r.num_blocks * r.block_bytes * r.tp_size)} "
+            f"KV cache ({kv_dtype}): {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
+            f"{_size(r.num_blocks * r.block_bytes * r.tp_size)}, {per_gib} tokens per GiB "
             f"({math.floor(r.num_blocks * bs / r.max_model_len)} full-length sequences)")
 
 

@@ -121,7 +121,7 @@ class ModelRunner:
             # the layers change the model, so before the KV cache is sized
             self.layers_applied = apply_layers("runner", self)
             self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
-                                              config.torch_dtype)
+                                              config.kv_torch_dtype)
             self.num_blocks = decide_num_blocks(self)
             self.allocate_kv_cache(self.num_blocks)
             self.layers_applied += apply_layers("graphs", self)
@@ -133,19 +133,24 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The block pool of §4.1 — K and V of every layer, (2, layers, blocks, block_size, kv_heads,
         head_dim) — installed in the model as its attention call (`PagedAttention`). One block more at the
-        end is scratch: padded rows and already-cached tokens write there, so a store needs no mask."""
-        cfg = self.model_config
+        end is scratch: padded rows and already-cached tokens write there, so a store needs no mask.
+        An FP8 pool (`kv_cache_dtype="fp8"`) has K and V scales per layer: 1.0, vLLM's for a model
+        without calibrated scales (a value is its E4M3 code; past ±448 it clamps)."""
+        cfg, dtype = self.model_config, self.config.kv_torch_dtype
         self.scratch_slot = num_blocks * self.block_size
-        self.kv_cache = torch.zeros(2, cfg.num_hidden_layers, num_blocks + 1, self.block_size,
-                                    self.num_kv_heads, cfg.head_dim, dtype=self.config.torch_dtype,
-                                    device=self.device)
-        self.model.set_attention(PagedAttention(self.kv_cache))
+        layers = cfg.num_hidden_layers
+        self.kv_cache = torch.zeros(2, layers, num_blocks + 1, self.block_size, self.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=self.device)
+        fp8 = dtype == torch.float8_e4m3fn
+        self.kv_scales = torch.ones(2, layers, 1, device=self.device) if fp8 else None
+        self.model.set_attention(PagedAttention(self.kv_cache, self.kv_scales))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write (§4.4): duplicate whole blocks, all layers, K and V."""
+        """Copy-on-write (§4.4): duplicate whole blocks, all layers, K and V (as bytes: any dtype)."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache = self.kv_cache.view(torch.uint8)
+        cache[:, :, dst] = cache[:, :, src]
 
     # ------------------------------------------------------------------ inputs (§4.3)
     def prepare(self, out: SchedulerOutput) -> StepInputs:

@@ -96,7 +96,9 @@ class FusedAttention(Attention):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         attn = self.attn_fn
-        if isinstance(attn, PagedAttention) and use_triton(q):  # RoPE and the cache write in one launch
+        # RoPE and the cache write in one launch, for a cache of q's dtype (an FP8 one: the paper path's
+        # store, which quantizes)
+        if isinstance(attn, PagedAttention) and use_triton(q) and attn.kv_cache.dtype == q.dtype:
             caches = attn.kv_cache[0, self.layer_idx], attn.kv_cache[1, self.layer_idx]
             q, k = rope_and_store(q, k, v, cos, sin, *caches, ctx.slot_mapping)
             out = attn.attend(q, k, v, self.layer_idx, ctx)

@@ -24,7 +24,7 @@ BUDGETS = {
     "nano_flashattn": 650,
     "nano_megatron": 800,
     "nano_zero": 420,
-    "nano_vllm": 740,
+    "nano_vllm": 760,  # (a quantized KV cache: vLLM's fp8, KIVI)
     "nano_sglang": 730,
     "nano_distserve": 640,
     "nano_quant": 700,  # three papers: SmoothQuant, AWQ and KIVI

@@ -1,0 +1,48 @@
+"""The FP8 KV cache (`kv_cache_dtype="fp8"`) on a CUDA GPU (marker `gpu`; run by hand:
+`pytest tests/nano_vllm/test_gpu_kv_cache_dtype.py -m gpu`): a bf16 engine with every layer (CUDA
+graphs included) writing through nano_flashattn's `store_kv_fp8` and reading E4M3 blocks in the Triton
+kernels, against the same engine over a bf16 cache holding the E4M3-rounded K/V (fp8_reference.py). Both
+read the same values; the kernels differ in arithmetic order, so greedy agreement is high, not total.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_reference import reference_llm
+from vllm_checkpoints import random_prompts
+
+from nano_vllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+ENGINE = {"device": "cuda", "dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 8,
+          "kv_cache_memory_bytes": 8 << 20}
+TOKENS = 32
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=TOKENS), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def test_fp8_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch):
+    prompts = random_prompts(5, [7, 40, 100, 150])
+    llm = LLM(qwen3_ckpt, kv_cache_dtype="fp8", **ENGINE)
+    ref = reference_llm(qwen3_ckpt, monkeypatch, **ENGINE)
+    runner, ref_runner = llm.engine.model_runner, ref.engine.model_runner
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn and ref_runner.kv_cache.dtype == torch.bfloat16
+    assert runner.num_blocks == 2 * ref_runner.num_blocks  # one byte an element: 2x the blocks
+    assert runner.cudagraphs and ref_runner.cudagraphs  # the FP8 path is captured as it is
+    outs, ref_outs = greedy(llm, prompts), greedy(ref, prompts)
+    for out, want in zip(outs, ref_outs):
+        assert out[0] == want[0]
+    agree = sum(a == b for out, want in zip(outs, ref_outs) for a, b in zip(out, want))
+    assert agree >= 0.9 * TOKENS * len(prompts), (outs, ref_outs)
+    for engine in (llm.engine, ref.engine):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
