@@ -86,14 +86,16 @@ class StepLogprobs:
             seqs = [s for s, f in zip(out.seqs, out.samples) if f]
             wanted = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
             if wanted:
-                rows = torch.tensor(wanted, device=logits.device)
+                # through pinned memory, asynchronously: a plain torch.tensor(..., device=) would wait for
+                # the step's forward (and, with overlapped steps, for the next step's)
+                rows = runner._tensor(wanted, torch.long)
                 k = max(seqs[i].sampling_params.logprobs for i in wanted)
                 scores = _score(logits[rows], tokens[rows], k)
                 # the sampled token goes to position len(seq) (its placeholder's, with overlapped steps)
                 step.entries += [(seqs[i], len(seqs[i]), False, scores, j) for j, i in enumerate(wanted)]
         if prompt_rows:
             hidden, seqs = runner.prompt_hidden, [s for s, _, _ in prompt_rows]
-            targets = torch.tensor([s.token_ids[p + 1] for s, _, p in prompt_rows], device=hidden.device)
+            targets = runner._tensor([s.token_ids[p + 1] for s, _, p in prompt_rows], torch.long)
             k = max(s.sampling_params.prompt_logprobs for s in seqs)
             for a in range(0, len(prompt_rows), SCORE_ROWS):
                 b = min(a + SCORE_ROWS, len(prompt_rows))
