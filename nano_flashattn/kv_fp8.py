@@ -35,7 +35,10 @@ def to_e4m3(x, scale):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): exact products below
     m = (tl.abs(y) * ((3 - e + 127) << 23).to(tl.float32, bitcast=True) + RNE_MAGIC) - RNE_MAGIC
-    return tl.where(bits < 0, -m * step, m * step).to(tl.float8e4nv)  # -0 stays -0, as in torch
+    # The magnitude's code with y's sign bit set by hand: a negative value that rounds to 0 is -0, as in
+    # torch (on the H100 a negated zero came out +0 through the cast)
+    code = (m * step).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return (code | ((bits >> 24) & 0x80).to(tl.uint8)).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
