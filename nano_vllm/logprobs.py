@@ -46,42 +46,59 @@ def prompt_logprob_rows(out: Any, cu_seqlens_q: list[int], scored: Any) -> list[
     return rows
 
 
-def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """Per row: the target, its log-probability and rank, and the k most likely (ids, log-probabilities),
-    each on its way to pinned host memory. log p(x) = logit(x) - logsumexp(logits): the ranks and the top k
-    come from the logits themselves, so no (rows, vocabulary) log_softmax is written."""
+def _score(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row: [target, its log-probability, its rank, the k most likely ids, their log-probabilities]
+    as one fp64 (rows, 3 + 2k) tensor (ids are exact in fp64), so one copy brings a block to the host.
+    log p(x) = logit(x) - logsumexp(logits): the ranks and the top k come from the logits themselves, so
+    no (rows, vocabulary) log_softmax is written."""
     logits = logits.float()
     lse = logits.logsumexp(dim=-1, keepdim=True)
     chosen = logits.gather(1, targets[:, None])
-    rank = (logits > chosen).sum(dim=-1) + 1
+    rank = (logits > chosen).sum(dim=-1, keepdim=True) + 1
     top_lps, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], targets[:, None][:, :0])
-    return [_to_host(t) for t in (targets, (chosen - lse)[:, 0], rank, top_ids, top_lps - lse)]
+    cols = (targets[:, None], chosen - lse, rank, top_ids, top_lps - lse)
+    return torch.cat([c.double() for c in cols], dim=1)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied to pinned host memory without a wait (on a CPU: `t`); read it once the stream has
-    passed this point (the step's tokens are read after it)."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
+class _Staging:
+    """Two pinned host buffers used in turn (a step's scores are read before the step after next writes):
+    the device-to-host copies are asynchronous and allocate nothing per step (a pinned allocation can
+    synchronise the device). Grows, rarely, to the largest step seen."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.float64)] * 2
+        self.turn = 0
+
+    def copy(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not blocks or blocks[0].device.type != "cuda":
+            return blocks
+        self.turn ^= 1
+        total = sum(b.numel() for b in blocks)
+        if self.buffers[self.turn].numel() < total:
+            self.buffers[self.turn] = torch.empty(2 * total, dtype=torch.float64, pin_memory=True)
+        out, at = [], 0
+        for b in blocks:
+            out.append(self.buffers[self.turn][at: at + b.numel()].view(b.shape).copy_(b, non_blocking=True))
+            at += b.numel()
+        return out
 
 
 class StepLogprobs:
-    """One step's log-probabilities on the device; `attach()` reads them back into the sequences (after the
-    step's tokens are read, so it adds no wait of its own)."""
+    """One step's log-probabilities, computed on the device and copied to pinned host memory behind the
+    step's tokens; `attach()` reads them into the sequences once the tokens are read (no wait of its own)."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[Any, int, bool, list[torch.Tensor], int]] = []
+        self.blocks: list[torch.Tensor] = []  # `_score`'s (rows, 3 + 2k) blocks
+        self.entries: list[tuple[Any, int, bool, int, int]] = []  # (seq, position, prompt?, block, row)
 
     @classmethod
     @torch.inference_mode()
     def of(cls, runner: Any, out: Any, logits: torch.Tensor | None,
            tokens: torch.Tensor | None) -> StepLogprobs | None:
         """The step's scores, or None when no request of the step asks for any."""
-        step, prompt_rows = cls(), runner.scored_prompt_rows
         if not runner.scored_seqs:
             return None
+        step, prompt_rows = cls(), runner.scored_prompt_rows
         if logits is not None:
             seqs = [s for s, f in zip(out.seqs, out.samples) if f]
             wanted = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
@@ -90,34 +107,38 @@ class StepLogprobs:
                 # the step's forward (and, with overlapped steps, for the next step's)
                 rows = runner._tensor(wanted, torch.long)
                 k = max(seqs[i].sampling_params.logprobs for i in wanted)
-                scores = _score(logits[rows], tokens[rows], k)
+                step.blocks.append(_score(logits[rows], tokens[rows], k))
                 # the sampled token goes to position len(seq) (its placeholder's, with overlapped steps)
-                step.entries += [(seqs[i], len(seqs[i]), False, scores, j) for j, i in enumerate(wanted)]
+                step.entries += [(seqs[i], len(seqs[i]), False, 0, j) for j, i in enumerate(wanted)]
         if prompt_rows:
             hidden, seqs = runner.prompt_hidden, [s for s, _, _ in prompt_rows]
             targets = runner._tensor([s.token_ids[p + 1] for s, _, p in prompt_rows], torch.long)
             k = max(s.sampling_params.prompt_logprobs for s in seqs)
             for a in range(0, len(prompt_rows), SCORE_ROWS):
                 b = min(a + SCORE_ROWS, len(prompt_rows))
-                scores = _score(runner.model.compute_logits(hidden[a:b]), targets[a:b], k)
-                step.entries += [(s, p + 1, True, scores, j - a)
+                step.blocks.append(_score(runner.model.compute_logits(hidden[a:b]), targets[a:b], k))
+                step.entries += [(s, p + 1, True, len(step.blocks) - 1, j - a)
                                  for j, (s, _, p) in enumerate(prompt_rows[a:b], start=a)]
             runner.scored_prompt_rows, runner.prompt_hidden = [], None
-        return step if step.entries else None
+        if not step.entries:
+            return None
+        if not hasattr(runner, "logprob_staging"):
+            runner.logprob_staging = _Staging()
+        step.blocks = runner.logprob_staging.copy(step.blocks)
+        return step
 
     def attach(self) -> None:
         """Store each score in its sequence: `seq.logprobs[i]` for output token i, `seq.prompt_logprobs[p]`
         for prompt token p, as {token id: Logprob}, the scored token first, then the top k by rank."""
-        host: dict[int, list[list]] = {}
-        for seq, pos, is_prompt, scores, row in self.entries:
-            if id(scores) not in host:
-                host[id(scores)] = [t.tolist() for t in scores]
-            targets, chosen, rank, top_ids, top_lps = host[id(scores)]
+        blocks = [b.tolist() for b in self.blocks]
+        for seq, pos, is_prompt, block, row in self.entries:
+            values = blocks[block][row]
+            width = (len(values) - 3) // 2
             sp = seq.sampling_params
             k = sp.prompt_logprobs if is_prompt else sp.logprobs
-            entry = {targets[row]: Logprob(chosen[row], rank[row])}
-            for r, (tid, lp) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                entry.setdefault(tid, Logprob(lp, r))
+            entry = {int(values[0]): Logprob(values[1], int(values[2]))}
+            for r, (tid, lp) in enumerate(zip(values[3: 3 + k], values[3 + width: 3 + width + k]), 1):
+                entry.setdefault(int(tid), Logprob(lp, r))
             if is_prompt:
                 seq.prompt_logprobs[pos] = entry
             elif pos - seq.num_prompt_tokens == len(seq.logprobs):
