@@ -77,8 +77,8 @@ def quantize(x: Tensor, bits: int, group_size: int, dim: int) -> tuple[Tensor, T
     the group size)."""
     groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))  # (..., n / G, G)
     lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((hi - lo) / (2**bits - 1)).clamp(min=1e-6).half()  # a constant group: code 0, exact
-    zero = lo.half()
+    # fp16 scale and zero point; a constant group gets a tiny scale: code 0, exact
+    scale, zero = ((hi - lo) / (2**bits - 1)).clamp(min=1e-6).half(), lo.half()
     codes = ((groups - zero) / scale).round().clamp(0, 2**bits - 1).flatten(-2).movedim(-1, dim)
     return pack(codes, bits, dim), scale[..., 0].movedim(-1, dim), zero[..., 0].movedim(-1, dim)
 
@@ -115,8 +115,8 @@ class KIVICache:
         if not spec.group_size:
             raise ValueError(f"spec must be a KIVI spec (kivi2 / kivi4), got {spec.name!r}")
         self.spec = spec
-        self.key_groups: list[tuple[Tensor, Tensor, Tensor]] = []  # words (n / (32 / b), H, D)
-        self.value_groups: list[tuple[Tensor, Tensor, Tensor]] = []  # words (n, H, D / (32 / b))
+        # (words, scale, zero) per group: key words (n / (32 / b), H, D), value words (n, H, D / (32 / b))
+        self.key_groups, self.value_groups = [], []
         self.key_residual = self.value_residual = None  # then (tokens, H, D): the newest, 16 bits
 
     def append(self, k: Tensor, v: Tensor) -> None:

@@ -94,10 +94,7 @@ class LLMEngine:
         (`inputs.prompt_token_ids`) or sampling_params before anything is queued."""
         ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
                                self.max_model_len)
-        params = check_request_params(sampling_params, self.config.max_logprobs)
-        if params.n != 1:
-            raise ValueError(f"add_request queues one sample (n=1), got n={params.n}: queue "
-                             f"`params.child(j)` for j in range(n), as LLM.generate does")
+        params = check_request_params(sampling_params, self.config.max_logprobs, one_sample=True)
         seq = self.sequence_cls(ids, params, request_id, arrival_time, **sequence_kwargs)
         if params.stop:
             seq.stop_checker = StopChecker(self.tokenizer, params)

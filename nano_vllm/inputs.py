@@ -44,11 +44,15 @@ def _parse_prompt(prompt: Any, name: str) -> Prompt:
                     f"'prompt_token_ids', got {type(prompt).__name__}")
 
 
-def check_request_params(params: Any, max_logprobs: int) -> SamplingParams:
-    """The SamplingParams of one request (None: the defaults), checked against the engine's limits."""
+def check_request_params(params: Any, max_logprobs: int, one_sample: bool = False) -> SamplingParams:
+    """The SamplingParams of one request (None: the defaults), checked against the engine's limits;
+    `one_sample`: what `LLMEngine.add_request` queues, one sequence (n = 1)."""
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if one_sample and params.n != 1:
+        raise ValueError(f"add_request queues one sample (n=1), got n={params.n}: queue "
+                         f"`params.child(j)` for j in range(n), as LLM.generate does")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:

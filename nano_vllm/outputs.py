@@ -71,12 +71,21 @@ class RequestOutput:
             cumulative = None if logprobs is None else sum(
                 e[t].logprob for e, t in zip(logprobs, seq.output_token_ids))
             outputs.append(CompletionOutput(j, text, seq.output_token_ids, seq.finish_reason,
-                                            seq.stop_reason, logprobs, cumulative))
+                                            stop_reason(seq), logprobs, cumulative))
         prompt_logprobs = None
         if first.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None if e is None else _decoded(e, tokenizer) for e in first.prompt_logprobs]
         return cls(first.request_id, prompt, first.prompt_token_ids, outputs,
                    all(s.is_finished for s in seqs), first.num_cached_tokens, metrics, prompt_logprobs)
+
+
+def stop_reason(seq: Sequence) -> int | str | None:
+    """vLLM's `stop_reason` of a finished sequence: the stop string or the stop token id (not EOS) that
+    ended it, else None."""
+    if seq.stop_checker is not None and seq.stop_checker.matched is not None:
+        return seq.stop_checker.matched
+    stops = seq.sampling_params.stop_token_ids or ()
+    return seq.stop_token_id if seq.stop_token_id in stops else None
 
 
 def _decoded(entry: TokenLogprobs, tokenizer: Any) -> TokenLogprobs:

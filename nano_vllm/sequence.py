@@ -54,9 +54,8 @@ class Sequence:
         self.stop_checker = None
         # per output token / prompt token: {token id: Logprob}, when the request asks (logprobs.py)
         self.logprobs: list[dict] | None = None if self.sampling_params.logprobs is None else []
-        self.prompt_logprobs: list[dict | None] | None = None
-        if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        self.prompt_logprobs = None if self.sampling_params.prompt_logprobs is None else (
+            [None] * self.num_prompt_tokens)  # list[dict | None]: None for the first token
         self.num_preemptions = 0
         # Serving metrics (nano_vllm.metrics): arrival, each output token's time, finish.
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
@@ -89,14 +88,6 @@ class Sequence:
         if self.stop_token_id is None or self.sampling_params.include_stop_str_in_output:
             return self.output_token_ids
         return self.output_token_ids[:-1]
-
-    @property
-    def stop_reason(self) -> int | str | None:
-        """vLLM's `stop_reason`: the stop string or the stop token id (not EOS) that ended it."""
-        if self.stop_checker is not None and self.stop_checker.matched is not None:
-            return self.stop_checker.matched
-        stops = self.sampling_params.stop_token_ids or ()
-        return self.stop_token_id if self.stop_token_id in stops else None
 
     @property
     def num_output_tokens(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nano_vllm.engine import LLMEngine
+from nano_vllm.outputs import stop_reason
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.sequence import Sequence
 
@@ -158,7 +159,7 @@ class EngineLoop:
         logprobs = None if seq.logprobs is None else seq.logprobs[sent: sent + len(new)]
         stream.put(StreamEvent(new, seq.is_finished, seq.finish_reason,
                                stop_token=seq.is_finished and seq.stop_token_id is not None,
-                               stop_reason=seq.stop_reason if seq.is_finished else None,
+                               stop_reason=stop_reason(seq) if seq.is_finished else None,
                                logprobs=logprobs, prompt_logprobs=None if sent or seq.sampling_params.prompt_logprobs is None
                                else seq.prompt_logprobs))
 

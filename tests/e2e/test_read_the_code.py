@@ -24,10 +24,10 @@ BUDGETS = {
     "nano_flashattn": 650,
     "nano_megatron": 800,
     "nano_zero": 420,
-    "nano_vllm": 760,  # (a quantized KV cache: vLLM's fp8, KIVI)
+    "nano_vllm": 740,
     "nano_sglang": 730,
     "nano_distserve": 640,
-    "nano_quant": 700,  # three papers: SmoothQuant, AWQ and KIVI
+    "nano_quant": 600,
     "nano_specdec": 700,
 }
 # No paper-path line that holds code is longer than this (written at the density of the Triton tutorial).
