@@ -33,9 +33,10 @@ from shared.config import PRESETS, ModelConfig
 
 # In load order, which is the order their hooks run: the GEMV swaps the projections fusion made.
 REGISTRY = Registry("nano_vllm", points=("runner", "graphs", "engine"),
-                    modules=("cudagraph", "fused", "gemv", "fused_sampling", "overlap", "warmup"))
+                    modules=("cudagraph", "fused", "gemv", "fused_decode", "fused_sampling", "overlap",
+                             "warmup"))
 # EngineConfig's layer switches and the layer module each asks for when set (True, or a row count > 0).
-LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused",
+LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused", "fused_decode": "fused_decode",
                   "fused_sampling": "fused_sampling", "gemv_max_tokens": "gemv"}
 
 # kv_cache_dtype -> the cache's element type (None: the model's dtype); KIVI is nano_quant.kv's for now
@@ -95,6 +96,9 @@ class EngineConfig:
     fused_sampling: sampling in one pass over the logits, seeds by counter (layers/fused_sampling.py).
     gemv_max_tokens: steps of at most this many rows run their linear layers through the split-K Triton
         GEMV on CUDA (layers/gemv.py; at most 16), cuBLAS above; 0 = cuBLAS always; None: 1 on CUDA.
+    fused_decode: one-row decode steps through a fused decoder layer (layers/fused_decode.py): five
+        kernels a layer (norm + QKV + RoPE + KV write, attention, o_proj + residual, norm + gate/up +
+        SwiGLU, down + residual), each reading its weights before it waits for its predecessor.
     """
 
     model: str = "tiny"
@@ -121,6 +125,7 @@ class EngineConfig:
     fused_projections: bool | None = None
     fused_sampling: bool | None = None
     gemv_max_tokens: int | None = None
+    fused_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -172,7 +177,7 @@ class EngineConfig:
         present and `performance_layers` on."""
         if not isinstance(self.performance_layers, bool):
             raise TypeError(f"performance_layers must be a bool, got {self.performance_layers!r}")
-        for name in ("async_scheduling", "fused_projections", "fused_sampling"):
+        for name in LAYER_SWITCHES.keys() - {"gemv_max_tokens"}:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         rows = self.gemv_max_tokens
