@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nano_vllm.bench.kernel_profile import profile_decode
 from nano_vllm.bench.step_timing import StepTimer
 from nano_vllm.config import EngineConfig, engine_args_from
 from nano_vllm.engine import LLM
@@ -161,6 +162,11 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
                       "weights_GiB": weight_bytes(runner.model) / 2**30, "kv_blocks": runner.num_blocks,
                       "kv_cache_GiB": runner.num_blocks * runner.block_bytes * runner.tp_size / 2**30}
     row["_timeline"] = {"summary": timeline, "window": timer.timeline.window(int(cfg.timeline_steps))}
+    profile_steps = cfg.get("profile_steps")
+    if profile_steps is None:  # on for batch-1 workloads (where a step is a few hundred kernels), on CUDA
+        profile_steps = 32 if len(reqs) == 1 and torch.cuda.is_available() else 0
+    if int(profile_steps) > 0:
+        row["_kernel_profile"] = profile_decode(llm, list(reqs[0].prompt), steps=int(profile_steps))
     row["ms/step"] = 1e3 * seconds / steps
     row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
     row["device idle ms/step"] = timeline["device_idle_ms_per_step"]
@@ -222,6 +228,15 @@ def _command_line() -> DictConfig:
                                    and not o.startswith("hydra.")])
 
 
+def print_kernel_profile(p: dict) -> None:
+    """The per-kernel table of a decode profile, then its largest bubbles."""
+    print_table([{k: v for k, v in r.items()} for r in p["kernels"][:16]],
+                title=f"decode step, per kernel ({p['steps']} steps profiled; {p['kernels/step']:.0f} kernels a step, "
+                      f"device span {p['device span us/step']:.0f} us, busy {p['device busy us/step']:.0f} us, "
+                      f"bubbles {p['bubbles us/step']:.0f} us)")
+    print_table(p["gaps"], title="largest bubbles between kernels (per step)")
+
+
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -262,6 +277,7 @@ def run(cfg: DictConfig) -> dict:
     bandwidth, peak = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
+    kernel_profile = row.pop("_kernel_profile", None)
     dtype = llm.engine.config.torch_dtype
     llm.shutdown()  # tensor-parallel workers too
     del llm
@@ -298,9 +314,12 @@ def run(cfg: DictConfig) -> dict:
               "matmul_TFLOPs": peak / 1e12, "layers_applied": layers,
               "performance_layers": dict.fromkeys(layers, True),  # what shared.report labels a figure with
               **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory,
-              "workload_notes": notes, "prompt_tokens": sum(prompt_lens), "oversubscription": oversubscribed}
+              "workload_notes": notes, "prompt_tokens": sum(prompt_lens), "oversubscription": oversubscribed,
+              "kernel_profile": kernel_profile}
     path = Path(hydra_run_dir()) / "bench.json"
     write_json(path, record)
+    if kernel_profile and kernel_profile.get("available"):
+        print_kernel_profile(kernel_profile)
     print_table(rows, title=f"nano_vllm bench: {cfg.model}, {len(reqs)} requests, {sum(out_lens):,} output tokens, "
                             f"{record['dtype']} on {device}")
     print(f"roofline: {bound['roofline_tok_per_s']:,.0f} output tok/s ({bound['roofline_s']:.3g} s: prefill "
