@@ -1,0 +1,467 @@
+"""The fused decoder layer — a performance layer: a one-row decode step in five kernels a layer.
+
+At batch 1 a decode step should cost the bytes it reads (every weight once), but a Llama/Qwen layer of the
+paper path is a dozen kernels — RMSNorm, the QKV GEMV, q/k norms, RoPE and the KV write, Flash-Decoding,
+o_proj, the residual add and the next RMSNorm, gate/up, SwiGLU, down — and on small models each moves a
+few KiB to a few MiB, so the step is launches, ramp-ups and drains. Here one row of x goes through
+
+    (a) RMSNorm → QKV GEMV → (Qwen3's q/k RMSNorm) → RoPE → q out, k and v into the paged cache
+    (b) Flash-Decoding (the paper path's attention, nano_flashattn: split and combine kernels)
+    (c) o_proj GEMV → + residual                     (the new residual stream)
+    (d) RMSNorm → gate/up GEMV → SiLU(gate)·up
+    (e) down GEMV → + residual
+
+each a GEMV kernel (one weight row slice per program, products in fp32 registers, one reduction after
+the loop: nano_vllm/layers/gemv.py's M = 1 scheme) with its neighbours as prologue and epilogue:
+
+* the RMSNorm prologue: every program computes the row's 1/rms itself (x is a few KiB, in L2) and
+  normalises the slice it multiplies, rounded as shared.kernels' RMSNorm rounds (x·rstd to the
+  activation dtype, then × weight, rounded again), so the products are those of the paper path's input;
+* the epilogues: the residual add (output rounded, then added in fp32 and rounded, as the paper path
+  adds two bf16 tensors); SiLU(gate)·up, where a program reads gate's rows and up's rows of the same
+  columns; and for QKV, per head: the head's last program to finish (an arrival counter per head, as
+  gemv.py's split-K counters) reads the head's 128 sums back, applies the head RMSNorm, RoPE
+  (RoFormer eq. 34, rotate_half), and writes q, or k / v into the cache row of this step's slot.
+
+**Programmatic dependent launch.** Under the "pdl" layer of nano_flashattn (Hopper and later) each
+kernel loads its first weight tile — for most shapes all the weights it will read — *before*
+`griddepcontrol.wait`: weights do not depend on the previous kernel, so a kernel placed early (PDL) has its
+HBM reads in flight while the kernel before drains, and the weight stream does not stop at the boundary.
+Only x, the residual and the caches are touched after the wait.
+
+The residual stream: a fused layer returns (stream, None), the residual already added, which is what
+shared.model's next layer (fused or not) and its final norm take when `residual` is None.
+
+Applies on CUDA (`EngineConfig.fused_decode`, None: on where it applies) to one-row decode steps of a
+16-bit model whose projections the "fused" layer stacked (`qkv_proj`, `gate_up_proj`), a 16-bit KV cache,
+one device; every other step runs the paper path's layer (the GEMV layer, cuBLAS). Under
+TRITON_INTERPRET=1 the same kernels run on a CPU (tests compare each fused op with its torch
+definition, `reference_*`, and a fused step with the paper path's, layer by layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nano_vllm.attention import PagedAttention
+from nano_vllm.config import REGISTRY
+from shared.kernels import HAS_TRITON
+from shared.kernels.launch import cdiv, next_pow2
+from shared.model import DecoderLayer
+
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """BLOCK_N weight rows per program (for SwiGLU: of gate, and as many of up), BLOCK_K of K per loop
+    iteration (the first tile is the one loaded before the wait), num_warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+
+
+@functools.lru_cache(maxsize=256)
+def tile_config(n: int, k: int, interpreted: bool = False) -> TileConfig:
+    """One weight row a program, the whole row in one or two tiles (≤ 4096 elements: 16 fp32
+    accumulators a thread at 8 warps), so a program's whole read is issued before it waits. Under the
+    interpreter (a CPU), 16 rows a program: it runs programs one by one, so fewer is faster."""
+    block_k = min(next_pow2(k), 4096)
+    return TileConfig(16 if interpreted else 1, block_k, 8 if block_k >= 2048 else 4)
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+
+def reference_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """shared.kernels' RMSNorm rounding: x·rstd rounded to x's dtype, × weight, rounded again."""
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w.float() * (h * rstd).to(x.dtype).float()).to(x.dtype)
+
+
+def reference_qkv(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps):
+    """(a) as torch ops: returns q (Hq, D) and the new k, v rows (Hkv, D)."""
+    d = cos.shape[-1] * 2
+    x = reference_stream(x, residual)
+    y = nn.functional.linear(reference_rms(x, norm_w, eps), w, b).view(-1, d)
+    q, k, v = y.split([heads_q, heads_kv, heads_kv])
+    if q_norm_w is not None:
+        q, k = reference_rms(q, q_norm_w, qk_eps), reference_rms(k, k_norm_w, qk_eps)
+
+    def rope(t):
+        t1, t2 = t.float().chunk(2, dim=-1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1).to(t.dtype)
+
+    return rope(q), rope(k), v
+
+
+def reference_stream(h, residual):
+    """The residual stream: h, or h + residual rounded (shared.kernels' RMSNorm's add)."""
+    return h if residual is None else (h.float() + residual.float()).to(h.dtype)
+
+
+def reference_o_proj_residual(x, w, h, residual):
+    """(c): the GEMV's output rounded, plus the stream, rounded."""
+    return (nn.functional.linear(x, w).float() + reference_stream(h, residual).float()).to(x.dtype)
+
+
+def reference_swiglu(x, norm_w, eps, w):
+    """(d): RMSNorm, gate/up, silu(gate)·up in fp32 of the rounded halves, rounded."""
+    gate, up = nn.functional.linear(reference_rms(x, norm_w, eps), w).float().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from shared.kernels import pdl_args, pdl_prologue
+
+    @triton.jit
+    def _tile(rows, offs_k, K, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            return tl.load(rows + offs_k[None, :])
+        else:
+            return tl.load(rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _stream(X, R, offs, ok, HAS_RES: tl.constexpr):
+        """x, or the residual stream x + r rounded to x's dtype (as shared.kernels' RMSNorm adds them)."""
+        x = tl.load(X + offs, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(R + offs, mask=ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        return x
+
+    @triton.jit
+    def _x_tile(X, R, NW, offs_k, K, rstd, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """x's slice as the GEMV multiplies it: RMSNorm'd (rounded as shared.kernels rounds) when NORM."""
+        x = _stream(X, R, offs_k, offs_k < K, HAS_RES)
+        if NORM:
+            w = tl.load(NW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            n = (x.to(tl.float32) * rstd).to(X.dtype.element_ty).to(tl.float32)
+            x = (w * n).to(X.dtype.element_ty)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, NORM: tl.constexpr,
+                        HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """Σ_k W[n, k]·x[k] for this program's BLOCK_N rows n (and, TWO, rows N + n: up beside gate), in
+        fp32. The first weight tile is loaded before the wait for the previous kernel; x after it."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = W + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_w  # past N: row N-1, not stored
+        offs_k = tl.arange(0, BLOCK_K)
+        w0 = _tile(rows, offs_k, K, EVEN_K)  # before the wait: the weights never depend on it
+        if TWO:
+            u0 = _tile(rows + N * stride_w, offs_k, K, EVEN_K)
+        pdl_prologue(PDL)  # wait for the kernel before, then let the next one be placed
+        rstd = 0.0
+        if NORM:
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = _stream(X, R, k0 + offs_k, k0 + offs_k < K, HAS_RES).to(tl.float32)
+                ss += xs * xs
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        x = _x_tile(X, R, NW, offs_k, K, rstd, NORM, HAS_RES)
+        acc = w0.to(tl.float32) * x[None, :]
+        if TWO:  # noqa: SIM108 -- u0 exists only when TWO
+            acc_u = u0.to(tl.float32) * x[None, :]
+        else:
+            acc_u = acc
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            x = _x_tile(X, R, NW, k0 + offs_k, K, rstd, NORM, HAS_RES)
+            acc += _tile(rows, k0 + offs_k, K, EVEN_K).to(tl.float32) * x[None, :]
+            if TWO:
+                acc_u += _tile(rows + N * stride_w, k0 + offs_k, K, EVEN_K).to(tl.float32) * x[None, :]
+        return offs_n, tl.sum(acc, axis=1), tl.sum(acc_u, axis=1)
+
+    @triton.jit
+    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, HAS_RES: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """(c): OUT = round(W·x) + the stream (H, or H + R rounded), rounded: the new residual stream."""
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
+        ok = offs_n < N
+        r = _stream(H, R, offs_n, ok, HAS_RES).to(tl.float32)
+        y = y.to(OUT.dtype.element_ty).to(tl.float32) + r
+        tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """(e): OUT = W·x, rounded (the next RMSNorm adds the stream, as in the paper path)."""
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
+        tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit(do_not_specialize=["eps"])
+    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """(d): OUT[n] = silu(g)·u of g = round(W[n]·x̂), u = round(W[N + n]·x̂), x̂ = RMSNorm(x)."""
+        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, True, False, True, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
+        g = g.to(OUT.dtype.element_ty).to(tl.float32)
+        u = u.to(OUT.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + offs_n, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _head_norm(x1, x2, W, d, ok, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
+        """shared.kernels' RMSNorm over one head (both halves), rounded the same way."""
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(W + d, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(W + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        y1 = (w1 * (x1 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        y2 = (w2 * (x2 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        return y1, y2
+
+    @triton.jit(do_not_specialize=["eps", "qk_eps"])
+    def _norm_qkv_rope_store_kernel(X, R, NW, W, BIAS, PART, COUNTERS, COS, SIN, QNW, KNW, QOUT, K_CACHE,
+                                    V_CACHE, SLOT, N, K, eps, qk_eps, stride_w, PDL: tl.constexpr,
+                                    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEADS_Q: tl.constexpr,
+                                    HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """(a): the rows of W·RMSNorm(x (+ R)) to PART (fp32); the last program of each head to arrive adds the
+        bias, rounds, applies the head norm and RoPE, and stores q, or k / v at cache row SLOT."""
+        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, True, HAS_RES, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
+        tl.store(PART + offs_n, y, mask=offs_n < N)
+        tl.debug_barrier()  # every thread's sums are written before the arrival is counted
+        head = tl.program_id(0) * BLOCK_N // HEAD_DIM
+        programs_per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        if tl.atomic_add(COUNTERS + head, 1) == programs_per_head - 1:  # acq_rel: sums before, reads after
+            tl.atomic_xchg(COUNTERS + head, 0)  # ready for the next call (graph replays too)
+            HALF: tl.constexpr = HEAD_DIM // 2
+            DT: tl.constexpr = QOUT.dtype.element_ty
+            d = tl.arange(0, BLOCK_D)
+            ok = d < HALF
+            base = head * HEAD_DIM
+            x1 = tl.load(PART + base + d, mask=ok, other=0.0, cache_modifier=".cg")
+            x2 = tl.load(PART + base + HALF + d, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                x1 += tl.load(BIAS + base + d, mask=ok, other=0.0).to(tl.float32)
+                x2 += tl.load(BIAS + base + HALF + d, mask=ok, other=0.0).to(tl.float32)
+            x1 = x1.to(DT).to(tl.float32)  # the projection's output, as the paper path stores it
+            x2 = x2.to(DT).to(tl.float32)
+            slot = tl.load(SLOT).to(tl.int64)
+            if head < HEADS_Q + HEADS_KV:
+                if QK_NORM:
+                    if head < HEADS_Q:
+                        x1, x2 = _head_norm(x1, x2, QNW, d, ok, qk_eps, HEAD_DIM, HALF, DT)
+                    else:
+                        x1, x2 = _head_norm(x1, x2, KNW, d, ok, qk_eps, HEAD_DIM, HALF, DT)
+                c = tl.load(COS + d, mask=ok, other=1.0).to(tl.float32)
+                s = tl.load(SIN + d, mask=ok, other=0.0).to(tl.float32)
+                y1 = (x1 * c - x2 * s).to(DT)
+                y2 = (x2 * c + x1 * s).to(DT)
+                if head < HEADS_Q:
+                    tl.store(QOUT + base + d, y1, mask=ok)
+                    tl.store(QOUT + base + HALF + d, y2, mask=ok)
+                else:
+                    row = (slot * HEADS_KV + head - HEADS_Q) * HEAD_DIM
+                    tl.store(K_CACHE + row + d, y1, mask=ok)
+                    tl.store(K_CACHE + row + HALF + d, y2, mask=ok)
+            else:
+                row = (slot * HEADS_KV + head - HEADS_Q - HEADS_KV) * HEAD_DIM
+                tl.store(V_CACHE + row + d, x1.to(DT), mask=ok)
+                tl.store(V_CACHE + row + HALF + d, x2.to(DT), mask=ok)
+
+
+def _config(x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
+    return config or tile_config(n, k, not x.is_cuda)
+
+
+def _launch_args(x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> tuple[tuple, dict]:
+    config = _config(x, n, k, config)
+    grid = (cdiv(n, config.block_n),)
+    return grid, {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": k % config.block_k == 0,
+                  "num_warps": config.num_warps, **pdl_args(x.device)}
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if x.dim() != 1 or w.dim() != 2 or w.shape[1] != x.shape[0] or w.stride(1) != 1 or x.stride(0) != 1:
+        raise ValueError(f"{what}: x must be one contiguous row of K and w (N, K) with a unit-stride K, got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"{what}: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+
+
+def o_proj_residual(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """(c): round(x Wᵀ) + the stream (h, or h + residual rounded), rounded; x (K,), w (N, K), h (N,)."""
+    _check(x, w, "o_proj_residual")
+    n, k = w.shape
+    for name, t in (("h", h), ("residual", residual)):
+        if t is not None and (t.shape != (n,) or t.dtype != x.dtype or t.stride(0) != 1):
+            raise ValueError(f"o_proj_residual: {name} must be a contiguous ({n},) {x.dtype}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    grid, meta = _launch_args(x, n, k, config)
+    _o_proj_residual_kernel[grid](x, w, h, residual if residual is not None else h, out, n, k, w.stride(0),
+                                  HAS_RES=residual is not None, **meta)
+    return out
+
+
+def down(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """(e): x Wᵀ, rounded; x (K,), w (N, K)."""
+    _check(x, w, "down")
+    n, k = w.shape
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    grid, meta = _launch_args(x, n, k, config)
+    _down_kernel[grid](x, w, out, n, k, w.stride(0), **meta)
+    return out
+
+
+def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                        config: TileConfig | None = None) -> torch.Tensor:
+    """(d): silu(gate)·up of [gate; up] = w · RMSNorm(x); x (K,), w (2I, K) → (I,)."""
+    _check(x, w, "norm_gate_up_swiglu")
+    n2, k = w.shape
+    if n2 % 2 or norm_w.shape != (k,):
+        raise ValueError(f"norm_gate_up_swiglu: w must be [gate; up] (2I, K) and norm_w (K,), got "
+                         f"{tuple(w.shape)} and {tuple(norm_w.shape)}")
+    n = n2 // 2
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    grid, meta = _launch_args(x, n, k, config)
+    _norm_gate_up_swiglu_kernel[grid](x, norm_w, w, out, n, k, eps, w.stride(0), **meta)
+    return out
+
+
+class Workspace:
+    """The QKV kernel's fp32 sums (one per output column) and per-head arrival counters (zero between
+    calls); every fused layer of a model shares one: its kernels run one after another on one stream."""
+
+    def __init__(self, n: int, heads: int, device: torch.device):
+        self.partial = torch.empty(n, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(heads, dtype=torch.int32, device=device)
+
+
+def norm_qkv_rope_store(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w,
+                        qk_eps, k_cache, v_cache, slot, workspace: Workspace | None = None,
+                        config: TileConfig | None = None) -> torch.Tensor:
+    """(a): q (Hq, D) of RMSNorm(x (+ residual: the stream, rounded)) · Wqkvᵀ (+ b), head-normed (q_norm_w / k_norm_w, or None) and rotated;
+    k and v written to cache row `slot` (a (1,) int tensor) of k_cache / v_cache (blocks, block_size,
+    Hkv, D). cos / sin: (D/2,) fp32."""
+    _check(x, w, "norm_qkv_rope_store")
+    n, k = w.shape
+    d = 2 * cos.shape[-1]
+    if n != (heads_q + 2 * heads_kv) * d or k_cache.shape[-2:] != (heads_kv, d) or not k_cache.is_contiguous() \
+            or v_cache.shape != k_cache.shape or not v_cache.is_contiguous() or k_cache.dtype != x.dtype:
+        raise ValueError(f"norm_qkv_rope_store: w {tuple(w.shape)}, heads {heads_q}/{heads_kv} of {d}, caches "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} do not fit one another")
+    config = _config(x, n, k, config)
+    if d % config.block_n:
+        raise ValueError(f"norm_qkv_rope_store: block_n {config.block_n} must divide head_dim {d}")
+    heads = heads_q + 2 * heads_kv
+    if workspace is None:
+        workspace = Workspace(n, heads, x.device)
+    q = torch.empty(heads_q * d, dtype=x.dtype, device=x.device)
+    grid, meta = _launch_args(x, n, k, config)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_qkv_rope_store: residual must be {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    _norm_qkv_rope_store_kernel[grid](
+        x, residual if residual is not None else x, norm_w, w, b if b is not None else w, workspace.partial, workspace.counters, cos, sin,
+        q_norm_w if q_norm_w is not None else norm_w, k_norm_w if k_norm_w is not None else norm_w, q,
+        k_cache, v_cache, slot, n, k, eps, qk_eps, w.stride(0), HAS_RES=residual is not None,
+        HAS_BIAS=b is not None,
+        QK_NORM=q_norm_w is not None, HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=d,
+        BLOCK_D=next_pow2(d // 2), **meta)
+    return q.view(heads_q, d)
+
+
+# ------------------------------------------------------------------------------------------------- layer
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """CUDA, or a CPU under the Triton interpreter (the tests)."""
+    return HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+class FusedDecoderLayer(DecoderLayer):
+    """shared.model's DecoderLayer (its projections stacked by layers/fused.py) whose one-row decode steps
+    take the five kernels above; any other step is DecoderLayer.forward."""
+
+    workspace: Workspace
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn = self.self_attn
+        paged = attn.attn_fn
+        if (h.shape[0] * h.shape[1] != 1 or not getattr(ctx, "is_decode", False)
+                or not isinstance(paged, PagedAttention) or paged.kv_cache.dtype != h.dtype
+                or not runs_kernels(h)):
+            return super().forward(h, residual, cos, sin, ctx)
+        x = h.reshape(-1)
+        r = residual.reshape(-1) if residual is not None else None
+        i = attn.layer_idx
+        norm = self.input_layernorm
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        heads_kv = attn.qkv_sizes[1] // attn.head_dim
+        q = norm_qkv_rope_store(
+            x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, cos.reshape(-1),
+            sin.reshape(-1), attn.qkv_sizes[0] // attn.head_dim, heads_kv,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0, paged.kv_cache[0, i], paged.kv_cache[1, i],
+            ctx.slot_mapping, self.workspace)
+        o = paged.attend(q.view(1, 1, *q.shape), None, None, i, ctx)
+        stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r)
+        post = self.post_attention_layernorm
+        act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight)
+        # (h, residual) as the paper path's layers return them: the next RMSNorm adds the two
+        return down(act, self.mlp.down_proj.weight).view(h.shape), stream.view(h.shape)
+
+
+def fusable(layer: nn.Module) -> bool:
+    """A decoder layer whose projections the "fused" layer stacked, unquantized (16-bit; fp32 for the CPU
+    tests), with no bias but QKV's (what the kernels read)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "gate_up_proj", None), mlp.down_proj]
+    return (isinstance(layer, DecoderLayer) and all(isinstance(m, nn.Linear) for m in linears)
+            and all(m.weight.dtype in (torch.float16, torch.bfloat16, torch.float32) for m in linears)
+            and all(m.bias is None for m in linears[1:]))
+
+
+def kernel_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes one launch of each fused kernel reads: its weight, its input row (twice with a norm: the
+    norm's weight) and the residual row it adds, for the bench's profile."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def nbytes(w: torch.Tensor, vectors: int) -> int:  # the weight and `vectors` rows of its K or N
+        return (w.numel() + vectors * max(w.shape)) * w.element_size()
+
+    return {"_norm_qkv_rope_store_kernel": nbytes(attn.qkv_proj.weight, 2),
+            "_o_proj_residual_kernel": nbytes(attn.o_proj.weight, 3),
+            "_norm_gate_up_swiglu_kernel": nbytes(mlp.gate_up_proj.weight, 2),
+            "_down_kernel": nbytes(mlp.down_proj.weight, 1)}
+
+
+def apply_fused_decode(runner: Any) -> None:
+    """The "runner" hook: every fusable decoder layer becomes a FusedDecoderLayer sharing one workspace."""
+    layers = [m for m in runner.model.model.layers if fusable(m)]
+    if not layers:
+        return
+    n = max(m.self_attn.qkv_proj.weight.shape[0] for m in layers)
+    workspace = Workspace(n, n // layers[0].self_attn.head_dim, runner.device)
+    for m in layers:
+        m.__class__ = FusedDecoderLayer
+        m.workspace = workspace
+    runner.model.kernel_bytes = kernel_bytes(runner.model)
+
+
+def _applies(runner: Any) -> bool:
+    return (HAS_TRITON and runner.config.wants("fused_decode", runner.device)
+            and runner.config.tensor_parallel_size == 1)
+
+
+REGISTRY.register("runner", apply_fused_decode, applies=_applies)

@@ -1,0 +1,135 @@
+"""The fused decoder layer (nano_vllm.layers.fused_decode) under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 on a machine without CUDA).
+
+Each fused op against its torch definition (`reference_*`: the paper path's ops one after another, with the
+paper path's roundings), by FlashAttention's rule: against the definition evaluated in fp64, our error is at
+most twice the error of the definition evaluated in the same precision, plus four ulps of the result's
+scale: the fused kernels sum in another order, and where an fp32 sum lands on the other side of a rounding
+boundary the rounded intermediate (a projection's output, a normalised value) moves by one ulp, which the
+ops after it carry on, scaled (SwiGLU multiplies two such values; RoPE adds two). Then the engine: a decode step
+through the fused layers equals the paper path's layer by layer (the residual stream after every layer), and
+greedy tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_checkpoints import random_prompts
+
+from nano_vllm import LLM, SamplingParams
+from nano_vllm.layers import fused_decode as fd
+
+
+def _as64(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def _close(ours, reference, *args) -> None:
+    """`ours` against `reference(*args)` by the rule above (`reference` returns a tensor or a tuple)."""
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    refs, exacts = reference(*args), reference(*map(_as64, args))
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    exacts = exacts if isinstance(exacts, tuple) else (exacts,)
+    for o, r, e in zip(ours, refs, exacts):
+        assert torch.isfinite(o.float()).all()
+        err = (o.double() - e).abs().max().item()
+        ref_err = (r.double() - e).abs().max().item()
+        assert err <= 2 * ref_err + 4 * torch.finfo(o.dtype).eps * e.abs().max().item(), (err, ref_err)
+
+
+def _rope(d: int, pos: float = 7.0):
+    inv = 1.0 / 10000 ** (torch.arange(d // 2) / (d // 2))
+    return (pos * inv).cos(), (pos * inv).sin()
+
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3", "llama_residual", "qwen2_bias"])
+def test_norm_qkv_rope_store_is_its_torch_definition(dtype, family):
+    g = torch.Generator().manual_seed(0)
+    k, hq, hkv, d = 80, 4, 2, 16  # K not a power of two: a masked tile
+    n = (hq + 2 * hkv) * d
+    x, r = (torch.randn(k, generator=g).to(dtype) for _ in range(2))
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if family == "qwen2_bias" else None
+    qn, kn = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    if family != "qwen3":
+        qn = kn = None
+    res = r if family == "llama_residual" else None
+    cos, sin = _rope(d)
+    k_cache = torch.full((4, 4, hkv, d), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    q = fd.norm_qkv_rope_store(x, res, nw, 1e-6, w, b, cos, sin, hq, hkv, qn, kn, 1e-6, k_cache, v_cache,
+                               torch.tensor([6]), config=fd.TileConfig(4, 32, 4))
+    rows = k_cache.view(-1, hkv, d)[6], v_cache.view(-1, hkv, d)[6]
+    _close((q, *rows), fd.reference_qkv, x, res, nw, 1e-6, w, b, cos, sin, hq, hkv, qn, kn, 1e-6)
+    assert k_cache.view(-1, hkv, d)[:6].isnan().all()  # only the slot's row is written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_o_proj_residual_gate_up_and_down_are_their_torch_definitions(dtype):
+    g = torch.Generator().manual_seed(1)
+    k, n = 96, 48
+    x, nw = torch.randn(k, generator=g).to(dtype), (torch.rand(k, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    h, r = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+    for residual in (None, r):
+        ours = fd.o_proj_residual(x, w, h, residual, config=fd.TileConfig(8, 64, 4))  # two K tiles
+        _close(ours, fd.reference_o_proj_residual, x, w, h, residual)
+    _close(fd.down(x, w), torch.nn.functional.linear, x, w)
+    w2 = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
+    _close(fd.norm_gate_up_swiglu(x, nw, 1e-6, w2, config=fd.TileConfig(8, 32, 4)), fd.reference_swiglu,
+           x, nw, 1e-6, w2)
+
+
+def test_bad_shapes_are_errors_naming_the_op():
+    x, w = torch.randn(8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="o_proj_residual: h"):
+        fd.o_proj_residual(x, w, torch.randn(5), None)
+    with pytest.raises(ValueError, match="down: x must be one contiguous row"):
+        fd.down(torch.randn(2, 8), w)
+    with pytest.raises(ValueError, match="norm_gate_up_swiglu: w must be"):
+        fd.norm_gate_up_swiglu(x, torch.ones(8), 1e-6, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="norm_qkv_rope_store"):
+        cos, sin = _rope(4)
+        fd.norm_qkv_rope_store(x, None, torch.ones(8), 1e-6, w, None, cos, sin, 1, 1, None, None, 0.0,
+                               torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4), torch.tensor([0]))
+
+
+def _streams(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens, and the residual stream (h + residual) after every layer of every one-row step."""
+    layers = llm.engine.model_runner.model.model.layers
+    seen: list[torch.Tensor] = []
+
+    def hook(module, args, out):
+        h, residual = out
+        if h.shape[0] * h.shape[1] == 1:
+            seen.append((h.float() + residual.float()).reshape(-1).clone())
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+    for handle in handles:
+        handle.remove()
+    return tokens, seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_decode_steps_equal_the_paper_path_layer_by_layer(family, request, hf_greedy):
+    """One request (one-row decode steps): every layer's residual stream through the fused kernels equals the
+    unfused layer's (fp32: to 1e-5), and the tokens equal transformers' greedy tokens."""
+    ckpt = request.getfixturevalue(f"{family}_ckpt")
+    prompt = random_prompts(3, [11])[0]
+    common = {"device": "cpu", "max_num_seqs": 1, "fused_projections": True, "enable_prefix_caching": False}
+    ref_tokens, ref = _streams(LLM(ckpt, fused_decode=False, **common), prompt, 5)
+    llm = LLM(ckpt, fused_decode=True, **common)
+    assert "fused_decode" in llm.engine.layers_applied
+    assert all(isinstance(m, fd.FusedDecoderLayer) for m in llm.engine.model_runner.model.model.layers)
+    tokens, ours = _streams(llm, prompt, 5)
+    assert tokens == ref_tokens == list(hf_greedy(ckpt, tuple(prompt), 5))
+    assert len(ours) == len(ref) == 4 * 2  # 4 decode steps (the first token comes from the prefill) x 2 layers
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,64 @@
+"""GPU checks of the fused decoder layer (nano_vllm.layers.fused_decode; marker `gpu`): each fused op in bf16
+at the qwen3-0.6b and llama3-8b shapes against its torch definition (the rule of test_fused_decode.py), and
+the engine with every layer on (CUDA graphs, PDL on Hopper) against the same engine without the fused layer,
+token for token, on one request (one-row steps) and on four (the layer steps aside)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_decode import _close
+from vllm_checkpoints import random_prompts
+
+from nano_vllm import LLM, SamplingParams
+from nano_vllm.layers import fused_decode as fd
+
+pytestmark = pytest.mark.gpu
+SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, True), "llama3-8b": (4096, 32, 8, 128, 14336, False)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_ops_bf16_at_model_shapes(shape):
+    hidden, hq, hkv, d, inter, qk_norm = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    dt = torch.bfloat16
+
+    def rand(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(dt)
+
+    x, r = rand(hidden), rand(hidden)
+    nw = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(dt)
+    wqkv = rand((hq + 2 * hkv) * d, hidden, scale=hidden**-0.5)
+    qn = kn = None
+    if qk_norm:
+        qn, kn = ((torch.rand(d, device="cuda", generator=g) + 0.5).to(dt) for _ in range(2))
+    inv = 1.0 / 10000 ** (torch.arange(d // 2, device="cuda") / (d // 2))
+    cos, sin = (300 * inv).cos(), (300 * inv).sin()
+    k_cache = torch.zeros(8, 16, hkv, d, device="cuda", dtype=dt)
+    v_cache = torch.zeros_like(k_cache)
+    slot = torch.tensor([37], device="cuda")
+    q = fd.norm_qkv_rope_store(x, r, nw, 1e-6, wqkv, None, cos, sin, hq, hkv, qn, kn, 1e-6, k_cache, v_cache,
+                               slot)
+    _close((q, k_cache.view(-1, hkv, d)[37], v_cache.view(-1, hkv, d)[37]), fd.reference_qkv, x, r, nw, 1e-6,
+           wqkv, None, cos, sin, hq, hkv, qn, kn, 1e-6)
+    o, h = rand(hq * d), rand(hidden)
+    wo = rand(hidden, hq * d, scale=(hq * d) ** -0.5)
+    _close(fd.o_proj_residual(o, wo, h, r), fd.reference_o_proj_residual, o, wo, h, r)
+    wgu, wd = rand(2 * inter, hidden, scale=hidden**-0.5), rand(hidden, inter, scale=inter**-0.5)
+    _close(fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu), fd.reference_swiglu, x, nw, 1e-6, wgu)
+    act = rand(inter)
+    _close(fd.down(act, wd), torch.nn.functional.linear, act, wd)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("num_prompts", [1, 4])
+def test_engine_with_the_fused_layer_gives_the_same_tokens(family, num_prompts, request):
+    ckpt = request.getfixturevalue(f"{family}_ckpt")
+    prompts = random_prompts(5, [9, 30, 17, 64][:num_prompts])
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    common = {"dtype": "bfloat16", "num_kv_blocks": 256}
+    ref = [o.token_ids for o in LLM(ckpt, fused_decode=False, **common).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(ckpt, **common)
+    assert "fused_decode" in llm.engine.layers_applied
+    out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert out == ref
