@@ -29,6 +29,7 @@ device idle time per step (`timeline` in bench.json, drawn by `python -m shared.
     python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
     python -m nano_vllm.bench performance_layers=false     # the paper path alone
     python -m nano_vllm.bench gemv=true                    # the decode GEMV vs cuBLAS and torch.compile
+    python -m nano_vllm.bench fused_decode_sweep=true      # the fused decoder layer's kernels over tile configs
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
     python -m nano_vllm.bench quantization=rtn-w4          # quantized on the fly (or model=a quantized checkpoint)
 
@@ -256,6 +257,14 @@ def run(cfg: DictConfig) -> dict:
         record = run_gemv(cfg, ceilings, device, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
         path = Path(hydra_run_dir()) / "bench.json"
         write_json(path, record)
+        print(f"wrote {path}", flush=True)
+        return record
+    if cfg.get("fused_decode_sweep"):
+        from nano_vllm.bench.fused_decode import run_fused_decode_sweep
+
+        record = run_fused_decode_sweep(str(cfg.model), ceilings)
+        path = Path(hydra_run_dir()) / "bench.json"
+        write_json(path, {"bench": "nano_vllm.fused_decode_sweep", "ceilings": ceilings.as_dict(), **record})
         print(f"wrote {path}", flush=True)
         return record
     if quick:  # QUICK replaces the defaults, what was given on the command line still wins
