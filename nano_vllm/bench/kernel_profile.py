@@ -8,7 +8,10 @@ One torch.profiler pass (CUDA activity: every kernel, also those replayed inside
 
 * per kernel name: launches per step, µs per launch, µs per step and its share of the step; where the
   engine's layers say how many bytes one launch reads (`kernel_bytes(runner)`: a dict name → bytes, from a
-  layer that knows its weights' shapes), the bandwidth it reached;
+  layer that knows its weights' shapes), the bandwidth it reached. A kernel's time is the part of the step
+  it adds: from the later of its start and the previous kernel's end, to its end. Under programmatic
+  dependent launch a kernel starts while the one before still runs and waits for it, so its own start-to-
+  end interval would count the wait twice;
 * the step: device span (first kernel start to last kernel end, per step), device busy (the union of
   kernel intervals) and the bubbles between kernels (span − busy) — what launch gaps and the host cost;
 * the largest gaps by (kernel before → kernel after), so a bubble has a name.
@@ -59,8 +62,9 @@ def summarize(records: list[tuple[str, float, float]], steps: int,
     prev = None
     for name, start, end in records:
         short = short_name(name)
-        per_name[short].append(end - start)
-        busy += max(0.0, end - max(start, cur_end))
+        own = max(0.0, end - max(start, cur_end))  # what this kernel adds to the step
+        per_name[short].append(own)
+        busy += own
         if prev is not None and start > cur_end:
             gaps[(prev, short)].append(start - cur_end)
         cur_end, prev = max(cur_end, end), short
