@@ -112,7 +112,15 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         seconds = _time_graph(lambda s=splits: [flash_attn_with_kvcache(q, kv[0], kv[1], lens, block_table=table,
                                                                         causal=True, num_splits=s)
                                                 for _ in range(layers)]) / layers
-        attn_rows.append({"num_splits": splits or "auto", "context": context, "us": 1e6 * seconds})
+        attn_rows.append({"kernel": "nano_flashattn", "num_splits": splits or "auto", "block_keys": "-",
+                          "context": context, "us": 1e6 * seconds})
+    q2 = q.view(hq, d)
+    for splits, block_keys in itertools.product((8, 16, 32, 64), (16, 32, 64)):
+        aws = fd.Workspace(1, 1, dev, hkv, hq // hkv, d, splits=splits)
+        seconds = _time_graph(lambda w=aws, b=block_keys: [fd.decode_attention(q2, kv[0], kv[1], table[0], lens, w, b)
+                                                          for _ in range(layers)]) / layers
+        attn_rows.append({"kernel": "fused_decode", "num_splits": splits, "block_keys": block_keys,
+                          "context": context, "us": 1e6 * seconds})
     print_table(rows, title=f"fused decode kernels, {model} shapes, {layers} layers' weights, one CUDA graph each")
     print_table(attn_rows, title=f"Flash-Decoding, batch 1, {hq}/{hkv} heads of {d}, {pages * 16}-key block table")
     print("best configs (fused_decode.MEASURED):")

@@ -56,7 +56,6 @@ from shared.kernels.launch import cdiv, next_pow2
 from shared.model import DecoderLayer
 
 
-
 @dataclass(frozen=True)
 class TileConfig:
     """BLOCK_N weight rows per program (for SwiGLU: of gate, and as many of up), BLOCK_K of K per loop
@@ -276,6 +275,79 @@ if HAS_TRITON:
                 tl.store(V_CACHE + row + HALF + d, x2.to(DT), mask=ok)
 
 
+    @triton.jit
+    def _kv_tile(K_CACHE, V_CACHE, TABLE, keys, ok, hk, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr):
+        """K and V rows of `keys` (one kv head) through the block table: (BLOCK_KEYS, HEAD_DIM) each."""
+        page = tl.load(TABLE + keys // PAGE, mask=ok, other=0).to(tl.int64)
+        rows = ((page * PAGE + keys % PAGE) * HEADS_KV + hk) * HEAD_DIM
+        d = tl.arange(0, HEAD_DIM)
+        k = tl.load(K_CACHE + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V_CACHE + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
+    def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
+                                 qk_scale, PDL: tl.constexpr, HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
+                                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                                 BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr):
+        """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
+        kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
+        keys and writes (m, l, acc); the head's last split to arrive combines them
+        (O = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s). The slice's first tile of keys older than this step
+        is loaded before the wait for (a): only q and the newest key depend on it."""
+        split, hk = tl.program_id(0), tl.program_id(1)
+        k_len = tl.load(SEQLEN)
+        split_len = tl.cdiv(tl.cdiv(k_len, SPLITS), BLOCK_KEYS) * BLOCK_KEYS
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, k_len)
+        keys = lo + tl.arange(0, BLOCK_KEYS)
+        k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+        pdl_prologue(PDL)
+        if hi == k_len:  # this slice holds the newest key, which (a) has just written
+            k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], mask=(g < GROUP)[:, None],
+                    other=0.0)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for start in range(lo, hi, BLOCK_KEYS):
+            if start > lo:
+                keys = start + tl.arange(0, BLOCK_KEYS)
+                k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale holds log2(e)/sqrt(D)
+            s = tl.where((keys < hi)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        part = (hk * SPLITS + split) * BLOCK_G + g
+        tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], acc)
+        tl.store(ML_PART + 2 * part, m)
+        tl.store(ML_PART + 2 * part + 1, l_i)
+        tl.debug_barrier()
+        if tl.atomic_add(COUNTERS + hk, 1) == SPLITS - 1:  # acq_rel: the other slices' partials are visible
+            tl.atomic_xchg(COUNTERS + hk, 0)
+            sp = tl.arange(0, SPLITS)
+            parts = (hk * SPLITS + sp)[:, None] * BLOCK_G + g[None, :]  # (SPLITS, BLOCK_G)
+            ms = tl.load(ML_PART + 2 * parts, cache_modifier=".cg")
+            ls = tl.load(ML_PART + 2 * parts + 1, cache_modifier=".cg")
+            top = tl.max(ms, axis=0)
+            w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - top[None, :]))  # empty slices weigh 0
+            total = tl.sum(w * ls, axis=0)
+            o = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+            for s_i in range(SPLITS):
+                row = (hk * SPLITS + s_i) * BLOCK_G + g
+                w_s = tl.sum(tl.where(sp[:, None] == s_i, w, 0.0), axis=0)
+                o += w_s[:, None] * tl.load(O_PART + row[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+            o = o / total[:, None]
+            tl.store(OUT + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], o.to(OUT.dtype.element_ty),
+                     mask=(g < GROUP)[:, None])
+
 def _config(x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
     return config or tile_config(n, k, not x.is_cuda)
 
@@ -336,13 +408,23 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
     return out
 
 
-class Workspace:
-    """The QKV kernel's fp32 sums (one per output column) and per-head arrival counters (zero between
-    calls); every fused layer of a model shares one: its kernels run one after another on one stream."""
+ATTENTION_SPLITS, BLOCK_KEYS = 16, 32  # key slices per kv head (× kv heads: ~one program per SM), keys a tile
 
-    def __init__(self, n: int, heads: int, device: torch.device):
+
+class Workspace:
+    """The QKV kernel's fp32 sums (one per output column) and per-head arrival counters, and the attention
+    kernel's per-slice partials and per-kv-head counters (counters are zero between calls); every fused layer
+    of a model shares one: its kernels run one after another on one stream."""
+
+    def __init__(self, n: int, heads: int, device: torch.device, heads_kv: int = 0, group: int = 1,
+                 head_dim: int = 0, splits: int = ATTENTION_SPLITS):
         self.partial = torch.empty(n, dtype=torch.float32, device=device)
         self.counters = torch.zeros(heads, dtype=torch.int32, device=device)
+        rows = max(heads_kv, 1) * splits * max(16, next_pow2(group))
+        self.o_part = torch.empty(rows * max(head_dim, 1), dtype=torch.float32, device=device)
+        self.ml_part = torch.empty(2 * rows, dtype=torch.float32, device=device)
+        self.attn_counters = torch.zeros(max(heads_kv, 1), dtype=torch.int32, device=device)
+        self.splits = splits
 
 
 def norm_qkv_rope_store(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w,
@@ -379,6 +461,41 @@ def norm_qkv_rope_store(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads
     return q.view(heads_q, d)
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seqlen: torch.Tensor, workspace: Workspace | None = None,
+                     block_keys: int = BLOCK_KEYS) -> torch.Tensor:
+    """(b): causal attention of one query row q (Hq, D) to the `seqlen` (a (1,) int tensor) keys of one
+    sequence in a paged cache (pages, page_size, Hkv, D) through `block_table` (its row of page indices);
+    returns (Hq, D). Split-K over the keys, combined in the same kernel."""
+    heads_q, d = q.shape
+    _, page, heads_kv, d_k = k_cache.shape
+    if (d_k != d or heads_q % heads_kv or v_cache.shape != k_cache.shape or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.dtype != q.dtype or d & (d - 1) or d < 16
+            or block_table.dim() != 1 or seqlen.numel() != 1):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}, block_table {tuple(block_table.shape)}, seqlen "
+                         f"{tuple(seqlen.shape)} do not fit (head_dim a power of two >= 16, one sequence)")
+    group = heads_q // heads_kv
+    if workspace is None:
+        workspace = Workspace(1, 1, q.device, heads_kv, group, d)
+    out = torch.empty_like(q)
+    _decode_attention_kernel[(workspace.splits, heads_kv)](
+        q, k_cache, v_cache, block_table, seqlen, out, workspace.o_part, workspace.ml_part,
+        workspace.attn_counters, d**-0.5 * 1.4426950408889634, HEADS_KV=heads_kv, GROUP=group, HEAD_DIM=d,
+        PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys, BLOCK_G=max(16, next_pow2(group)),
+        num_warps=4, **pdl_args(q.device))
+    return out
+
+
+def reference_attention(q, k, v):
+    """(b) as torch: q (Hq, D) against this sequence's keys k, v (S, Hkv, D), every key visible."""
+    group = q.shape[0] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an exact reference
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1).to(acc) for t in (k, v))  # (Hq, S, D)
+    p = torch.softmax((q.to(acc)[:, None] @ k.transpose(1, 2))[:, 0] * q.shape[-1] ** -0.5, dim=-1)
+    return (p[:, None] @ v)[:, 0].to(q.dtype)
+
+
 # ------------------------------------------------------------------------------------------------- layer
 
 
@@ -413,7 +530,8 @@ class FusedDecoderLayer(DecoderLayer):
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, paged.kv_cache[0, i], paged.kv_cache[1, i],
             ctx.slot_mapping, self.workspace)
-        o = paged.attend(q.view(1, 1, *q.shape), None, None, i, ctx)
+        o = decode_attention(q, paged.kv_cache[0, i], paged.kv_cache[1, i], ctx.block_tables[0],
+                             ctx.context_lens, self.workspace)
         stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r)
         post = self.post_attention_layernorm
         act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight)
@@ -426,7 +544,9 @@ def fusable(layer: nn.Module) -> bool:
     tests), with no bias but QKV's (what the kernels read)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "gate_up_proj", None), mlp.down_proj]
+    d = attn.head_dim
     return (isinstance(layer, DecoderLayer) and all(isinstance(m, nn.Linear) for m in linears)
+            and d >= 16 and not d & (d - 1)
             and all(m.weight.dtype in (torch.float16, torch.bfloat16, torch.float32) for m in linears)
             and all(m.bias is None for m in linears[1:]))
 
@@ -452,7 +572,9 @@ def apply_fused_decode(runner: Any) -> None:
     if not layers:
         return
     n = max(m.self_attn.qkv_proj.weight.shape[0] for m in layers)
-    workspace = Workspace(n, n // layers[0].self_attn.head_dim, runner.device)
+    attn = layers[0].self_attn
+    heads_q, heads_kv = (size // attn.head_dim for size in attn.qkv_sizes[:2])
+    workspace = Workspace(n, n // attn.head_dim, runner.device, heads_kv, heads_q // heads_kv, attn.head_dim)
     for m in layers:
         m.__class__ = FusedDecoderLayer
         m.workspace = workspace

@@ -85,6 +85,21 @@ def test_o_proj_residual_gate_up_and_down_are_their_torch_definitions(dtype):
            x, nw, 1e-6, w2)
 
 
+@pytest.mark.parametrize("heads_q,heads_kv,d,keys", [(4, 2, 16, 1), (4, 2, 16, 37), (8, 2, 32, 200), (2, 2, 16, 600)])
+def test_decode_attention_is_softmax_attention_over_the_paged_keys(heads_q, heads_kv, d, keys):
+    """One key (the step's own), a slice boundary mid-page, more keys than the slices' first tiles."""
+    g = torch.Generator().manual_seed(keys)
+    k_cache, v_cache = (torch.randn(64, 16, heads_kv, d, generator=g) for _ in range(2))
+    table = torch.randperm(64, generator=g)[:48].int()
+    q = torch.randn(heads_q, d, generator=g)
+    ws = fd.Workspace(1, 1, q.device, heads_kv, heads_q // heads_kv, d, splits=4)
+    out = fd.decode_attention(q, k_cache, v_cache, table, torch.tensor([keys], dtype=torch.int32), ws)
+    pos = torch.arange(keys)
+    pages = table[pos // 16].long()
+    _close(out, fd.reference_attention, q, k_cache[pages, pos % 16], v_cache[pages, pos % 16])
+    assert ws.attn_counters.eq(0).all()  # ready for the next call
+
+
 def test_bad_shapes_are_errors_naming_the_op():
     x, w = torch.randn(8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="o_proj_residual: h"):
@@ -93,6 +108,9 @@ def test_bad_shapes_are_errors_naming_the_op():
         fd.down(torch.randn(2, 8), w)
     with pytest.raises(ValueError, match="norm_gate_up_swiglu: w must be"):
         fd.norm_gate_up_swiglu(x, torch.ones(8), 1e-6, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="decode_attention"):
+        fd.decode_attention(torch.randn(4, 24), torch.zeros(2, 16, 2, 24), torch.zeros(2, 16, 2, 24),
+                            torch.zeros(2, dtype=torch.int32), torch.tensor([3]))
     with pytest.raises(ValueError, match="norm_qkv_rope_store"):
         cos, sin = _rope(4)
         fd.norm_qkv_rope_store(x, None, torch.ones(8), 1e-6, w, None, cos, sin, 1, 1, None, None, 0.0,

@@ -48,6 +48,17 @@ def test_fused_ops_bf16_at_model_shapes(shape):
     _close(fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu), fd.reference_swiglu, x, nw, 1e-6, wgu)
     act = rand(inter)
     _close(fd.down(act, wd), torch.nn.functional.linear, act, wd)
+    pages = 300
+    k_cache, v_cache = rand(pages, 16, hkv, d), rand(pages, 16, hkv, d)
+    table = torch.randperm(pages, device="cuda", generator=g)[:256].int()
+    for keys in (1, 17, 384, 4000):
+        ws = fd.Workspace(1, 1, k_cache.device, hkv, hq // hkv, d)
+        q = rand(hq, d)
+        out = fd.decode_attention(q, k_cache, v_cache, table, torch.tensor([keys], device="cuda",
+                                                                           dtype=torch.int32), ws)
+        pos = torch.arange(keys, device="cuda")
+        rows = table[pos // 16].long(), pos % 16
+        _close(out, fd.reference_attention, q, k_cache[rows], v_cache[rows])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
