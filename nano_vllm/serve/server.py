@@ -26,7 +26,7 @@ import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -497,11 +497,14 @@ def http_config(cfg: DictConfig) -> HTTPConfig:
     return HTTPConfig(**(OmegaConf.to_container(cfg.get("server") or {}, resolve=True) or {}))
 
 
-def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
+def build(cfg: DictConfig, engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
+          ) -> tuple[HTTPServer, EngineLoop]:
     """(http server, engine loop) for a serve config (configs/serve.yaml); the loop is started, the server
     not yet. The port is bound first, so a bad or busy one fails before the model is loaded, and the API
     key (`api_key`, `api_key_file` or NANO_VLLM_API_KEY: auth.py) is read before that. The engine is
-    fast by default; `performance_layers: false` runs the paper path alone."""
+    fast by default; `performance_layers: false` runs the paper path alone. `engine_factory` builds the
+    engine from the config's EngineConfig: LLMEngine, or a package on nano_vllm's subclass with its own
+    arguments bound (`functools.partial`)."""
     from nano_vllm.serve.http_server import listen
 
     api_key = resolve_api_key(cfg.get("api_key"), cfg.get("api_key_file"))
@@ -511,7 +514,7 @@ def build(cfg: DictConfig) -> tuple[HTTPServer, EngineLoop]:
         args["performance_layers"] = bool(cfg.performance_layers)
     sock = listen(str(cfg.host), cfg.port)
     try:
-        loop = EngineLoop(LLMEngine(EngineConfig(model=str(cfg.model), **args))).start()
+        loop = EngineLoop(engine_factory(EngineConfig(model=str(cfg.model), **args))).start()
     except BaseException:
         sock.close()
         raise
