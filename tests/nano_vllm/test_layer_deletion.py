@@ -1,5 +1,6 @@
 """Every performance layer of nano_vllm can be deleted: in a copy of nano_vllm, shared, nano_flashattn and
-nano_quant with layers/cudagraph.py, overlap.py, fused.py, gemv.py, fused_sampling.py or warmup.py deleted
+nano_quant with layers/cudagraph.py, overlap.py, fused.py, gemv.py, fused_decode.py, fused_sampling.py or
+warmup.py deleted
 (one at a time, and all at once), `from nano_vllm import LLM` works, a tiny model's greedy tokens equal the
 full repository's paper path (computed here with `performance_layers=False`) with the default layers and
 with every remaining layer asked for, the registry names what is missing, and asking for a deleted layer
@@ -19,7 +20,7 @@ from nano_vllm import LLM, SamplingParams
 # A deletion test: run from the repository, left out of a fork of the package.
 pytestmark = pytest.mark.slow
 
-LAYERS = ("cudagraph", "overlap", "fused", "gemv", "fused_sampling", "warmup")
+LAYERS = ("cudagraph", "overlap", "fused", "gemv", "fused_decode", "fused_sampling", "warmup")
 SMALL = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64}
 PROMPTS = [[5, 9, 2, 77, 31], [400, 12, 12, 8, 19, 3, 1, 250]]
 
@@ -32,7 +33,8 @@ from pathlib import Path
 LAYERS, SMALL, PROMPTS, expected = json.loads(sys.argv[1])
 # a switch that asks for each layer that has one (asked for anywhere, a CPU too)
 SWITCHES = {"overlap": {"async_scheduling": True}, "fused": {"fused_projections": True},
-            "gemv": {"gemv_max_tokens": 1}, "fused_sampling": {"fused_sampling": True}}
+            "gemv": {"gemv_max_tokens": 1}, "fused_sampling": {"fused_sampling": True},
+            "fused_decode": {"fused_decode": True}}
 folder = Path("nano_vllm/layers")
 sources = {name: (folder / f"{name}.py").read_text() for name in LAYERS}
 cases = [[name] for name in LAYERS] + [list(LAYERS)]
