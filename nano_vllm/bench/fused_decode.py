@@ -90,7 +90,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         n, k = w.shape
         if kind == "gate_up":
             n //= 2
-        default = fd.tile_config(n, k)
+        default = fd.tile_config(kind, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
         for c in configs(k, head_dim):
             seconds = _time_graph(lambda c=c, launch=launch: [launch(c, i) for i in range(layers)]) / layers
             row = {"kernel": kind, "N x K": f"{w.shape[0]}x{k}", "config": f"{c.block_n}x{c.block_k}/w{c.num_warps}",
@@ -125,7 +125,10 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     print_table(attn_rows, title=f"Flash-Decoding, batch 1, {hq}/{hkv} heads of {d}, {pages * 16}-key block table")
     print("best configs (fused_decode.MEASURED):")
     for kind, (c, row) in best.items():
-        print(f"    {kind}: ({row['N x K']}) TileConfig({c.block_n}, {c.block_k}, {c.num_warps}),  # "
+        n, k = (int(v) for v in row["N x K"].split("x"))
+        n = n // 2 if kind == "gate_up" else n
+        print(f'    ("{kind}", {n}, {k}): TileConfig({c.block_n}, {c.block_k}, {c.num_warps}),  # '
               f"{row['us']:.2f} us, {row['GB/s']:.0f} GB/s")
     return {"model": model, "rows": rows, "attention": attn_rows,
-            "best": {k: {"config": [c.block_n, c.block_k, c.num_warps], **row} for k, (c, row) in best.items()}}
+            "best": {k: {"config": [c.block_n, c.block_k, c.num_warps], **row} for k, (c, row) in best.items()},
+            "best_attention": min((r for r in attn_rows if r["kernel"] == "fused_decode"), key=lambda r: r["us"])}

@@ -66,13 +66,28 @@ class TileConfig:
     num_warps: int = 8
 
 
+# The best config per kernel and weight shape (N, K) on a GPU with MEASURED_SMS SMs, from `python -m
+# nano_vllm.bench fused_decode_sweep=true model=...`, which prints these lines; other shapes and GPUs take
+# `tile_config`'s rule.
+MEASURED_SMS = 132
+MEASURED: dict[tuple[str, int, int], TileConfig] = {}
+
+
 @functools.lru_cache(maxsize=256)
-def tile_config(n: int, k: int, interpreted: bool = False) -> TileConfig:
-    """One weight row a program, the whole row in one or two tiles (≤ 4096 elements: 16 fp32
-    accumulators a thread at 8 warps), so a program's whole read is issued before it waits. Under the
-    interpreter (a CPU), 16 rows a program: it runs programs one by one, so fewer is faster."""
-    block_k = min(next_pow2(k), 4096)
-    return TileConfig(16 if interpreted else 1, block_k, 8 if block_k >= 2048 else 4)
+def tile_config(kind: str, n: int, k: int, sms: int = 0) -> TileConfig:
+    """The config of kernel `kind` ("qkv", "o_proj", "gate_up", "down") for a weight (N, K) — for gate_up
+    N is the intermediate size — on a GPU of `sms` SMs (0: the interpreter): the measured one, else a
+    rule: 8 weight rows a program, the whole row in one tile up to 2048 elements, so a program's whole
+    read is issued before it waits. Under the interpreter (a CPU), 16 rows: it runs programs one by one."""
+    if sms == MEASURED_SMS and (kind, n, k) in MEASURED:
+        return MEASURED[kind, n, k]
+    block_k = min(next_pow2(k), 2048)
+    return TileConfig(16 if sms == 0 else 8, block_k, 8 if block_k >= 2048 else 4)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 # ----------------------------------------------------------------------------------------------- reference
@@ -348,12 +363,13 @@ if HAS_TRITON:
             tl.store(OUT + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], o.to(OUT.dtype.element_ty),
                      mask=(g < GROUP)[:, None])
 
-def _config(x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
-    return config or tile_config(n, k, not x.is_cuda)
+def _config(kind: str, x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
+    return config or tile_config(kind, n, k, _num_sms(x.device))
 
 
-def _launch_args(x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> tuple[tuple, dict]:
-    config = _config(x, n, k, config)
+def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
+                 config: TileConfig | None) -> tuple[tuple, dict]:
+    config = _config(kind, x, n, k, config)
     grid = (cdiv(n, config.block_n),)
     return grid, {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": k % config.block_k == 0,
                   "num_warps": config.num_warps, **pdl_args(x.device)}
@@ -377,7 +393,7 @@ def o_proj_residual(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, residual:
             raise ValueError(f"o_proj_residual: {name} must be a contiguous ({n},) {x.dtype}, got "
                              f"{tuple(t.shape)} {t.dtype}")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    grid, meta = _launch_args(x, n, k, config)
+    grid, meta = _launch_args("o_proj", x, n, k, config)
     _o_proj_residual_kernel[grid](x, w, h, residual if residual is not None else h, out, n, k, w.stride(0),
                                   HAS_RES=residual is not None, **meta)
     return out
@@ -388,7 +404,7 @@ def down(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> 
     _check(x, w, "down")
     n, k = w.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    grid, meta = _launch_args(x, n, k, config)
+    grid, meta = _launch_args("down", x, n, k, config)
     _down_kernel[grid](x, w, out, n, k, w.stride(0), **meta)
     return out
 
@@ -403,7 +419,7 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
                          f"{tuple(w.shape)} and {tuple(norm_w.shape)}")
     n = n2 // 2
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    grid, meta = _launch_args(x, n, k, config)
+    grid, meta = _launch_args("gate_up", x, n, k, config)
     _norm_gate_up_swiglu_kernel[grid](x, norm_w, w, out, n, k, eps, w.stride(0), **meta)
     return out
 
@@ -440,14 +456,14 @@ def norm_qkv_rope_store(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads
             or v_cache.shape != k_cache.shape or not v_cache.is_contiguous() or k_cache.dtype != x.dtype:
         raise ValueError(f"norm_qkv_rope_store: w {tuple(w.shape)}, heads {heads_q}/{heads_kv} of {d}, caches "
                          f"{tuple(k_cache.shape)} {k_cache.dtype} do not fit one another")
-    config = _config(x, n, k, config)
+    config = _config("qkv", x, n, k, config)
     if d % config.block_n:
         raise ValueError(f"norm_qkv_rope_store: block_n {config.block_n} must divide head_dim {d}")
     heads = heads_q + 2 * heads_kv
     if workspace is None:
         workspace = Workspace(n, heads, x.device)
     q = torch.empty(heads_q * d, dtype=x.dtype, device=x.device)
-    grid, meta = _launch_args(x, n, k, config)
+    grid, meta = _launch_args("qkv", x, n, k, config)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_qkv_rope_store: residual must be {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
