@@ -10,6 +10,7 @@ input is missing is skipped, and the report says which bench to run for it:
   mfu_scaling.png      shared / nano_megatron / nano_zero benches: MFU (by denominator), scaling efficiency
   sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate vs the analytic optimum, programs/s
   distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs rate, measured and simulated
+  kv_cache.png         nano_quant.bench_kv: quantized KV cache vs 16 bits (kernel, engine, tokens per GiB)
 
     python -m shared.report                            # docs/results/*.json -> docs/img/*.png
     python -m shared.report --results DIR --out DIR
@@ -35,6 +36,7 @@ SOURCES = {
     "training": "python -m shared.bench --json FILE, or the nano_megatron / nano_zero bench's bench.json",
     "sglang": "python -m nano_sglang.bench (bench.json in its Hydra run directory)",
     "distserve": "python -m nano_distserve.bench mode=measured (bench.json in its Hydra run directory)",
+    "kv": "python -m nano_quant.bench_kv (bench_kv.json in its Hydra run directory)",
 }
 IMPL_LABELS = {"ours": "nano_flashattn", "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN",
                "sdpa": "SDPA (default backend)"}
@@ -55,6 +57,8 @@ def kind_of(record: dict) -> str | None:
         return "training"
     if bench == "nano_sglang":
         return "sglang"
+    if bench == "nano_quant.bench_kv":
+        return "kv"
     if record.get("mode") in ("measured", "sim") and isinstance(record.get("systems"), list):
         return "distserve"
     return None
@@ -371,6 +375,58 @@ def fig_sglang(records: list[Record], out: Path) -> list[Path]:
     return paths
 
 
+# ------------------------------------------------------------------ nano_quant: the quantized KV cache
+KV_COLORS = ["fp8", "kivi4", "kivi2", "sdpa cudnn", "sdpa flash"]  # one color per dtype in every panel
+
+
+def fig_kv(records: list[Record], out: Path) -> list[Path]:
+    """nano_quant.bench_kv: each kv_cache_dtype against the 16-bit cache — the decode kernel's speedup per
+    (heads, batch x context) case, nano_vllm's output tokens/s on the KV-limited workload, and the tokens
+    a GiB of cache holds (the engine's sizing; hatched: computed, where the engine refused the dtype)."""
+    paths = []
+    for name, rec in records:
+        panels = [p for p in ("kernel", "engine", "memory") if rec.get(p)]
+        if not panels:
+            raise KeyError("kernel / engine / memory")
+        fig, axes = _grid(len(panels), 6.4, 4.4, columns=3)
+        for ax, panel in zip(axes, panels):
+            rows = rec[panel]
+            if panel == "kernel":
+                groups = list(dict.fromkeys((r["model"], r["batch"], r["context"]) for r in rows))
+                labels = [f"{m}\n{b} x {c // 1024}k" if c >= 1024 else f"{m}\n{b} x {c}" for m, b, c in groups]
+                key, ylabel = "vs auto", "decode kernel speed vs 16-bit (same page)"
+            else:
+                groups = list(dict.fromkeys(r["model"] for r in rows))
+                labels = [str(m) for m in groups]
+                key = "vs auto" if panel == "engine" else "tokens per GiB vs auto"
+                ylabel = "output tok/s vs 16-bit" if panel == "engine" else "tokens per GiB vs 16-bit"
+            dtypes = list(dict.fromkeys(r["kv_cache_dtype"] for r in rows if r["kv_cache_dtype"] != "auto"))
+            width = 0.8 / max(len(dtypes), 1)
+            for k, dtype in enumerate(dtypes):
+                for i, g in enumerate(groups):
+                    sel = [r for r in rows if r["kv_cache_dtype"] == dtype and
+                           ((r["model"], r["batch"], r["context"]) if panel == "kernel" else r["model"]) == g]
+                    computed = panel == "memory" and sel and _num(sel[0].get(key)) is None
+                    v = _num(sel[0].get("tokens per GiB, computed vs auto" if computed else key)) if sel else None
+                    if v is None:
+                        continue
+                    x = i + (k - (len(dtypes) - 1) / 2) * width
+                    color = f"C{KV_COLORS.index(dtype)}" if dtype in KV_COLORS else f"C{5 + k}"
+                    ax.bar(x, v, width, color=color, hatch="//" if computed else "", label=dtype)
+                    ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=7)
+            ax.axhline(1, ls=":", c="grey")
+            ax.set_xticks(range(len(groups)), labels, fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="y", alpha=0.3)
+            unique = dict(zip(*reversed(ax.get_legend_handles_labels())))  # a label per dtype
+            ax.legend(unique.values(), unique.keys(), fontsize=7)
+        quick = " (quick run: small shapes, says nothing about speed)" if rec.get("quick") else ""
+        _title(fig, f"Quantized KV cache vs 16 bits: decode kernel, nano_vllm, memory{quick}", rec)
+        paths.append(_save(fig, _png(out, "kv_cache", name, records)))
+    return paths
+
+
 # ------------------------------------------------------------------ nano_distserve
 def fig_distserve(records: list[Record], out: Path) -> list[Path]:
     fig, axes = _grid(len(records), 6.2, 4.6)
@@ -405,6 +461,7 @@ FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
     "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode),
     "vllm": ("vllm", fig_vllm), "vllm_timeline": ("vllm", fig_vllm_timeline), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
     "distserve": ("distserve", fig_distserve),
+    "kv_cache": ("kv", fig_kv),
 }
 
 
