@@ -11,6 +11,7 @@ input is missing is skipped, and the report says which bench to run for it:
   sglang_hit_rate.png  nano_sglang.bench: prefix-cache hit rate vs the analytic optimum, programs/s
   distserve_slo.png    nano_distserve.bench mode=measured: SLO attainment vs rate, measured and simulated
   kv_cache.png         nano_quant.bench_kv: quantized KV cache vs 16 bits (kernel, engine, tokens per GiB)
+  specdec_speedup.png  nano_specdec.bench: speedup over plain decode and τ vs batch size, per workload
 
     python -m shared.report                            # docs/results/*.json -> docs/img/*.png
     python -m shared.report --results DIR --out DIR
@@ -37,6 +38,7 @@ SOURCES = {
     "sglang": "python -m nano_sglang.bench (bench.json in its Hydra run directory)",
     "distserve": "python -m nano_distserve.bench mode=measured (bench.json in its Hydra run directory)",
     "kv": "python -m nano_quant.bench_kv (bench_kv.json in its Hydra run directory)",
+    "specdec": "python -m nano_specdec.bench (bench.json in its Hydra run directory)",
 }
 IMPL_LABELS = {"ours": "nano_flashattn", "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN",
                "sdpa": "SDPA (default backend)"}
@@ -59,6 +61,8 @@ def kind_of(record: dict) -> str | None:
         return "sglang"
     if bench == "nano_quant.bench_kv":
         return "kv"
+    if bench == "nano_specdec":
+        return "specdec"
     if record.get("mode") in ("measured", "sim") and isinstance(record.get("systems"), list):
         return "distserve"
     return None
@@ -457,10 +461,61 @@ def fig_distserve(records: list[Record], out: Path) -> list[Path]:
     return [_save(fig, out / "distserve_slo.png")]
 
 
+# ------------------------------------------------------------------ nano_specdec
+def fig_specdec(records: list[Record], out: Path) -> list[Path]:
+    """Per workload: the speedup over nano_vllm's plain decode (top; a projection for a larger target,
+    when the record has one, dotted) and τ (bottom) against the batch size, a line per method and
+    temperature (solid greedy, dashed sampled)."""
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, rec in records:
+        rows = rec["rows"]
+        workloads = list(dict.fromkeys(r["workload"] for r in rows))
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        series = list(dict.fromkeys((r["method"], r["temperature"]) for r in rows))
+        cost = rec.get("cost") or {}
+        fig, axes = plt.subplots(2, len(workloads), figsize=(4.6 * len(workloads), 7), squeeze=False,
+                                 sharex=True)
+        for j, workload in enumerate(workloads):
+            top, bottom = axes[0][j], axes[1][j]
+            for method, t in series:
+                style = {"c": f"C{methods.index(method)}", "ls": "-" if t == 0 else "--"}
+                sel = sorted((r for r in rows if (r["workload"], r["method"], r["temperature"]) ==
+                              (workload, method, t)), key=lambda r: r["batch"])
+                label = f"{method}, T={t:g}"
+                for ax, key in ((top, "speedup"), (bottom, "tau")):
+                    pts = [(r["batch"], _num(r.get(key))) for r in sel if _num(r.get(key)) is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=label, **style)
+                proj = sorted((p["batch"], p["projected speedup"]) for p in cost.get("projection") or []
+                              if (p["workload"], p["method"], p["temperature"]) == (workload, method, t))
+                if proj:
+                    top.plot(*zip(*proj), marker="x", ls=":", c=style["c"],
+                             label=f"{label}: projection, {cost.get('model')}")
+            top.axhline(1, ls=":", c="grey")
+            top.set_title(workload, fontsize=10)
+            top.set_ylabel("output tok/s vs plain decode")
+            bottom.set_ylabel("τ: tokens per target forward")
+            bottom.set_xlabel("batch size")
+            batches = sorted({r["batch"] for r in rows})
+            for ax in (top, bottom):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(batches, [str(b) for b in batches])
+                ax.set_ylim(bottom=0)
+                ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        quick = " (quick run: the tiny model as its own draft)" if rec.get("quick") else ""
+        _title(fig, f"nano_specdec: speculative decoding against nano_vllm's plain decode, {rec.get('model')}, "
+                    f"k = {rec.get('num_speculative_tokens')}{quick}", rec)
+        paths.append(_save(fig, _png(out, "specdec_speedup", name, records)))
+    return paths
+
+
 FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
     "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode),
     "vllm": ("vllm", fig_vllm), "vllm_timeline": ("vllm", fig_vllm_timeline), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
-    "distserve": ("distserve", fig_distserve),
+    "distserve": ("distserve", fig_distserve), "specdec": ("specdec", fig_specdec),
     "kv_cache": ("kv", fig_kv),
 }
 

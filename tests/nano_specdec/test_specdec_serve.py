@@ -1,7 +1,8 @@
 """`python -m nano_specdec.serve` through a real HTTP server on loopback (the `tiny` preset): greedy
 completions, streamed and not, equal nano_vllm.serve's with prompt lookup and with a draft model; vLLM's
-spec_decode counters on /metrics move with the verifications (and are absent without speculation); a bad
-speculative_config fails before the port is bound; the start-up line reports the draft's memory."""
+spec_decode counters on /metrics move with the verifications (and are absent without speculation); the
+start-up line reports the draft's memory. A bad speculative_config fails before the port is bound, and
+(through `nano_specdec.LLM`) before the target loads: nothing is built, nothing queued."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nano_specdec import LLM
 from nano_specdec import serve as specdec_serve
+from nano_vllm.engine import LLMEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,3 +153,27 @@ def test_a_bad_speculative_config_fails_before_the_port_is_bound(spec, error, ma
     monkeypatch.setattr("nano_vllm.serve.http_server.listen", listen)
     with pytest.raises(error, match=match):
         specdec_serve.build(compose(spec))
+
+
+@pytest.mark.parametrize("config, error, match", [
+    ({"method": "medusa9", "num_speculative_tokens": 2}, ValueError, "unknown method"),
+    ({"method": None, "num_speculative_tokens": 2}, ValueError, "unknown method"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": "4"}, ValueError, "num_speculative_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/draft"}, ValueError,
+     "/no/such/draft"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "other_vocab"}, ValueError,
+     "vocabulary of 1000 tokens"),
+])
+def test_bad_input_fails_at_construction_before_the_target_loads(config, error, match, monkeypatch,
+                                                                 request):
+    if config.get("model") == "other_vocab":
+        config = {**config, "model": request.getfixturevalue("other_vocab")}
+
+    def load(*args, **kwargs):
+        raise AssertionError("the target was built before the speculative_config was checked")
+
+    monkeypatch.setattr(LLMEngine, "__init__", load)
+    with pytest.raises(error, match=match):
+        LLM("tiny", speculative_config=config, device="cpu")

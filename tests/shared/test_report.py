@@ -58,11 +58,18 @@ DISTSERVE = {"mode": "measured", "workload": {"name": "summarization", "ttft_slo
                   "sim_attainment": [0.98, 0.9, 0.55], "goodput_per_gpu": 5.0, "sim_goodput_per_gpu": 6.1},
                  {"system": "colocated_chunked", "gpus": 1, "attainment": [1.0, 0.95, 0.78],
                   "sim_attainment": [1.0, 0.98, 0.84], "goodput_per_gpu": 7.0, "sim_goodput_per_gpu": 7.7}]}
+SPECDEC = {"bench": "nano_specdec", "model": "llama-100m", "num_speculative_tokens": 4, "gpu": "NVIDIA H100",
+           "rows": [{"workload": w, "method": m, "batch": b, "temperature": t, "speedup": 1.5 / b ** 0.2,
+                     "tau": 2.5 - t} for w in ("code", "edit") for m in ("ngram", "draft_model")
+                    for b in (1, 4, 16) for t in (0.0, 1.0)],
+           "cost": {"label": "projection", "model": "llama3-8b", "projection": [
+               {"workload": "edit", "method": "ngram", "batch": b, "temperature": 0.0, "projected speedup": 1.8}
+               for b in (1, 4)]}}
 ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
        "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
-       "nano_distserve_summarization.json": DISTSERVE}
+       "nano_distserve_summarization.json": DISTSERVE, "nano_specdec.json": SPECDEC}
 EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "vllm_timeline.png", "mfu_scaling.png",
-            "sglang_hit_rate.png", "distserve_slo.png"]
+            "sglang_hit_rate.png", "distserve_slo.png", "specdec_speedup.png"]
 
 
 def _write(directory: Path, records: dict[str, object]) -> Path:
