@@ -32,7 +32,7 @@ from nano_vllm.config import EngineConfig
 from nano_vllm.model_runner import ModelRunner
 from nano_vllm.sampling_params import SamplingParams
 from nano_vllm.scheduler import SchedulerOutput
-from shared.bench import benchmark
+from shared.bench import benchmark, release_memory
 from shared.config import PRESETS, resolve_model_config
 
 
@@ -95,6 +95,7 @@ def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_siz
                                                                 device)
         row["verify / decode"] = row[f"verify ms ({k + 1} tokens)"] / row["decode ms"]
     del runner
+    release_memory()  # the target's weights and KV pool, before the draft's are built
     runner = make_runner(base, draft, max_b, per_seq, max_model_len)
     for row in rows:
         row["draft step ms"] = 1e3 * step_seconds(runner, row["batch"], context, 1, per_seq, device)
