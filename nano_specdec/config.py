@@ -2,9 +2,13 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     {"method": "draft_model", "num_speculative_tokens": 4, "model": "path/to/small-checkpoint"}
+    {"method": "medusa" | "eagle", "num_speculative_tokens": 4, "model": "path/to/draft"}
 
 `prompt_lookup_max` / `prompt_lookup_min` default as vLLM's do: both 5 when neither is given, else the
-one given for both.
+one given for both. EAGLE-2's tree knobs take SGLang's names: `num_steps` (the draft's depth),
+`eagle_topk` (branches per node) and `num_draft_tokens` (tokens verified per step); the engine verifies
+chains, so they must describe one (num_steps = num_speculative_tokens, eagle_topk = 1,
+num_draft_tokens = num_steps + 1) — a tree is refused by name.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+from shared.checkpoint import read_json
+from shared.config import ModelConfig
+
+METHODS = ("ngram", "draft_model", "medusa", "eagle")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -24,24 +32,29 @@ def _positive(name: str, value: Any) -> None:
 
 @dataclass
 class SpeculativeConfig:
-    """method: "ngram" (prompt lookup) or "draft_model"; num_speculative_tokens: k, the drafts verified
-    per step; model: the draft checkpoint (draft_model); prompt_lookup_max / _min: the n-gram lengths
-    tried, longest first (ngram)."""
+    """method: "ngram" (prompt lookup), "draft_model", "medusa" or "eagle"; num_speculative_tokens: k,
+    the drafts verified per step; model: the draft checkpoint (every method but ngram);
+    prompt_lookup_max / _min: the n-gram lengths tried, longest first (ngram); num_steps, eagle_topk,
+    num_draft_tokens: EAGLE-2's tree (eagle; module docstring)."""
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; "
                              f"valid: {list(METHODS)}")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method == "draft_model" and not isinstance(self.model, str):
-            raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft's "
-                             f"checkpoint directory or preset name, got {self.model!r}")
+        if self.method != "ngram" and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config: method {self.method!r} needs 'model', the "
+                             f"draft's checkpoint directory, got {self.model!r}")
+        self._check_tree()
         if self.method == "ngram":
             if self.model is not None:
                 raise ValueError("speculative_config: 'model' is for method 'draft_model'; "
@@ -54,6 +67,44 @@ class SpeculativeConfig:
             if hi < lo:
                 raise ValueError(f"speculative_config: prompt_lookup_max ({hi}) must be >= "
                                  f"prompt_lookup_min ({lo})")
+
+    def _check_tree(self) -> None:
+        knobs = {n: getattr(self, n) for n in ("num_steps", "eagle_topk", "num_draft_tokens")
+                 if getattr(self, n) is not None}
+        if knobs and self.method != "eagle":
+            raise ValueError(f"speculative_config: {sorted(knobs)} are EAGLE-2's tree knobs, for "
+                             f"method 'eagle', not {self.method!r}")
+        for name, value in knobs.items():
+            _positive(name, value)
+        k = self.num_speculative_tokens
+        steps = knobs.get("num_steps", k)
+        if steps != k:
+            raise ValueError(f"speculative_config: num_steps ({steps}) is the draft's depth and must "
+                             f"equal num_speculative_tokens ({k})")
+        if knobs.get("eagle_topk", 1) != 1 or knobs.get("num_draft_tokens", k + 1) != k + 1:
+            tree = {n: v for n, v in knobs.items() if n != "num_steps"}
+            raise ValueError(f"speculative_config: {tree} asks for EAGLE-2's draft tree, which the "
+                             "engine cannot verify yet (no tree attention): a chain is eagle_topk=1, "
+                             f"num_draft_tokens={k + 1} (num_steps + 1)")
+
+    def check_draft(self, draft: ModelConfig, target: ModelConfig, target_name: str) -> None:
+        """The draft `model` fits the target: the same vocabulary, and a draft of this method's kind
+        (config.json's `speculative_method`, which `nano_specdec.train` writes for Medusa heads and
+        EAGLE layers; a plain model is a draft_model) reading hidden states of the target's size."""
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft {self.model!r} has a vocabulary of "
+                             f"{draft.vocab_size} tokens, the target {target_name!r} "
+                             f"{target.vocab_size}: a draft must share the target's vocabulary")
+        path = Path(str(self.model)) / "config.json"
+        kind = read_json(path).get("speculative_method", "draft_model") if path.is_file() \
+            else "draft_model"
+        if kind != self.method:
+            raise ValueError(f"speculative_config: {self.model!r} is a draft for method {kind!r} "
+                             f"(config.json's speculative_method), not {self.method!r}")
+        if kind != "draft_model" and draft.hidden_size != target.hidden_size:
+            raise ValueError(f"speculative_config: the {kind} draft {self.model!r} reads hidden "
+                             f"states of size {draft.hidden_size}, the target's are "
+                             f"{target.hidden_size}")
 
     @classmethod
     def of(cls, value: SpeculativeConfig | Mapping[str, Any]) -> SpeculativeConfig:

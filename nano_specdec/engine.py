@@ -7,9 +7,10 @@ points (`scheduler_cls`, `model_runner_cls`), and vLLM's `speculative_config`.
     llm.engine.num_accepted_tokens, llm.engine.num_draft_tokens
 
 One step (`LLMEngine.step`, unchanged): the scheduler schedules as nano_vllm does and gives each decode
-its drafts (scheduler.py, the proposers of proposers.py); the runner scores every sequence's last token
+its drafts (scheduler.py, the proposers of proposers.py, medusa.py, eagle.py); the runner scores every sequence's last token
 and drafts in one target forward and verifies them (model_runner.py, sampling.py); the scheduler appends
-the emitted tokens and rolls the KV cache back to the accepted ones. Greedy output is the target's own,
+the emitted tokens and rolls the KV cache back to the accepted ones. Medusa's heads and EAGLE's draft
+layer read the target's hidden states, which the runner hands them every step. Greedy output is the target's own,
 token for token; sampled output is distributed as the target's (Leviathan Appendix A.1).
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from nano_specdec.config import SpeculativeConfig
+from nano_specdec.eagle import EagleProposer
+from nano_specdec.medusa import MedusaProposer
 from nano_specdec.model_runner import SpecModelRunner
 from nano_specdec.proposers import DraftModelProposer, NgramProposer, Proposer
 from nano_specdec.scheduler import SpecDecodeStats, SpecScheduler
@@ -39,24 +42,25 @@ class SpecDecodeEngine(LLMEngine):
         if config.tensor_parallel_size != 1:
             raise ValueError("nano_specdec runs on one device: tensor_parallel_size must be 1")
         draft_config = None
-        if spec.method == "draft_model":
+        if spec.method != "ngram":
             draft_config = resolve_model_config(spec.model)
-            target = resolve_model_config(config.model)
-            if draft_config.vocab_size != target.vocab_size:
-                raise ValueError(f"speculative_config: the draft {spec.model!r} has a vocabulary "
-                                 f"of {draft_config.vocab_size} tokens, the target "
-                                 f"{config.model!r} {target.vocab_size}: a draft must share the "
-                                 "target's vocabulary")
+            spec.check_draft(draft_config, resolve_model_config(config.model), config.model)
         super().__init__(config)
         if draft_config is not None and draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config: the draft's max_position_embeddings "
                              f"({draft_config.max_position_embeddings}) is below max_model_len "
                              f"({self.max_model_len})")
         self.speculative_config = spec
+        target_model = self.model_runner.model
+        args = (config, spec.model, draft_config, self.model_runner.num_blocks, self.max_model_len)
         self.proposer: Proposer = (
-            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if draft_config is None
-            else DraftModelProposer(config, spec.model, draft_config, self.model_runner.num_blocks,
-                                    self.max_model_len))
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
+            else MedusaProposer(spec.model, target_model, spec.num_speculative_tokens)
+            if spec.method == "medusa"
+            else EagleProposer(*args, target_model) if spec.method == "eagle"
+            else DraftModelProposer(*args))
+        if hasattr(self.proposer, "observe"):  # it drafts from the target's hidden states
+            self.model_runner.proposer = self.proposer
         self.scheduler.proposer = self.proposer
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
 

@@ -15,6 +15,12 @@ asks for:
 
 Rows without drafts (prefill chunks that end their prompt, decodes without a proposal) are sampled by
 nano_vllm's sampler, the same draw as in a plain step.
+
+A proposer that drafts from the target's hidden states (Medusa's heads, EAGLE's draft layer) is set as
+`proposer`; every step then hands it the hidden states of each sequence's tokens — all rows of a
+prefill chunk or plain decode, the accepted rows of a verification. They come out of nano_vllm's runner
+the way prompt log-probabilities do: as rows of `StepInputs.prompt_rows`, whose hidden states
+`forward` keeps (such a step runs eagerly, without CUDA graphs).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class SpecModelRunner(ModelRunner):
     """nano_vllm's runner with verification (module docstring); `execute` returns, per scheduled
     sequence, the tokens it emits."""
 
+    proposer = None  # one with `observe`: it gets the target's hidden states every step
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """nano_vllm's packed batch; a sequence with drafts returns the logits of all its k + 1 rows."""
         inputs = super().prepare(out)
@@ -41,18 +49,36 @@ class SpecModelRunner(ModelRunner):
             cu = inputs.cu_seqlens_q
             inputs.sample_rows = [row for i, s in enumerate(out.samples) if s
                                   for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
+        if self.proposer is not None:  # every row's hidden state, after the scored prompt rows
+            self.num_scored = len(inputs.prompt_rows)
+            inputs.prompt_rows = inputs.prompt_rows + list(range(len(inputs.token_ids)))
         return inputs
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        logits = super().forward(inputs)
+        if self.proposer is not None:
+            n = self.num_scored
+            self.hidden, self.prompt_hidden = self.prompt_hidden[n:], self.prompt_hidden[:n]
+        return logits
 
     def execute(self, out: SchedulerOutput) -> list[list[int]]:
         drafts = getattr(out, "drafts", None)
         if not (drafts and any(drafts)):  # a plain step
             tokens = iter(super().execute(out))
-            return [[next(tokens)] if s else [] for s in out.samples]
-        logits = self.run(self.prepare(out))
-        scores = StepLogprobs.of(self, out, None, None)  # prompt log-probabilities, if asked for
-        if scores is not None:
-            scores.attach()
-        return self.verify(logits, out)
+            emitted = [[next(tokens)] if s else [] for s in out.samples]
+        else:
+            logits = self.run(self.prepare(out))
+            scores = StepLogprobs.of(self, out, None, None)  # prompt log-probabilities, if asked for
+            if scores is not None:
+                scores.attach()
+            emitted = self.verify(logits, out)
+        if self.proposer is not None:
+            row = 0  # a verification's accepted rows: its last token and the accepted drafts
+            for seq, n, d, e in zip(out.seqs, out.num_new_tokens, drafts or out.seqs, emitted):
+                valid = len(e) if drafts and d else n
+                self.proposer.observe(seq, seq.num_computed_tokens, self.hidden[row : row + valid])
+                row += n
+        return emitted
 
     def verify(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[int]]:
         """The emitted tokens of every scheduled sequence, from its rows of `logits`."""

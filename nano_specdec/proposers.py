@@ -1,9 +1,13 @@
-"""Drafters: who proposes the k tokens the target verifies. One small interface, two proposers.
+"""Drafters: who proposes the k tokens the target verifies. One small interface, four proposers: two
+here, Medusa's heads in medusa.py and EAGLE's draft layer in eagle.py.
 
 `propose(seqs, ks)` gets the running sequences (their `token_ids` hold only accepted tokens) and how many
 tokens each may get; it returns, per sequence, up to k_i draft tokens and the distribution each was drawn
 from ([k_i, V]) — or None where the tokens were chosen deterministically (one-hot q, as
 `sampling.verify_chains` reads None). `release(seq)` forgets a sequence (finished, aborted, preempted).
+A proposer that drafts from the target's hidden states (Medusa, EAGLE) also has `observe(seq, start,
+hidden)`: the verifying runner hands it, every step, the hidden states of the tokens of `seq` the step
+computed from position `start` on (of a verification, only the accepted ones).
 
 * `NgramProposer` — prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the
   last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`, vLLM's names) in prompt +
@@ -122,9 +126,13 @@ class DraftModelProposer:
                  num_blocks: int, max_model_len: int):
         cfg = config.replace(model=draft, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None,
                              async_scheduling=False, quantization=None)
-        self.runner = ModelRunner(cfg, draft_config, max_model_len)
+        self.runner = self.make_runner(cfg, draft_config, max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, False)
         self.seqs: dict[int, DraftSeq] = {}
+
+    def make_runner(self, cfg: EngineConfig, draft_config: ModelConfig,
+                    max_model_len: int) -> ModelRunner:
+        return ModelRunner(cfg, draft_config, max_model_len)
 
     def _sync(self, seq: Sequence) -> DraftSeq | None:
         """The draft's state for `seq`, rolled back to the K/V of tokens the request still holds (the
@@ -147,27 +155,26 @@ class DraftModelProposer:
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> Drafts:
         """k_i tokens for sequence i, one draft forward per token (Leviathan Algorithm 1, the loop over
         M_q): the first forward also computes the draft's K/V of the tokens accepted since last time."""
-        live = [(d, k) for d, k in ((self._sync(s), k) for s, k in zip(seqs, ks)) if d is not None]
-        step = 0
+        synced = [self._sync(s) for s in seqs]
+        live = [(d, k) for d, k in zip(synced, ks) if d is not None]
         while live:
-            if step:  # the previous draft's K/V: one slot more, or this sequence stops here
-                live = [(d, k) for d, k in live if self.block_manager.allocate_slots(d, 1)]
             batch = [d for d, _ in live]
-            out = SchedulerOutput(batch, [d.num_tokens - d.num_computed_tokens for d in batch])
-            logits = self.runner.run(self.runner.prepare(out))
+            logits = self._forward(batch)
             for j, d in enumerate(batch):
                 d.num_computed_tokens = d.num_tokens
                 token = self._draw(d, logits[j : j + 1])
                 d.token_ids.append(token)
                 d.drafts.append(token)
-            live = [(d, k) for d, k in live if len(d.drafts) < k]
-            step += 1
-        out_drafts, out_probs = [], []
-        for seq in seqs:
-            d = self.seqs[seq.seq_id]
-            out_drafts.append(d.drafts)
-            out_probs.append(torch.cat(d.probs) if d.probs else None)
-        return out_drafts, out_probs
+            # the next forward computes the last draft's K/V: one slot more, or the sequence stops
+            live = [(d, k) for d, k in live
+                    if len(d.drafts) < k and self.block_manager.allocate_slots(d, 1)]
+        return ([d.drafts if d else [] for d in synced],
+                [torch.cat(d.probs) if d and d.probs else None for d in synced])
+
+    def _forward(self, batch: list[DraftSeq]) -> torch.Tensor:
+        """The draft's logits after each sequence's uncomputed tokens, one row per sequence."""
+        out = SchedulerOutput(batch, [d.num_tokens - d.num_computed_tokens for d in batch])
+        return self.runner.run(self.runner.prepare(out))
 
     def _draw(self, d: DraftSeq, logits: torch.Tensor) -> int:
         """The request's own sampling on the draft's logits: the argmax when greedy, else a draw from q,

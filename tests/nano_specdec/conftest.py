@@ -52,3 +52,65 @@ def toy_pair(tmp_path_factory):
                             init=0.02),
             make_checkpoint(tmp_path_factory.mktemp("toy_draft"), seed=5, vocab_size=16, layers=1,
                             init=0.1))
+
+
+# --------------------------------------------------------------------------- trained drafts
+DRAFT_TRAINING = ["data.corpus=docs", "data.num_prompts=32", "data.prompt_len=16", "data.max_tokens=32",
+                  "train.steps=60", "train.global_batch_size=8", "train.micro_batch_size=8",
+                  "train.warmup_steps=5", "train.lr=1e-2", "train.min_lr=1e-3", "train.log_every=60",
+                  "medusa.num_heads=3", "eval.num_prompts=4", "eval.max_tokens=32",
+                  "eval.num_speculative_tokens=3"]
+UNTRAINED = ["train.steps=1", "train.lr=0", "train.min_lr=0", "train.warmup_steps=0",
+             "draft_model.init_from_target=false"]
+
+
+def train_draft(target: str, method: str, out, overrides: list[str]) -> dict:
+    """`python -m nano_specdec.train target=... method=... out=...` through its shipped Hydra config,
+    in this process; returns the run's summary (τ of the draft on held-out prompts included)."""
+    from hydra import compose, initialize_config_module
+
+    from nano_specdec.train import run
+
+    with initialize_config_module("nano_specdec.configs", version_base=None):
+        cfg = compose("train", overrides=[f"target={target}", f"method={method}", f"out={out}",
+                                          "device=cpu", *DRAFT_TRAINING, *overrides])
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(cfg)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def cycle_target(tmp_path_factory):
+    from specdec_checkpoints import make_cycle_target
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_cycle_target(tmp_path_factory.mktemp("cycle_target"))
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def trained_drafts(cycle_target, tmp_path_factory):
+    """{method: (checkpoint directory, the training run's summary)} for eagle, medusa, draft_model, each
+    trained for a second or two on the cycle target's own generations."""
+    out = {}
+    for method in ("eagle", "medusa", "draft_model"):
+        path = tmp_path_factory.mktemp(f"trained_{method}")
+        out[method] = (str(path), train_draft(cycle_target, method, path, []))
+    return out
+
+
+@pytest.fixture(scope="session")
+def untrained_drafts(cycle_target, tmp_path_factory):
+    """The same drafts as saved by a run at learning rate 0 (Medusa's heads as initialised: the
+    identity and the target's LM head; the draft model from random weights)."""
+    out = {}
+    for method in ("eagle", "medusa", "draft_model"):
+        path = tmp_path_factory.mktemp(f"untrained_{method}")
+        out[method] = (str(path), train_draft(cycle_target, method, path, UNTRAINED))
+    return out

@@ -1,5 +1,5 @@
-"""Random small HF checkpoints made with transformers (never by us) and random prompts, for
-tests/nano_specdec. A module with a unique name rather than conftest, so `from specdec_checkpoints import
+"""Random small HF checkpoints made with transformers (never by us), a small target trained here on a
+synthetic cycle (for the trained drafts), and random prompts, for tests/nano_specdec. A module with a unique name rather than conftest, so `from specdec_checkpoints import
 ...` cannot pick up another package's conftest when the whole suite runs in one pytest process."""
 
 from __future__ import annotations
@@ -30,3 +30,29 @@ def make_checkpoint(path, seed: int, vocab_size: int = VOCAB, layers: int = 2, h
 def random_prompts(seed: int, lengths: list[int], vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_cycle_target(path, seed: int = 0, cycle: int = 64, steps: int = 80) -> str:
+    """A small target trained (shared.train's LocalEngine, a few seconds on a CPU) to continue any text
+    around a fixed cycle of `cycle` tokens: its greedy continuations are learnable, so a trained draft
+    is accepted where an untrained one is not. Windows start with up to 7 random tokens, from which the
+    model learns to enter the cycle."""
+    from shared.checkpoint import save_checkpoint
+    from shared.config import ModelConfig
+    from shared.train import LocalEngine, TrainConfig, lr_at
+
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    tc = TrainConfig(steps=steps, global_batch_size=16, micro_batch_size=16, seq_len=32, lr=1e-2,
+                     min_lr=1e-3, warmup_steps=5, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(VOCAB, generator=g)[:cycle]
+    engine = LocalEngine(cfg, tc)
+    for step in range(steps):
+        at = (torch.randint(0, cycle, (16, 1), generator=g) + torch.arange(33)) % cycle
+        noise = torch.arange(33) < torch.randint(0, 8, (16, 1), generator=g)
+        rows = torch.where(noise, torch.randint(0, VOCAB, (16, 33), generator=g), order[at])
+        engine.train_step([(rows[:, :-1], rows[:, 1:])], lr_at(step, tc))
+    save_checkpoint(engine.model, cfg, path)
+    return str(path)
