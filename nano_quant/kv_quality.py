@@ -32,6 +32,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from torch import Tensor
 from nano_flashattn.registry import performance_layers
 from shared.bench import print_table, release_memory, write_json
 from shared.checkpoint import load_model
+from shared.config import resolve_model_config
 from shared.data import corpus_tokens, read_source, stdlib_files, stdlib_root, stdlib_split
 from shared.hydra_utils import hydra_run_dir
 from shared.model import default_attention
@@ -229,54 +231,55 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------------- stages
 def perplexity_rows(cfg: DictConfig, model_dir: Path, device: torch.device, specs: dict[str, KVCacheSpec],
-                    seq_len: int) -> dict[str, dict]:
-    """Held-out perplexity per dtype through `DecodeCacheAttention` (and "auto" through the model's own)."""
+                    seq_len: int) -> Iterator[tuple[str, dict]]:
+    """(dtype, held-out perplexity through `DecodeCacheAttention`) in turn; "auto" also through the
+    model's own attention."""
     p = cfg.perplexity
     tokens = corpus_tokens("val", corpus=str(p.corpus))
     if p.max_tokens:
         tokens = tokens[: int(p.max_tokens) + 1]
     model = load_model(model_dir, device=device, dtype=resolve_dtype(str(cfg.dtype))).eval()
-    rows = {}
     for name, spec in specs.items():
         t0 = time.perf_counter()
         model.set_attention(DecodeCacheAttention(spec, float(cfg.fp8_scale), int(p.query_chunk)))
-        rows[name] = perplexity(model, tokens, seq_len, int(p.batch_size))
-        rows[name]["seconds"] = time.perf_counter() - t0
-        print(f"{name}: held-out perplexity {rows[name]['ppl']:.4f} ({rows[name]['tokens']:,} tokens, "
-              f"windows of {seq_len})", flush=True)
-    if "auto" in rows:
-        model.set_attention(default_attention)
-        rows["auto"]["ppl, model's attention"] = perplexity(model, tokens, seq_len, int(p.batch_size))["ppl"]
+        row = perplexity(model, tokens, seq_len, int(p.batch_size))
+        if name == "auto":
+            model.set_attention(default_attention)
+            row["ppl, model's attention"] = perplexity(model, tokens, seq_len, int(p.batch_size))["ppl"]
+        row["seconds"] = time.perf_counter() - t0
+        print(f"{name}: held-out perplexity {row['ppl']:.4f} ({row['tokens']:,} tokens, windows of {seq_len})",
+              flush=True)
+        yield name, row
     del model
     release_memory()
-    return rows
 
 
 def engine_rows(cfg: DictConfig, model_dir: Path, dtypes: list[str], probes: list[Probe],
-                prompts: list[list[int]], context: int) -> dict[str, dict]:
-    """Per dtype, one nano_vllm engine: the probe's accuracy, greedy tokens of `prompts`, tokens per GiB."""
+                prompts: list[list[int]], context: int) -> Iterator[tuple[str, dict]]:
+    """(dtype, row) in turn, one nano_vllm engine each, the 16-bit one first: the probe's accuracy, greedy
+    agreement on `prompts`, tokens per GiB; a dtype the engine refuses gives its message."""
     from nano_vllm import LLM, SamplingParams
     from nano_vllm.kv_cache import kv_cache_summary
 
-    enc, rows, reference = get_tokenizer(), {}, None
-    extra = OmegaConf.to_container(cfg.engine, resolve=True) or {}
-    args = {"max_model_len": context, "enable_prefix_caching": False,
-            "max_num_seqs": max(len(probes), len(prompts), 1), **extra}
-    args.setdefault("dtype", str(cfg.dtype))
-    if cfg.device:
-        args.setdefault("device", str(cfg.device))
-    for name in ["auto", *[d for d in dtypes if d != "auto"]]:  # the 16-bit reference first
+    enc, reference = get_tokenizer(), None
+    kivi = any(parse_kv_cache_dtype(d).bits < 8 for d in dtypes)  # a block holds whole key groups
+    args = {"max_model_len": context, "enable_prefix_caching": False, "dtype": str(cfg.dtype),
+            "max_num_seqs": max(len(probes), len(prompts), 1),
+            "block_size": math.lcm(16, int(cfg.kivi.group_size)) if kivi else 16,
+            **({"device": str(cfg.device)} if cfg.device else {}),
+            **(OmegaConf.to_container(cfg.engine, resolve=True) or {})}
+    for name in ["auto", *[d for d in dtypes if d != "auto"]]:
         try:
             llm = LLM(str(model_dir), kv_cache_dtype=name, **args)
         except ValueError as e:
-            if "kv_cache_dtype" not in str(e):
+            if name == "auto":
                 raise
-            rows[name] = {"skipped": f"the engine refuses kv_cache_dtype={name!r}: {e}"}
-            print(f"skipped {name}: {rows[name]['skipped']}", flush=True)
+            print(f"skipped {name}: the engine refuses it: {e}", flush=True)
+            yield name, {"skipped": f"the engine refuses kv_cache_dtype={name!r}: {e}"}
             continue
-        runner, row = llm.engine.model_runner, {}
+        runner = llm.engine.model_runner
         print(kv_cache_summary(runner), flush=True)
-        row["tokens per GiB"] = runner.block_size * 2**30 / runner.block_bytes
+        row: dict[str, Any] = {"tokens per GiB": runner.block_size * 2**30 / runner.block_bytes}
         if probes:
             outs = llm.generate([p.prompt for p in probes],
                                 [SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes],
@@ -287,13 +290,11 @@ def engine_rows(cfg: DictConfig, model_dir: Path, dtypes: list[str], probes: lis
             params = SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens), ignore_eos=True)
             tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             reference = tokens if name == "auto" else reference
-            if reference is not None:
-                row.update(agreement(reference, tokens))
-        rows[name] = row
+            row.update(agreement(reference, tokens))
         llm.shutdown()
         del llm, runner
         release_memory()
-    return rows
+        yield name, row
 
 
 def agreement_prompts(cfg: DictConfig, context: int) -> list[list[int]]:
@@ -312,30 +313,41 @@ def agreement_prompts(cfg: DictConfig, context: int) -> list[list[int]]:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Everything `main` does, callable without Hydra (tests)."""
+    """Everything `main` does, callable without Hydra (tests); the JSON is rewritten after every dtype of
+    every stage, so a run cut short keeps what it measured."""
     with performance_layers(cfg.get("performance_layers", True)):
         if not cfg.get("model"):
             raise ValueError("model=DIR is required: the trained checkpoint (nano_megatron's <run>/checkpoint)")
         model_dir, device = Path(str(cfg.model)), resolve_device(cfg.device)
-        dtypes = list(cfg.kv_cache_dtypes)
+        dtypes = [str(d) for d in cfg.kv_cache_dtypes]
         specs = {d: parse_kv_cache_dtype(d, None, int(cfg.kivi.group_size), int(cfg.kivi.residual))
                  for d in dtypes}
         if "auto" not in specs:
             raise ValueError(f"kv_cache_dtypes must include 'auto' (the 16-bit reference), got {dtypes}")
-        from shared.config import resolve_model_config
-
         max_len = resolve_model_config(str(model_dir)).max_position_embeddings
         seq_len = int(cfg.perplexity.seq_len or max_len)
         context = int(cfg.probe.context or max_len)
+        prompts = agreement_prompts(cfg, context) if cfg.agreement.enabled else []
         out = Path(hydra_run_dir()) / "kv_quality.json"
+        rows = {d: {"kv_cache_dtype": d} for d in ["auto", *[d for d in dtypes if d != "auto"]]}
         record: dict[str, Any] = {"model": str(model_dir), "kv_cache_dtypes": dtypes, "seq_len": seq_len,
-                                  "context": context, "config": config_record(cfg)}
-        rows = {d: {"kv_cache_dtype": d} for d in dtypes}
+                                  "context": context, "rows": list(rows.values()), "probes": [],
+                                  "config": config_record(cfg)}
+
+        def save() -> None:
+            auto = rows["auto"]
+            for r in rows.values():
+                if r.get("ppl") is not None and auto.get("ppl") is not None:
+                    r["ppl vs auto"] = r["ppl"] / auto["ppl"] - 1
+                if r.get("probe accuracy") is not None and auto.get("probe accuracy") is not None:
+                    r["probe vs auto (points)"] = 100 * (r["probe accuracy"] - auto["probe accuracy"])
+            record["targets"] = targets(rows)
+            write_json(out, record)
+
         if cfg.perplexity.enabled:
-            found = perplexity_rows(cfg, model_dir, device, specs, seq_len)
-            for d, r in found.items():
-                rows[d].update({"ppl": r["ppl"], "ppl vs auto": r["ppl"] / found["auto"]["ppl"] - 1, **r})
-            write_json(out, {**record, "rows": list(rows.values())})
+            for d, r in perplexity_rows(cfg, model_dir, device, specs, seq_len):
+                rows[d].update({"ppl": r.pop("ppl"), "ppl vs auto": None, **r})
+                save()
         probes = []
         if cfg.probe.enabled:
             pc = cfg.probe
@@ -345,25 +357,19 @@ def run(cfg: DictConfig) -> dict:
             print(f"retrieval probe: {len(probes)} questions from {len({p.file for p in probes})} files, "
                   f"definitions {min((p.distance for p in probes), default=0)}+ tokens before the question",
                   flush=True)
-        prompts = agreement_prompts(cfg, context) if cfg.agreement.enabled else []
         if probes or prompts:
-            for d, r in engine_rows(cfg, model_dir, dtypes, probes, prompts, context).items():
-                rows[d].update({k: v for k, v in r.items() if k != "probe right"})
-                if "probe right" in r:
-                    for p, right in zip(record["probes"], r["probe right"]):
-                        p[d] = right
+            for d, r in engine_rows(cfg, model_dir, dtypes, probes, prompts, context):
+                for p, right in zip(record["probes"], r.pop("probe right", [])):
+                    p[d] = right
+                rows[d].update(r)
+                save()
+        save()
+        print_table([{k: v for k, v in r.items() if k not in ("tokens", "seconds", "skipped", "nll")}
+                     for r in rows.values()], title=f"KV cache quality: {model_dir}, context {context}")
         for r in rows.values():
-            if r.get("probe accuracy") is not None and rows["auto"].get("probe accuracy") is not None:
-                r["probe vs auto (points)"] = 100 * (r["probe accuracy"] - rows["auto"]["probe accuracy"])
-        record["rows"] = list(rows.values())
-        record["targets"] = targets(rows)
-        print_table([{k: v for k, v in r.items() if k not in ("tokens", "seconds", "skipped")}
-                     for r in record["rows"]], title=f"KV cache quality: {model_dir}, context {context}")
-        for r in record["rows"]:
             if r.get("skipped"):
                 print(f"note: {r['skipped']}", flush=True)
         print("targets:", record["targets"], flush=True)
-        write_json(out, record)
         print(f"wrote {out}", flush=True)
         return record
 
