@@ -14,7 +14,8 @@ the 16-bit cache in the same process.
   bytes: what the kernel must read (codes, scales and zero points, KIVI's 16-bit window, q, block table,
   output); GB/s against the device copy measured in the same process; speedup against the 16-bit kernel;
   error of each output against the 16-bit kernel's (quantization error, bounded; a broken kernel shows).
-* **engine** — nano_vllm on a workload the KV cache limits: `num_requests` random prompts of `prompt_len`
+* **engine** — a serving engine (`engine.api`: nano_vllm, imported by name at run time as in
+  `nano_quant.kv_quality`) on a workload the KV cache limits: `num_requests` random prompts of `prompt_len`
   tokens, `output_len` greedy tokens each (ignore_eos), `kv_cache_memory_bytes` fixed so that the 16-bit
   cache holds `fit_seqs` whole sequences; every dtype gets the same bytes. Per dtype: output tokens/s and
   its ratio to auto, the blocks, tokens per GiB of the cache memory, how many whole sequences fit and the
@@ -33,6 +34,7 @@ import importlib
 import math
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import hydra
@@ -41,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_flashattn import flash_attn_with_kvcache
 from nano_flashattn.registry import performance_layers
+from shared.accounting import kv_cache_bytes
 from shared.bench import (
     KernelCompiles,
     benchmark,
@@ -55,6 +58,7 @@ from shared.config import PRESETS, resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
 from .kv import FP8_MAX, KVCacheSpec, kv_bytes_per_token, parse_kv_cache_dtype, quantize_fp8
+from .kv_quality import engine_cache, load_engine_api
 from .perplexity import config_record
 
 QUICK = {"kernel": {"models": ["llama3-8b"], "cases": [[2, 256], [1, 1024], [1, 128]]},
@@ -233,6 +237,39 @@ def engine_model(model: str, layers: int | None) -> str:
     return name
 
 
+def timed_workload(api: ModuleType, llm: Any, prompts: list[dict], output_len: int,
+                   device: torch.device) -> dict[str, Any]:
+    """Two requests of 4 tokens (the kernels of these shapes built untimed), then every prompt, greedy,
+    `output_len` tokens each: output tokens/s; with nano_vllm's scheduler also the most sequences that ran
+    at once and the preemptions."""
+    params = api.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], api.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    engine = getattr(llm, "engine", None)
+    scheduler = getattr(engine, "scheduler", None)
+    peak, preempted = [0], getattr(scheduler, "num_preemptions", 0)
+    if scheduler is not None and hasattr(engine, "step"):
+        step = engine.step
+
+        def counted_step():
+            peak[0] = max(peak[0], len(scheduler.running))
+            return step()
+
+        engine.step = counted_step
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with KernelCompiles() as compiles:
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"prompt": len(prompts[0]["prompt_token_ids"]), "output": output_len, "requests": len(prompts),
+            "output tok/s": tokens / seconds, "seconds": seconds, "vs auto": None,
+            "most running": peak[0] if scheduler is not None else None,
+            "preemptions": getattr(scheduler, "num_preemptions", 0) - preempted if scheduler is not None else None,
+            "kernels built while timed": len(compiles.names) if compiles.available else None}
+
+
 def block_size(cfg: DictConfig) -> int:
     """The engine's block size for every dtype: 16, or the least common multiple with KIVI's group size
     where a KIVI dtype is measured (a block holds whole key groups)."""
@@ -242,82 +279,58 @@ def block_size(cfg: DictConfig) -> int:
 
 def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> None:
     """Every (model, dtype) row of the engine section into record["engine"] and record["memory"]."""
-    from nano_vllm import LLM, SamplingParams
-    from nano_vllm.kv_cache import kv_block_bytes, kv_cache_summary
-
     e = cfg.engine
     p_len, o_len, fit, n_req = int(e.prompt_len), int(e.output_len), int(e.fit_seqs), int(e.num_requests)
     layers = list(e.layers) if e.layers is not None else [None] * len(e.models)
     if len(layers) != len(e.models):
         raise ValueError(f"engine.layers ({list(layers)}) must be null or one entry per engine.models model")
+    api = load_engine_api(str(e.api))
+    if api is None:
+        record["notes"].append(f"the engine section needs a serving engine: engine.api={e.api!r} is not installed")
+        print(f"note: {record['notes'][-1]}", flush=True)
+        return
     extra = OmegaConf.to_container(e.args, resolve=True) or {}
+    bs = int(extra.pop("block_size", block_size(cfg)))
+    itemsize = 2 if device.type == "cuda" else 4  # the engine's 16-bit cache: bf16 on a GPU, fp32 on a CPU
     for model, n_layers in zip(e.models, layers):
         name = engine_model(str(model), n_layers)
         mc = resolve_model_config(name)
-        bs = int(extra.pop("block_size", block_size(cfg)))
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        per_seq = math.ceil((p_len + o_len) / bs)
-        memory = fit * per_seq * kv_block_bytes(mc, bs, mc.num_key_value_heads, dtype)
+        memory = fit * math.ceil((p_len + o_len) / bs) * kv_cache_bytes(mc, bs, dtype_bytes=itemsize)
         gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, mc.vocab_size - 1, (n_req, p_len), generator=gen).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=o_len, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p}
+                   for p in torch.randint(0, mc.vocab_size - 1, (n_req, p_len), generator=gen).tolist()]
         base = None
         for kv_dtype in cfg.kv_cache_dtypes:
             spec = parse_kv_cache_dtype(str(kv_dtype), bs, int(cfg.kivi.group_size), int(cfg.kivi.residual))
-            row = {"model": name, "kv_cache_dtype": spec.name, "prompt": p_len, "output": o_len,
-                   "requests": n_req, "kv GiB": memory / 2**30}
             computed = 2**30 / kv_bytes_per_token(spec, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+            memory_row = {"model": name, "kv_cache_dtype": spec.name, "tokens per GiB, computed": computed}
+            record["memory"].append(memory_row)
             try:
-                llm = LLM(name, kv_cache_dtype=spec.name, kv_cache_memory_bytes=memory, max_model_len=p_len + o_len,
-                          block_size=bs, max_num_seqs=n_req, max_num_batched_tokens=max(16384, n_req),
-                          enable_prefix_caching=False, **({"device": str(device)} | extra))
+                llm = api.LLM(name, kv_cache_dtype=spec.name, kv_cache_memory_bytes=memory,
+                              max_model_len=p_len + o_len, block_size=bs, max_num_seqs=n_req,
+                              max_num_batched_tokens=max(16384, n_req), enable_prefix_caching=False,
+                              **({"device": str(device)} | extra))
             except ValueError as err:
                 if spec.name == "auto":
                     raise
-                note = f"engine {name}: refuses kv_cache_dtype={spec.name!r}: {err}"
-                record["notes"].append(note)
-                record["memory"].append({"model": name, "kv_cache_dtype": spec.name,
-                                         "tokens per GiB, computed": computed})
-                print(f"note: {note}", flush=True)
+                record["notes"].append(f"engine {name}: refuses kv_cache_dtype={spec.name!r}: {err}")
+                print(f"note: {record['notes'][-1]}", flush=True)
                 continue
-            engine = llm.engine
-            runner = engine.model_runner
-            print(kv_cache_summary(runner), flush=True)
-            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-            peak, step = [0], engine.step
-
-            def counted_step(step=step, engine=engine, peak=peak):
-                peak[0] = max(peak[0], len(engine.scheduler.running))
-                return step()
-
-            engine.step = counted_step
-            preempted = engine.scheduler.num_preemptions
-            with KernelCompiles() as compiles:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-            tokens = sum(len(o.token_ids) for o in outs)
-            tokens_cached = runner.num_blocks * runner.block_size
-            row.update({"output tok/s": tokens / seconds, "seconds": seconds, "vs auto": None,
-                        "blocks": runner.num_blocks, "tokens per GiB": tokens_cached * 2**30 / memory,
-                        "whole sequences": tokens_cached // (p_len + o_len), "most running": peak[0],
-                        "preemptions": engine.scheduler.num_preemptions - preempted,
-                        "kernels built while timed": len(compiles.names) if compiles.available else None})
+            row = {"model": name, "kv_cache_dtype": spec.name, **timed_workload(api, llm, prompts, o_len, device)}
+            cache = engine_cache(llm)
+            if cache is not None:  # what the engine's sizing made of the same bytes
+                tokens = cache["blocks"] * cache["block_size"]
+                row.update({"blocks": cache["blocks"], "tokens per GiB": tokens * 2**30 / memory,
+                            "whole sequences": tokens // (p_len + o_len)})
+                memory_row.update({"tokens per GiB": row["tokens per GiB"], "block bytes": cache["block_bytes"]})
             base = row["output tok/s"] if spec.name == "auto" else base
             row["vs auto"] = row["output tok/s"] / base if base else None
+            row["kv GiB"] = memory / 2**30
             record["engine"].append(row)
-            record["memory"].append({"model": name, "kv_cache_dtype": spec.name,
-                                     "tokens per GiB": row["tokens per GiB"],
-                                     "tokens per GiB, computed": computed,
-                                     "block bytes": runner.block_bytes})
             print_table([row])
             save()
-            llm.shutdown()
-            del llm, engine, runner, outs, counted_step
+            getattr(llm, "shutdown", lambda: None)()
+            del llm
             release_memory()
     for m in record["memory"]:
         auto = next((r for r in record["memory"] if r["model"] == m["model"] and r["kv_cache_dtype"] == "auto"), {})

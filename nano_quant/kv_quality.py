@@ -22,12 +22,17 @@ For every entry of `kv_cache_dtypes` (auto, fp8, kivi2, kivi4):
 3. **Greedy agreement** with the 16-bit cache: held-out prompts, 128 greedy tokens each; the fraction of
    positions with the same token and the first position that differs.
 
-(2) and (3) run nano_vllm's engine with the real `kv_cache_dtype`; a dtype the engine refuses is
-recorded as skipped, with its message. Writes `kv_quality.json` to the run directory after each stage.
+(2) and (3) run a serving engine with the real `kv_cache_dtype`, through vLLM's offline API (`LLM(model,
+kv_cache_dtype=..., **engine_args).generate(prompts, SamplingParams)`): nano_vllm by default, named by
+`engine_api` and imported by that name at run time — nano_quant does not import nano_vllm (the import rule
+of docs/ARCHITECTURE.md: nano_vllm stands on nano_quant), and a fork without an engine measures the
+perplexity and says why the rest was not run. A dtype the engine refuses is recorded with its message.
+Writes `kv_quality.json` to the run directory after every dtype of every stage.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import statistics
@@ -35,6 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import hydra
@@ -63,6 +69,7 @@ from .kv import (
 )
 from .perplexity import config_record, perplexity, resolve_device, resolve_dtype
 
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # vLLM's spelling
 TARGETS = {"fp8": {"ppl": 0.005, "probe_points": 2.0}, "kivi2": {"ppl": 0.03, "probe_points": 2.0}}
 
 
@@ -254,45 +261,64 @@ def perplexity_rows(cfg: DictConfig, model_dir: Path, device: torch.device, spec
     release_memory()
 
 
-def engine_rows(cfg: DictConfig, model_dir: Path, dtypes: list[str], probes: list[Probe],
-                prompts: list[list[int]], context: int) -> Iterator[tuple[str, dict]]:
-    """(dtype, row) in turn, one nano_vllm engine each, the 16-bit one first: the probe's accuracy, greedy
-    agreement on `prompts`, tokens per GiB; a dtype the engine refuses gives its message."""
-    from nano_vllm import LLM, SamplingParams
-    from nano_vllm.kv_cache import kv_cache_summary
+def load_engine_api(name: str) -> ModuleType | None:
+    """The module of the engine the engine stages run on (`LLM`, `SamplingParams`: vLLM's offline API),
+    or None where it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
+
+def engine_cache(llm: Any) -> dict[str, int] | None:
+    """The KV cache an engine's sizing made (blocks, tokens a block, bytes a block): nano_vllm's runner;
+    None for an engine that does not expose one."""
+    runner = getattr(getattr(llm, "engine", None), "model_runner", None)
+    if runner is None or not hasattr(runner, "block_bytes"):
+        return None
+    return {"blocks": runner.num_blocks, "block_size": runner.block_size, "block_bytes": runner.block_bytes}
+
+
+def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[str], probes: list[Probe],
+                prompts: list[list[int]], context: int) -> Iterator[tuple[str, dict]]:
+    """(dtype, row) in turn, one engine each, the 16-bit one first: the probe's accuracy, greedy agreement
+    on `prompts`, tokens per GiB of the engine's cache; a dtype the engine refuses gives its message."""
     enc, reference = get_tokenizer(), None
     kivi = any(parse_kv_cache_dtype(d).bits < 8 for d in dtypes)  # a block holds whole key groups
-    args = {"max_model_len": context, "enable_prefix_caching": False, "dtype": str(cfg.dtype),
+    args = {"max_model_len": context, "enable_prefix_caching": False, "dtype": ENGINE_DTYPES[str(cfg.dtype)],
             "max_num_seqs": max(len(probes), len(prompts), 1),
             "block_size": math.lcm(16, int(cfg.kivi.group_size)) if kivi else 16,
             **({"device": str(cfg.device)} if cfg.device else {}),
             **(OmegaConf.to_container(cfg.engine, resolve=True) or {})}
     for name in ["auto", *[d for d in dtypes if d != "auto"]]:
         try:
-            llm = LLM(str(model_dir), kv_cache_dtype=name, **args)
+            llm = api.LLM(str(model_dir), kv_cache_dtype=name, **args)
         except ValueError as e:
             if name == "auto":
                 raise
             print(f"skipped {name}: the engine refuses it: {e}", flush=True)
             yield name, {"skipped": f"the engine refuses kv_cache_dtype={name!r}: {e}"}
             continue
-        runner = llm.engine.model_runner
-        print(kv_cache_summary(runner), flush=True)
-        row: dict[str, Any] = {"tokens per GiB": runner.block_size * 2**30 / runner.block_bytes}
+        row: dict[str, Any] = {}
+        cache = engine_cache(llm)
+        if cache is not None:
+            row["tokens per GiB"] = cache["block_size"] * 2**30 / cache["block_bytes"]
+            print(f"{name}: KV cache of {cache['blocks']} blocks x {cache['block_size']} tokens, "
+                  f"{row['tokens per GiB']:,.0f} tokens per GiB", flush=True)
         if probes:
-            outs = llm.generate([p.prompt for p in probes],
-                                [SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes],
+            outs = llm.generate([{"prompt_token_ids": p.prompt} for p in probes],
+                                [api.SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes],
                                 use_tqdm=False)
-            right = [grade(p, enc.decode(o.token_ids)) for p, o in zip(probes, outs)]
+            right = [grade(p, enc.decode(o.outputs[0].token_ids)) for p, o in zip(probes, outs)]
             row["probe accuracy"], row["probe right"] = statistics.fmean(right), right
         if prompts:
-            params = SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens), ignore_eos=True)
-            tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            params = api.SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens), ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
             reference = tokens if name == "auto" else reference
             row.update(agreement(reference, tokens))
-        llm.shutdown()
-        del llm, runner
+        getattr(llm, "shutdown", lambda: None)()
+        del llm
         release_memory()
         yield name, row
 
@@ -331,7 +357,8 @@ def run(cfg: DictConfig) -> dict:
         out = Path(hydra_run_dir()) / "kv_quality.json"
         rows = {d: {"kv_cache_dtype": d} for d in ["auto", *[d for d in dtypes if d != "auto"]]}
         record: dict[str, Any] = {"model": str(model_dir), "kv_cache_dtypes": dtypes, "seq_len": seq_len,
-                                  "context": context, "rows": list(rows.values()), "probes": [],
+                                  "context": context, "engine_api": str(cfg.engine_api),
+                                  "rows": list(rows.values()), "probes": [], "notes": [],
                                   "config": config_record(cfg)}
 
         def save() -> None:
@@ -357,8 +384,13 @@ def run(cfg: DictConfig) -> dict:
             print(f"retrieval probe: {len(probes)} questions from {len({p.file for p in probes})} files, "
                   f"definitions {min((p.distance for p in probes), default=0)}+ tokens before the question",
                   flush=True)
-        if probes or prompts:
-            for d, r in engine_rows(cfg, model_dir, dtypes, probes, prompts, context):
+        api = load_engine_api(str(cfg.engine_api)) if probes or prompts else None
+        if (probes or prompts) and api is None:
+            record["notes"].append(f"the retrieval probe and greedy agreement need a serving engine: "
+                                   f"engine_api={cfg.engine_api!r} is not installed")
+            print(f"note: {record['notes'][-1]}", flush=True)
+        if api is not None:
+            for d, r in engine_rows(cfg, api, model_dir, dtypes, probes, prompts, context):
                 for p, right in zip(record["probes"], r.pop("probe right", [])):
                     p[d] = right
                 rows[d].update(r)

@@ -3,6 +3,7 @@ retrieval probe's questions, greedy agreement, and the whole evaluation on a tin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -22,6 +23,7 @@ from shared.tokenizer import get_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIG = Path(kv_quality.__file__).parent / "configs" / "kv_quality.yaml"
+ENGINE = importlib.util.find_spec("nano_vllm") is not None  # absent in a fork of nano_quant
 
 
 def qkv(batch: int = 2, s: int = 70, hq: int = 4, hk: int = 2, d: int = 32, seed: int = 0):
@@ -139,13 +141,19 @@ def test_the_evaluation_end_to_end(tiny, tmp_path):
     assert list(rows) == ["auto", "fp8", "kivi2", "kivi4"] and record["context"] == 384
     auto = rows["auto"]
     assert auto["ppl vs auto"] == 0 and auto["ppl"] == pytest.approx(auto["ppl, model's attention"], rel=1e-5)
-    assert auto["identical token fraction"] == 1 and auto["tokens"] == 4 * 96
+    assert auto["tokens"] == 4 * 96 and len(record["probes"]) == 3
+    for name in ("fp8", "kivi2", "kivi4"):
+        assert rows[name]["ppl"] != auto["ppl"]  # every dtype's codes change the forward
+    if not ENGINE:  # a fork of nano_quant without nano_vllm: the perplexity alone, and why
+        assert record["notes"] == ["the retrieval probe and greedy agreement need a serving engine: "
+                                   "engine_api='nano_vllm' is not installed"]
+        return
+    assert auto["identical token fraction"] == 1
     assert rows["fp8"]["tokens per GiB"] == 4 * auto["tokens per GiB"]  # E4M3 against the fp32 CPU engine
     assert 0 <= rows["fp8"]["identical token fraction"] <= 1 and rows["fp8"]["probe accuracy"] in (0, 1 / 3, 2 / 3, 1)
     for name in ("fp8", "kivi2", "kivi4"):
-        assert rows[name]["ppl"] != auto["ppl"]  # every dtype's codes change the forward
         assert "skipped" in rows[name] or "probe accuracy" in rows[name]  # the engine serves it, or says not
-    assert len(record["probes"]) == 3 and all("auto" in p for p in record["probes"])
+    assert all("auto" in p for p in record["probes"])
     saved = json.loads((tmp_path / "kv_quality.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(record["rows"])) and "targets" in saved
 
