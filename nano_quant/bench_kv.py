@@ -93,21 +93,30 @@ def fp8_codes(x: torch.Tensor, scale: torch.Tensor, chunk: int = 1 << 26) -> tor
 
 
 def kivi_decode(spec: KVCacheSpec) -> tuple[Any, str | None]:
-    """nano_flashattn's KIVI decode for `spec`, as `job(q, cache) -> (callable, bytes read)`, or None and
-    why not. It is found at run time: `nano_flashattn.kv_kivi` exposing `bench_decode_job(q, k, v,
-    block_table, cache_seqlens, bits, group_size, residual)`, which builds its own cache from the 16-bit
-    K/V and returns (a callable running the decode, the bytes it reads)."""
+    """nano_flashattn's KIVI decode for `spec` as `make(q, cache) -> (callable, bytes read)`, or None and
+    why not (nano_flashattn.kivi is found at run time: a fork of nano_flashattn may not have it)."""
     try:
-        module = importlib.import_module("nano_flashattn.kv_kivi")
-    except ImportError as e:
-        return None, f"{spec.name}: no KIVI decode kernel in nano_flashattn (nano_flashattn.kv_kivi: {e})"
-    job = getattr(module, "bench_decode_job", None)
-    if job is None:
-        return None, (f"{spec.name}: nano_flashattn.kv_kivi has no bench_decode_job(q, k, v, block_table, "
-                      "cache_seqlens, bits, group_size, residual) -> (callable, bytes read)")
+        kivi = importlib.import_module("nano_flashattn.kivi")
+        api = (kivi.KIVILayout, kivi.store_kv_kivi, kivi.flash_attn_with_kivi_cache)
+    except (ImportError, AttributeError) as e:
+        return None, f"{spec.name}: no KIVI decode in nano_flashattn ({type(e).__name__}: {e})"
+    layout_cls, store, decode = api
 
     def make(q: torch.Tensor, c: dict) -> tuple[Any, int]:
-        return job(q, c["k"], c["v"], c["table"], c["seqlens"], spec.bits, spec.group_size, spec.residual)
+        """The same K/V written into a KIVI pool by `store_kv_kivi` (every row of every page at once;
+        contexts are whole groups, so no key stays in the 16-bit tail), then Flash-Decoding over it."""
+        pages, page, heads, head_dim = c["k"].shape
+        lay = layout_cls(spec.bits, spec.group_size, page, heads, head_dim)
+        k_cache, v_cache = (torch.empty(pages, page, heads, lay.width, dtype=torch.uint8, device=q.device)
+                            for _ in range(2))
+        tail = torch.zeros(1, spec.group_size, heads, head_dim, dtype=q.dtype, device=q.device)
+        tail_of_block = torch.zeros(pages, dtype=torch.int32, device=q.device)
+        slots = torch.arange(pages * page, device=q.device)
+        store(c["k"].flatten(0, 1), c["v"].flatten(0, 1), k_cache, v_cache, tail, slots, tail_of_block,
+              spec.bits, spec.group_size)
+        run = functools.partial(decode, q, k_cache, v_cache, tail, c["seqlens"], c["table"], tail_of_block,
+                                spec.bits, spec.group_size, causal=True)
+        return run, 2 * k_cache.numel() + 2 * q.numel() * q.element_size() + c["table"].numel() * 4
 
     return make, None
 
@@ -305,8 +314,9 @@ def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> No
             computed = 2**30 / kv_bytes_per_token(spec, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
             memory_row = {"model": name, "kv_cache_dtype": spec.name, "tokens per GiB, computed": computed}
             record["memory"].append(memory_row)
+            group = {"kv_cache_group_size": spec.group_size} if spec.group_size else {}  # nano_vllm's name
             try:
-                llm = api.LLM(name, kv_cache_dtype=spec.name, kv_cache_memory_bytes=memory,
+                llm = api.LLM(name, kv_cache_dtype=spec.name, **group, kv_cache_memory_bytes=memory,
                               max_model_len=p_len + o_len, block_size=bs, max_num_seqs=n_req,
                               max_num_batched_tokens=max(16384, n_req), enable_prefix_caching=False,
                               **({"device": str(device)} | extra))

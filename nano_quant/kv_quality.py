@@ -9,12 +9,14 @@ For every entry of `kv_cache_dtypes` (auto, fp8, kivi2, kivi4):
    them when token i is decoded — KIVI's evaluation quantizes the cache the decoding reads (§4). With
    KIVI (§3.3, Algorithm 1) the newest R tokens are 16-bit, older values quantized per token, older keys
    per channel in whole groups of G tokens counted from the sequence's first token (as a paged pool whose
-   block size G divides stores them); with FP8 every key and value, the current one too, is
-   E4M3(x / scale) · scale (the engine's scale, 1.0 by default). The codes come from `nano_quant.kv`. This
-   is every position decoded: a prompt's own queries read the fresh 16-bit K/V in a prefill (the engine
-   does so), so perplexity measured here bounds the loss a served prompt sees from above. "auto" runs the
-   same function without quantization; its perplexity is also measured through the model's own attention
-   as a check of the function.
+   block size G divides stores them). R = `kivi.residual`, 0 by default: what nano_vllm serves (values
+   quantized as they are written, keys once their group is complete, the open group in 16 bits), so the
+   three measures describe one cache; `perplexity.paper_residual` adds rows at the paper's R = 128. With
+   FP8 every key and value, the current one too, is E4M3(x / scale) · scale (the engine's scale, 1.0 by
+   default). The codes come from `nano_quant.kv`. This is every position decoded: a prompt's own queries
+   read the fresh 16-bit K/V in a prefill (the engine does so), so perplexity measured here bounds the
+   loss a served prompt sees from above. "auto" runs the same function without quantization; its
+   perplexity is also measured through the model's own attention as a check of the function.
 2. **Retrieval probe**: a name or signature defined early in a long held-out stdlib file (`NAME = value`,
    `def name(args):`), the file continued to the context length, then the line's start asked for again;
    correct when the greedy completion reproduces the rest of the line. Only lines whose start and whose
@@ -281,18 +283,20 @@ def engine_cache(llm: Any) -> dict[str, int] | None:
 
 def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[str], probes: list[Probe],
                 prompts: list[list[int]], context: int) -> Iterator[tuple[str, dict]]:
-    """(dtype, row) in turn, one engine each, the 16-bit one first: the probe's accuracy, greedy agreement
-    on `prompts`, tokens per GiB of the engine's cache; a dtype the engine refuses gives its message."""
+    """(dtype, row) in turn, one engine each, the 16-bit one first: the probe's accuracy and greedy
+    agreement on `prompts`; a dtype the engine refuses gives its message. KIVI's group size G is the
+    simulation's (nano_vllm's `kv_cache_group_size`), the block size the smallest that holds whole groups."""
     enc, reference = get_tokenizer(), None
     kivi = any(parse_kv_cache_dtype(d).bits < 8 for d in dtypes)  # a block holds whole key groups
     args = {"max_model_len": context, "enable_prefix_caching": False, "dtype": ENGINE_DTYPES[str(cfg.dtype)],
             "max_num_seqs": max(len(probes), len(prompts), 1),
-            "block_size": math.lcm(16, int(cfg.kivi.group_size)) if kivi else 16,
+            "block_size": max(16, int(cfg.kivi.group_size)) if kivi else 16,
             **({"device": str(cfg.device)} if cfg.device else {}),
             **(OmegaConf.to_container(cfg.engine, resolve=True) or {})}
     for name in ["auto", *[d for d in dtypes if d != "auto"]]:
+        group = {"kv_cache_group_size": args["block_size"]} if parse_kv_cache_dtype(name).bits < 8 else {}
         try:
-            llm = api.LLM(str(model_dir), kv_cache_dtype=name, **args)
+            llm = api.LLM(str(model_dir), kv_cache_dtype=name, **group, **args)
         except ValueError as e:
             if name == "auto":
                 raise
@@ -302,9 +306,7 @@ def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[
         row: dict[str, Any] = {}
         cache = engine_cache(llm)
         if cache is not None:
-            row["tokens per GiB"] = cache["block_size"] * 2**30 / cache["block_bytes"]
-            print(f"{name}: KV cache of {cache['blocks']} blocks x {cache['block_size']} tokens, "
-                  f"{row['tokens per GiB']:,.0f} tokens per GiB", flush=True)
+            print(f"{name}: KV cache of {cache['blocks']} blocks x {cache['block_size']} tokens", flush=True)
         if probes:
             outs = llm.generate([{"prompt_token_ids": p.prompt} for p in probes],
                                 [api.SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes],
@@ -346,16 +348,20 @@ def run(cfg: DictConfig) -> dict:
             raise ValueError("model=DIR is required: the trained checkpoint (nano_megatron's <run>/checkpoint)")
         model_dir, device = Path(str(cfg.model)), resolve_device(cfg.device)
         dtypes = [str(d) for d in cfg.kv_cache_dtypes]
-        specs = {d: parse_kv_cache_dtype(d, None, int(cfg.kivi.group_size), int(cfg.kivi.residual))
-                 for d in dtypes}
+        group = int(cfg.kivi.group_size)
+        specs = {d: parse_kv_cache_dtype(d, None, group, int(cfg.kivi.residual)) for d in dtypes}
         if "auto" not in specs:
             raise ValueError(f"kv_cache_dtypes must include 'auto' (the 16-bit reference), got {dtypes}")
+        paper = cfg.perplexity.get("paper_residual")
+        if paper is not None and int(paper) != int(cfg.kivi.residual):  # perplexity rows at KIVI's own R
+            specs |= {f"{d}, R={int(paper)}": parse_kv_cache_dtype(d, None, group, int(paper))
+                      for d in dtypes if specs[d].group_size}
         max_len = resolve_model_config(str(model_dir)).max_position_embeddings
         seq_len = int(cfg.perplexity.seq_len or max_len)
         context = int(cfg.probe.context or max_len)
         prompts = agreement_prompts(cfg, context) if cfg.agreement.enabled else []
         out = Path(hydra_run_dir()) / "kv_quality.json"
-        rows = {d: {"kv_cache_dtype": d} for d in ["auto", *[d for d in dtypes if d != "auto"]]}
+        rows = {d: {"kv_cache_dtype": d} for d in ["auto", *[d for d in specs if d != "auto"]]}
         record: dict[str, Any] = {"model": str(model_dir), "kv_cache_dtypes": dtypes, "seq_len": seq_len,
                                   "context": context, "engine_api": str(cfg.engine_api),
                                   "rows": list(rows.values()), "probes": [], "notes": [],
