@@ -1,12 +1,15 @@
 """`python -m nano_vllm.bench fused_decode_sweep=true [model=qwen3-0.6b]` — the fused decoder layer's kernels
-(nano_vllm/layers/fused_decode.py) alone, at a model's shapes, over a grid of tile configs; and Flash-Decoding
-at batch 1 over split counts.
+(nano_vllm/layers/fused_decode.py) at a model's shapes, over a grid of tile configs.
 
-Each kernel runs once per layer of the model, over that layer's own weights (random, as many as the model
-has, so the sweep reads HBM as a decode step does, not L2), back to back inside one CUDA graph with the
-launch options the engine uses (PDL where the "pdl" layer applies). Printed per kernel and config: µs per
-launch and the bandwidth it reached (its weight, input and output bytes over its time), against the copy
-bandwidth measured in the same process; the best config of each kernel is marked, in the form of
+The five kernels of a layer run in the engine's order (QKV, attention over one sequence of 384 keys,
+o_proj, gate/up, down) for every layer of the model, over that layer's own weights (random, as many as the
+model has, so the chain reads HBM as a decode step does, not L2), inside one CUDA graph with the launch
+options the engine uses (PDL where the "pdl" layer applies). Under PDL a kernel's cost depends on its
+neighbours, so each kernel's configs are timed in the whole chain (µs a layer), the others at their current
+choice; each kernel's best is kept before the next is swept; then the attention's split counts and key
+tiles. Printed last: each kernel alone at the chosen config (its bandwidth: weight, input and output bytes
+over its time, against the copy bandwidth measured in the same process), nano_flashattn's Flash-Decoding
+beside the fused attention, the layer's µs and GB/s, and the chosen configs as lines of
 `fused_decode.MEASURED` ready to paste.
 """
 
@@ -74,7 +77,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     slot = torch.tensor([5], device=dev)
     ws = fd.Workspace(wqkv[0].shape[0], wqkv[0].shape[0] // d, dev)
     es = 2
-    kinds = {
+    kinds = {  # name: (launch(config, layer), weight of layer 0, head_dim a config must divide, bytes a launch)
         "qkv": (lambda c, i: fd.norm_qkv_rope_store(x, r, nw, 1e-6, wqkv[i], None, cos, sin, hq, hkv, qn, kn,
                                                     1e-6, caches[0], caches[1], slot, ws, config=c),
                 wqkv[0], d, (wqkv[0].numel() + 3 * hidden) * es),
@@ -85,50 +88,88 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         "down": (lambda c, i: fd.down(act, wd[i], config=c), wd[0], None,
                  (wd[0].numel() + inter + hidden) * es),
     }
-    rows, best = [], {}
-    for kind, (launch, w, head_dim, nbytes) in kinds.items():
-        n, k = w.shape
-        if kind == "gate_up":
-            n //= 2
-        default = fd.tile_config(kind, n, k, torch.cuda.get_device_properties(dev).multi_processor_count)
-        for c in configs(k, head_dim):
-            seconds = _time_graph(lambda c=c, launch=launch: [launch(c, i) for i in range(layers)]) / layers
-            row = {"kernel": kind, "N x K": f"{w.shape[0]}x{k}", "config": f"{c.block_n}x{c.block_k}/w{c.num_warps}",
-                   "us": 1e6 * seconds, "GB/s": nbytes / seconds / 1e9,
-                   "% of copy": 100 * nbytes / seconds / ceilings.copy_bytes_per_s, "default": c == default}
-            rows.append(row)
-            if kind not in best or row["us"] < best[kind][1]["us"]:
-                best[kind] = (c, row)
-    # Flash-Decoding at batch 1: one sequence of `context` keys in a paged cache as wide as the engine's
-    from nano_flashattn import flash_attn_with_kvcache
-
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    shapes = {kind: (w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]) for kind, (_, w, _, _) in kinds.items()}
+    chosen = {kind: fd.tile_config(kind, *shapes[kind], sms) for kind in kinds}
+    # the attention of the chain: one sequence of `context` keys, paged as the engine pages
     pages = 256
     kv = torch.randn(2, pages + 1, 16, hkv, d, device=dev, generator=g).to(dt)
     table = torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None]
     lens = torch.tensor([context], device=dev, dtype=torch.int32)
-    q = rand(1, 1, hq, d)
+    q_attn = rand(hq, d)
+    attn = {"splits": fd.ATTENTION_SPLITS, "block_keys": fd.BLOCK_KEYS}
+    attn_ws = {}
+
+    def chain(cfgs: dict, a: dict) -> float:
+        """Seconds a layer: the five kernels of a layer in the engine's order, every layer's weights."""
+        key = a["splits"]
+        if key not in attn_ws:
+            attn_ws[key] = fd.Workspace(1, 1, dev, hkv, hq // hkv, d, splits=key)
+
+        def body():
+            for i in range(layers):
+                kinds["qkv"][0](cfgs["qkv"], i)
+                fd.decode_attention(q_attn, kv[0], kv[1], table[0], lens, attn_ws[key], a["block_keys"])
+                for kind in ("o_proj", "gate_up", "down"):
+                    kinds[kind][0](cfgs[kind], i)
+
+        return _time_graph(body) / layers
+
+    rows, best = [], {}
+    # Each kernel's configs in the whole chain (the others at their current choice), since under PDL a kernel's
+    # cost depends on its neighbours; then each kernel's best kept for the next.
+    base = chain(chosen, attn)
+    for kind, (_, w, head_dim, _) in kinds.items():
+        for c in configs(w.shape[1], head_dim):
+            seconds = chain({**chosen, kind: c}, attn)
+            row = {"kernel": kind, "N x K": f"{w.shape[0]}x{w.shape[1]}",
+                   "tile": f"{c.block_n}x{c.block_k}/w{c.num_warps}", "us a layer": 1e6 * seconds,
+                   "vs current": base / seconds, "current": c == chosen[kind]}
+            rows.append(row)
+            if kind not in best or seconds < best[kind][1]:
+                best[kind] = (c, seconds, row)
+        chosen[kind] = best[kind][0]
+        base = best[kind][1]
     attn_rows = []
-    for splits in (0, 8, 16, 32, 64, 128, 256):
-        seconds = _time_graph(lambda s=splits: [flash_attn_with_kvcache(q, kv[0], kv[1], lens, block_table=table,
+    for splits, block_keys in itertools.product((8, 16, 32), (16, 32, 64)):
+        a = {"splits": splits, "block_keys": block_keys}
+        attn_rows.append({"kernel": "fused_decode attention", "num_splits": splits, "block_keys": block_keys,
+                          "context": context, "us a layer": 1e6 * chain(chosen, a)})
+    best_attn = min(attn_rows, key=lambda r: r["us a layer"])
+    attn = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"]}
+    # each kernel alone at the chosen configs (its own graph over every layer's weights): its bandwidth
+    alone = []
+    for kind, (launch, _, _, nbytes) in kinds.items():
+        seconds = _time_graph(lambda k=kind, launch=launch: [launch(chosen[k], i) for i in range(layers)]) / layers
+        alone.append({"kernel": kind, "tile": f"{chosen[kind].block_n}x{chosen[kind].block_k}/w{chosen[kind].num_warps}",
+                      "us": 1e6 * seconds, "GB/s": nbytes / seconds / 1e9,
+                      "% of copy": 100 * nbytes / seconds / ceilings.copy_bytes_per_s})
+    from nano_flashattn import flash_attn_with_kvcache
+
+    q4 = q_attn.view(1, 1, hq, d)
+    for splits in (0, 16):
+        seconds = _time_graph(lambda s=splits: [flash_attn_with_kvcache(q4, kv[0], kv[1], lens, block_table=table,
                                                                         causal=True, num_splits=s)
                                                 for _ in range(layers)]) / layers
-        attn_rows.append({"kernel": "nano_flashattn", "num_splits": splits or "auto", "block_keys": "-",
-                          "context": context, "us": 1e6 * seconds})
-    q2 = q.view(hq, d)
-    for splits, block_keys in itertools.product((8, 16, 32, 64), (16, 32, 64)):
-        aws = fd.Workspace(1, 1, dev, hkv, hq // hkv, d, splits=splits)
-        seconds = _time_graph(lambda w=aws, b=block_keys: [fd.decode_attention(q2, kv[0], kv[1], table[0], lens, w, b)
-                                                          for _ in range(layers)]) / layers
-        attn_rows.append({"kernel": "fused_decode", "num_splits": splits, "block_keys": block_keys,
-                          "context": context, "us": 1e6 * seconds})
-    print_table(rows, title=f"fused decode kernels, {model} shapes, {layers} layers' weights, one CUDA graph each")
-    print_table(attn_rows, title=f"Flash-Decoding, batch 1, {hq}/{hkv} heads of {d}, {pages * 16}-key block table")
-    print("best configs (fused_decode.MEASURED):")
-    for kind, (c, row) in best.items():
-        n, k = (int(v) for v in row["N x K"].split("x"))
-        n = n // 2 if kind == "gate_up" else n
-        print(f'    ("{kind}", {n}, {k}): TileConfig({c.block_n}, {c.block_k}, {c.num_warps}),  # '
-              f"{row['us']:.2f} us, {row['GB/s']:.0f} GB/s")
-    return {"model": model, "rows": rows, "attention": attn_rows,
-            "best": {k: {"config": [c.block_n, c.block_k, c.num_warps], **row} for k, (c, row) in best.items()},
-            "best_attention": min((r for r in attn_rows if r["kernel"] == "fused_decode"), key=lambda r: r["us"])}
+        alone.append({"kernel": f"nano_flashattn decode (num_splits {splits or 'auto'})", "us": 1e6 * seconds})
+    aws = attn_ws[attn["splits"]]
+    seconds = _time_graph(lambda: [fd.decode_attention(q_attn, kv[0], kv[1], table[0], lens, aws, attn["block_keys"])
+                                   for _ in range(layers)]) / layers
+    alone.append({"kernel": f"fused_decode attention ({attn['splits']} x {attn['block_keys']})", "us": 1e6 * seconds})
+    layer_bytes = sum(nbytes for _, _, _, nbytes in kinds.values())
+    final = chain(chosen, attn)
+    print_table(rows, title=f"fused decode kernels in a layer chain, {model} shapes, {layers} layers' weights, one "
+                            f"CUDA graph each (the other kernels at their current config)")
+    print_table(attn_rows, title="the chain with the attention's split counts and key tiles")
+    print_table(alone, title="each kernel alone at the chosen config")
+    print(f"a layer: {1e6 * final:.2f} us for {layer_bytes / 1e6:.2f} MB = {layer_bytes / final / 1e9:.0f} GB/s "
+          f"({100 * layer_bytes / final / ceilings.copy_bytes_per_s:.0f}% of the measured copy)")
+    print("chosen configs (fused_decode.MEASURED, ATTENTION_SPLITS, BLOCK_KEYS):")
+    for kind, c in chosen.items():
+        print(f'    ("{kind}", {shapes[kind][0]}, {shapes[kind][1]}): TileConfig({c.block_n}, {c.block_k}, '
+              f"{c.num_warps}),")
+    print(f"    attention: {attn}")
+    return {"model": model, "rows": rows, "attention": attn_rows, "alone": alone, "layer_us": 1e6 * final,
+            "layer_bytes": layer_bytes,
+            "chosen": {kind: {"shape": list(shapes[kind]), "tile": [c.block_n, c.block_k, c.num_warps]}
+                       for kind, c in chosen.items()}, "chosen_attention": attn}

@@ -305,7 +305,7 @@ if HAS_TRITON:
     def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
                                  qk_scale, PDL: tl.constexpr, HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                                 BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr):
+                                 BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
         """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
         kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
         keys and writes (m, l, acc); the head's last split to arrive combines them
@@ -332,36 +332,38 @@ if HAS_TRITON:
             if start > lo:
                 keys = start + tl.arange(0, BLOCK_KEYS)
                 k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale holds log2(e)/sqrt(D)
+            if IEEE:  # fp32 caches: full-precision products, not TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale holds log2(e)/sqrt(D)
             s = tl.where((keys < hi)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        part = (hk * SPLITS + split) * BLOCK_G + g
-        tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], acc)
-        tl.store(ML_PART + 2 * part, m)
-        tl.store(ML_PART + 2 * part + 1, l_i)
+        # the GROUP real rows of this slice's (m, l, acc) to the workspace, row (kv head, query, split)
+        real = g < GROUP
+        part = (hk * GROUP + g) * SPLITS + split
+        tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+        tl.store(ML_PART + 2 * part, m, mask=real)
+        tl.store(ML_PART + 2 * part + 1, l_i, mask=real)
         tl.debug_barrier()
         if tl.atomic_add(COUNTERS + hk, 1) == SPLITS - 1:  # acq_rel: the other slices' partials are visible
             tl.atomic_xchg(COUNTERS + hk, 0)
             sp = tl.arange(0, SPLITS)
-            parts = (hk * SPLITS + sp)[:, None] * BLOCK_G + g[None, :]  # (SPLITS, BLOCK_G)
-            ms = tl.load(ML_PART + 2 * parts, cache_modifier=".cg")
-            ls = tl.load(ML_PART + 2 * parts + 1, cache_modifier=".cg")
-            top = tl.max(ms, axis=0)
-            w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - top[None, :]))  # empty slices weigh 0
-            total = tl.sum(w * ls, axis=0)
-            o = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-            for s_i in range(SPLITS):
-                row = (hk * SPLITS + s_i) * BLOCK_G + g
-                w_s = tl.sum(tl.where(sp[:, None] == s_i, w, 0.0), axis=0)
-                o += w_s[:, None] * tl.load(O_PART + row[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
-            o = o / total[:, None]
-            tl.store(OUT + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], o.to(OUT.dtype.element_ty),
-                     mask=(g < GROUP)[:, None])
+            for q_i in tl.static_range(GROUP):  # one query head at a time: a (SPLITS, HEAD_DIM) tile
+                rows = (hk * GROUP + q_i) * SPLITS + sp
+                ms = tl.load(ML_PART + 2 * rows, cache_modifier=".cg")
+                ls = tl.load(ML_PART + 2 * rows + 1, cache_modifier=".cg")
+                w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - tl.max(ms, axis=0)))  # empty slices: 0
+                accs = tl.load(O_PART + rows[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
+                o = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
+                tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
 
 def _config(kind: str, x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
     return config or tile_config(kind, n, k, _num_sms(x.device))
@@ -436,7 +438,7 @@ class Workspace:
                  head_dim: int = 0, splits: int = ATTENTION_SPLITS):
         self.partial = torch.empty(n, dtype=torch.float32, device=device)
         self.counters = torch.zeros(heads, dtype=torch.int32, device=device)
-        rows = max(heads_kv, 1) * splits * max(16, next_pow2(group))
+        rows = max(heads_kv, 1) * splits * group
         self.o_part = torch.empty(rows * max(head_dim, 1), dtype=torch.float32, device=device)
         self.ml_part = torch.empty(2 * rows, dtype=torch.float32, device=device)
         self.attn_counters = torch.zeros(max(heads_kv, 1), dtype=torch.int32, device=device)
@@ -499,6 +501,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_table, seqlen, out, workspace.o_part, workspace.ml_part,
         workspace.attn_counters, d**-0.5 * 1.4426950408889634, HEADS_KV=heads_kv, GROUP=group, HEAD_DIM=d,
         PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys, BLOCK_G=max(16, next_pow2(group)),
+        IEEE=q.dtype == torch.float32,
         num_warps=4, **pdl_args(q.device))
     return out
 

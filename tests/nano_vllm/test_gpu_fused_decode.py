@@ -61,15 +61,48 @@ def test_fused_ops_bf16_at_model_shapes(shape):
         _close(out, fd.reference_attention, q, k_cache[rows], v_cache[rows])
 
 
+def _equal_up_to_near_ties(ours: list[list[int]], ref_outputs, margin: float) -> int:
+    """Token lists equal to the reference's, except that from a first difference on, which must fall where
+    the reference's own two candidates were within `margin` nats of each other (a near-tie that bf16's
+    8-bit significand cannot order the same way under another summation order). Returns the differences."""
+    differences = 0
+    for tokens, ref in zip(ours, ref_outputs):
+        out = ref.outputs[0]
+        first = next((i for i, (a, b) in enumerate(zip(tokens, out.token_ids)) if a != b), None)
+        if first is None:
+            continue
+        differences += 1
+        scores = out.logprobs[first]
+        assert tokens[first] in scores, (first, tokens[first], scores)  # our token is in their top 5
+        gap = scores[out.token_ids[first]].logprob - scores[tokens[first]].logprob
+        assert 0 <= gap <= margin, (first, gap)
+    return differences
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("num_prompts", [1, 4])
 def test_engine_with_the_fused_layer_gives_the_same_tokens(family, num_prompts, request):
+    """bf16: every token equal to the engine without the fused layer (CUDA graphs and every other layer on
+    in both) until a near-tie, if any. fp32 (TF32 off in every kernel of the layer): transformers' greedy
+    tokens, exactly."""
     ckpt = request.getfixturevalue(f"{family}_ckpt")
     prompts = random_prompts(5, [9, 30, 17, 64][:num_prompts])
-    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     common = {"dtype": "bfloat16", "num_kv_blocks": 256}
-    ref = [o.token_ids for o in LLM(ckpt, fused_decode=False, **common).generate(prompts, sp, use_tqdm=False)]
+    ref = LLM(ckpt, fused_decode=False, **common).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5), use_tqdm=False)
     llm = LLM(ckpt, **common)
     assert "fused_decode" in llm.engine.layers_applied
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert out == ref
+    # bf16 logits carry ~2^-8 relative error: a gap of 0.05 nats is within a few units of it
+    assert _equal_up_to_near_ties(out, ref, margin=0.05) <= max(1, num_prompts // 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_layer_fp32_gives_transformers_greedy_tokens(family, request, hf_greedy):
+    ckpt = request.getfixturevalue(f"{family}_ckpt")
+    prompt = random_prompts(6, [21])[0]
+    llm = LLM(ckpt, dtype="float32", num_kv_blocks=256, max_num_seqs=1)
+    assert "fused_decode" in llm.engine.layers_applied
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].token_ids == hf_greedy(ckpt, prompt, 40)

@@ -137,7 +137,8 @@ def test_layers_match_the_eager_paper_path_bf16(ckpt):
     prompts = random_prompts(91, [3, 12, 40, 7])
     fast = LLM(ckpt, device="cuda", max_model_len=128, **KV)
     plain = LLM(ckpt, device="cuda", max_model_len=128, performance_layers=False, **KV)
-    assert fast.engine.layers_applied == ["fused", "gemv", "fused_sampling", "overlap", "cudagraph", "warmup"]
+    assert fast.engine.layers_applied == ["fused", "gemv", "fused_decode", "fused_sampling", "overlap", "cudagraph",
+                                          "warmup"]
     assert plain.engine.layers_applied == [] and plain.engine.model_runner.cudagraphs == []
     logits = []
     for llm in (fast, plain):

@@ -182,7 +182,7 @@ def test_every_layer_registers_at_its_point_in_load_order():
 
     names = {p: [layer.module.rpartition(".")[2] for layer in REGISTRY.layers(p)]
              for p in ("runner", "graphs", "engine")}
-    assert names == {"runner": ["fused", "gemv", "fused_sampling", "overlap"], "graphs": ["cudagraph"],
+    assert names == {"runner": ["fused", "gemv", "fused_decode", "fused_sampling", "overlap"], "graphs": ["cudagraph"],
                      "engine": ["overlap", "warmup"]}
     assert REGISTRY.missing == {}
 
