@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nano_distserve.kv_transfer import LeaseTable, export_blocks, import_blocks
+from nano_distserve.kv_message import export_kv, import_kv, kv_buffer
+from nano_distserve.kv_transfer import LeaseTable
 from nano_distserve.protocol import (
     Abort,
     Completion,
@@ -135,7 +136,8 @@ class PrefillInstance:
 
     def _send_blocks(self, dst: int, rid: str, tag: int) -> None:
         """Answer a pull: the blocks as one staging copy, sent asynchronously, then freed."""
-        buf = export_blocks(self.runner.kv_cache, self.handed[rid].block_table)
+        seq = self.handed[rid]
+        buf = export_kv(self.runner, seq.block_table, seq.num_prompt_tokens)
         # The staging copy is the message, so the blocks are free for new prompts right away. The decode
         # side posts its receive right after asking; `Sent` tells it the bytes are on their way (gloo
         # works report completion only from wait()).
@@ -235,10 +237,8 @@ class DecodeInstance:
     def _pull(self, p: Pending, seq: Sequence) -> None:
         """Ask for the blocks of `seq`, now allocated here, and post their receive."""
         self._tags += 1  # unique per (prefill, decode) pair, which is all gloo's tag matching needs
-        cache = self.runner.kv_cache
         p.seq = seq
-        shape = (*cache.shape[:2], len(seq.block_table), *cache.shape[3:])
-        p.buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        p.buf = kv_buffer(self.runner, len(seq.block_table))  # (a KIVI cache's: with its residual)
         rid = seq.request_id
         self.leases.grant(rid, self.lease_ttl_s, lambda: self._drop(rid, seq, "transfer_timeout"))
         # Ask first, then post the receive: NCCL's first send/recv between two ranks sets up their
@@ -250,7 +250,7 @@ class DecodeInstance:
     def _start_decoding(self, rid: str, p: Pending) -> None:
         """The bytes arrived: scatter them into this cache; the request joins the running queue."""
         p.work.wait()
-        import_blocks(self.runner.kv_cache, p.seq.block_table, p.buf)
+        import_kv(self.runner, p.seq.block_table, p.buf, p.seq.num_prompt_tokens, p.seq)
         del self.queue[rid]
         p.seq.num_computed_tokens = p.seq.num_prompt_tokens
         p.seq.status = SequenceStatus.RUNNING

@@ -39,9 +39,10 @@ REGISTRY = Registry("nano_vllm", points=("runner", "graphs", "engine"),
 LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused", "fused_decode": "fused_decode",
                   "fused_sampling": "fused_sampling", "gemv_max_tokens": "gemv"}
 
-# kv_cache_dtype -> the cache's element type (None: the model's dtype); KIVI is nano_quant.kv's for now
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
-KV_CACHE_LATER = ("kivi2", "kivi4")
+# kv_cache_dtype -> the cache's element type (None: the model's dtype; KIVI's blocks are bytes, nano_vllm.kivi)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "kivi2": torch.uint8, "kivi4": torch.uint8}
+KIVI_BITS = {"kivi2": 2, "kivi4": 4}  # bits per code
+KIVI_GROUP_SIZE = 32  # KIVI's G (§4: 32 for every model it evaluates)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -82,7 +83,13 @@ class EngineConfig:
     kv_cache_dtype: vLLM's name: "auto" (K/V in the model's dtype) or "fp8" (E4M3 codes, one byte an
         element, so the same memory holds 2x the tokens of bf16; written by nano_flashattn's
         `store_kv_fp8`, read back as code x scale with one fp32 scale per layer for K and for V, 1.0 as
-        in vLLM for a model without calibrated scales). KIVI (kivi2 / kivi4) is not served yet.
+        in vLLM for a model without calibrated scales), or KIVI's "kivi2" / "kivi4" (arXiv 2402.02750:
+        2- / 4-bit codes, keys per channel over groups of `kv_cache_group_size` tokens, values per token
+        over groups of that many channels, fp16 scale and zero per group; each sequence's last, not yet
+        full key group stays in 16 bits; nano_vllm.kivi). KIVI runs on one device, without the mixed-step
+        CUDA graphs (its prefill steps dequantize pages; decode steps are captured).
+    kv_cache_group_size: KIVI's group size G, a power of two that divides block_size (a block holds
+        whole key groups) and the model's head_dim; None: 32 (KIVI's), or block_size when that is 16.
 
     Performance layers (nano_vllm/layers/), each the same tokens faster. None: on where the layer is
     present and applies (on CUDA), True: asked for (ValueError if the layer is missing), False: off.
@@ -120,6 +127,7 @@ class EngineConfig:
     max_logprobs: int = 20
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_group_size: int | None = None
     performance_layers: bool = True
     async_scheduling: bool | None = None
     fused_projections: bool | None = None
@@ -144,7 +152,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self._check_layers()
         self._check_quantization()
-        self._check_kv_cache_dtype()
         if self.async_scheduling is True and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would not see the "
                              "tokens of the step in flight); pass async_scheduling=False")
@@ -166,6 +173,7 @@ class EngineConfig:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16 (the paged kernels' page size), "
                              f"got {self.block_size}")
+        self._check_kv_cache_dtype()
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -221,12 +229,38 @@ class EngineConfig:
                                  "tensor_parallel_size=1")
 
     def _check_kv_cache_dtype(self) -> None:
-        if self.kv_cache_dtype in KV_CACHE_LATER:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: kivi2/kivi4: the quantized cache is "
-                             "not served yet; the paper path is nano_quant.kv")
+        """`kv_cache_dtype` is one of KV_CACHE_DTYPES; `kv_cache_group_size` is KIVI's only, and divides
+        `block_size`; KIVI runs on one device and turns the mixed-step CUDA graphs off."""
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
+        group, bits = self.kv_cache_group_size, KIVI_BITS.get(self.kv_cache_dtype)
+        if bits is None:
+            if group is not None:
+                raise ValueError(f"kv_cache_group_size={group!r} is KIVI's (kv_cache_dtype kivi2 / kivi4); "
+                                 f"kv_cache_dtype={self.kv_cache_dtype!r} takes none")
+            return
+        if group is None:
+            group = self.kv_cache_group_size = min(KIVI_GROUP_SIZE, self.block_size)
+        if type(group) is not int or group < 32 // bits or group & (group - 1):
+            raise ValueError(f"kv_cache_group_size must be a power of two >= {32 // bits} (whole int32 "
+                             f"words of {bits}-bit codes), got {group!r}")
+        if self.block_size % group:
+            raise ValueError(f"kv_cache_group_size ({group}) must divide block_size ({self.block_size}): "
+                             f"a KIVI block holds whole key groups")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on one device; got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
+        if self.mixed_cudagraph_sizes:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} captures decode steps only: its "
+                             f"prefill steps dequantize pages; drop mixed_cudagraph_sizes "
+                             f"{self.mixed_cudagraph_sizes!r}")
+        self.mixed_cudagraph_sizes = ()
+
+    @property
+    def kivi_bits(self) -> int | None:
+        """KIVI's bits per code (2 or 4), None for a 16-bit or FP8 cache."""
+        return KIVI_BITS.get(self.kv_cache_dtype)
 
     @property
     def torch_device(self) -> torch.device:

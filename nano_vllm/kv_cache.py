@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from nano_vllm.attention import AttentionContext
 from nano_vllm.config import EngineConfig, checkpoint_quantization, import_nano_quant
+from nano_vllm.kivi import kivi_layout, kivi_tail_bytes
 from nano_vllm.sampler import Sampler, SamplingTensors
 from nano_vllm.sampling_params import SamplingParams
 from shared.checkpoint import load_model
@@ -34,6 +35,7 @@ class Runner(Protocol):
     """What the sizing reads of a model runner (nano_vllm.model_runner.ModelRunner, one rank's)."""
 
     config: EngineConfig
+    model_config: ModelConfig
     model: CausalLM
     sampler: Sampler
     device: torch.device
@@ -43,6 +45,7 @@ class Runner(Protocol):
     num_blocks: int
     tp_size: int
     vocab_size: int
+    num_kv_heads: int
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
@@ -98,12 +101,28 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model_config: ModelConfig, block_size: int, num_kv_heads: int,
+                   dtype: torch.dtype | EngineConfig) -> int:
     """Bytes of one block across all layers, K and V, elements of `dtype`, the cache's (1 byte for FP8)
     (shared.accounting.kv_cache_bytes' formula). An FP8 cache's per-layer scales are not counted (8 bytes
-    a layer, not per block)."""
+    a layer, not per block). Given the engine's config, its cache's: for KIVI (kivi2 / kivi4) a token and
+    head cost the packed codes and their share of the fp16 scales and zeros (`KIVILayout.width` bytes,
+    K and V each); its 16-bit residual is a separate, fixed cost (`kv_side_bytes`)."""
     cfg = model_config
+    if isinstance(dtype, EngineConfig) and dtype.kivi_bits is not None:
+        width = kivi_layout(dtype, cfg, num_kv_heads).width
+        return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * width
+    if isinstance(dtype, EngineConfig):
+        dtype = dtype.kv_torch_dtype
     return 2 * cfg.num_hidden_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def kv_side_bytes(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int) -> int:
+    """Bytes the KV cache takes besides its blocks: KIVI's 16-bit residual (one open key group per
+    sequence, `kivi.kivi_tail_bytes`); 0 for the other dtypes."""
+    if config.kivi_bits is None:
+        return 0
+    return kivi_tail_bytes(config, model_config, num_kv_heads)
 
 
 def decide_num_blocks(runner: Runner) -> int:
@@ -111,14 +130,17 @@ def decide_num_blocks(runner: Runner) -> int:
     agrees on the smallest, since a block id must name the same block on all of them. Raises ValueError
     when not even one `max_model_len` sequence fits."""
     cfg, needed = runner.config, math.ceil(runner.max_model_len / runner.block_size)
+    # the residual of a KIVI cache comes out of the same memory (on CUDA the profiling pass allocates it:
+    # it is counted as used there)
+    side = kv_side_bytes(cfg, runner.model_config, runner.num_kv_heads)
     if cfg.num_kv_blocks is not None:
         num = cfg.num_kv_blocks
     elif cfg.kv_cache_memory_bytes is not None:
-        num = cfg.kv_cache_memory_bytes // runner.block_bytes
+        num = max(cfg.kv_cache_memory_bytes - side, 0) // runner.block_bytes
     elif runner.device.type == "cuda":
         num = profile_num_blocks(runner)
     else:
-        num = min(cfg.max_num_seqs * needed, CPU_KV_CACHE_BYTES // runner.block_bytes)
+        num = min(cfg.max_num_seqs * needed, max(CPU_KV_CACHE_BYTES - side, 0) // runner.block_bytes)
     if runner.tp_size > 1:  # a block id names the same block on every rank: all take the smallest
         num = all_reduce_min(num, runner.device)
     if num < needed:
@@ -172,16 +194,22 @@ def kv_cache_summary(r: Runner) -> str:
     """One line of a built runner (`engine.model_runner`): the weights (GiB on rank 0, and their
     quantization), then the KV cache: its dtype, blocks, tokens, GiB (all tensor-parallel ranks), tokens
     per GiB and how many full-length sequences fit. With the weights quantized, what they no longer take
-    is what §5's sizing gives to KV blocks; an FP8 cache holds 2x the tokens per GiB of a 16-bit one."""
-    bs = r.block_size
+    is what §5's sizing gives to KV blocks; an FP8 cache holds 2x the tokens per GiB of a 16-bit one, a
+    KIVI cache's GiB and tokens per GiB count its 16-bit residual too."""
+    bs, cfg = r.block_size, r.config
     qcfg = getattr(r.model, "quantization_config", None)
-    quantized = str(r.config.torch_dtype).removeprefix("torch.") if qcfg is None else \
+    quantized = str(cfg.torch_dtype).removeprefix("torch.") if qcfg is None else \
         f"quantized: {qcfg.to_dict()}"
-    kv_dtype = str(r.config.kv_torch_dtype).removeprefix("torch.")
-    per_gib = round(bs * 2**30 / (r.block_bytes * r.tp_size))
+    kv_dtype = str(cfg.kv_torch_dtype).removeprefix("torch.")
+    side = kv_side_bytes(cfg, r.model_config, r.num_kv_heads) * r.tp_size
+    if cfg.kivi_bits is not None:
+        kv_dtype = (f"{cfg.kv_cache_dtype}: {cfg.kivi_bits}-bit codes, groups of {cfg.kv_cache_group_size}, "
+                    f"16-bit residual {_size(side)}")
+    total = r.num_blocks * r.block_bytes * r.tp_size + side
+    per_gib = round(r.num_blocks * bs * 2**30 / total) if total else 0
     return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
             f"KV cache ({kv_dtype}): {r.num_blocks} blocks x {bs} tokens = {r.num_blocks * bs} tokens, "
-            f"{_size(r.num_blocks * r.block_bytes * r.tp_size)}, {per_gib} tokens per GiB "
+            f"{_size(total)}, {per_gib} tokens per GiB "
             f"({math.floor(r.num_blocks * bs / r.max_model_len)} full-length sequences)")
 
 

@@ -30,7 +30,9 @@ import torch
 
 from nano_flashattn import trusted_metadata
 from nano_vllm.attention import AttentionContext, PagedAttention, check_head_dim
+from nano_vllm.block_tables import fill_block_tables  # (re-exported: the CUDA-graph layer's too)
 from nano_vllm.config import EngineConfig, apply_layers
+from nano_vllm.kivi import install_kivi
 from nano_vllm.kv_cache import decide_num_blocks, kv_block_bytes, load_engine_model
 from nano_vllm.logprobs import StepLogprobs, prompt_logprob_rows
 from nano_vllm.sampler import Sampler, SamplingTensors, seed64
@@ -88,15 +90,6 @@ class StepGraphs(Protocol):
     def replay(self, inputs: StepInputs) -> torch.Tensor | None: ...
 
 
-def fill_block_tables(out: np.ndarray, tables: list[list[int]]) -> None:
-    """Write ragged block tables into the rows of `out` (batch, >= widest); entries past a row's length
-    keep what they held (pages past a sequence's length are never read). numpy does the scatter: nested
-    lists through torch.tensor cost ~2.5 ms at 256 x 64 blocks, this ~0.4 ms."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
-
-
 class ModelRunner:
     """Runs one engine step on one device (one tensor-parallel rank)."""
 
@@ -121,7 +114,7 @@ class ModelRunner:
             # the layers change the model, so before the KV cache is sized
             self.layers_applied = apply_layers("runner", self)
             self.block_bytes = kv_block_bytes(model_config, self.block_size, self.num_kv_heads,
-                                              config.kv_torch_dtype)
+                                              config)
             self.num_blocks = decide_num_blocks(self)
             self.allocate_kv_cache(self.num_blocks)
             self.layers_applied += apply_layers("graphs", self)
@@ -135,9 +128,13 @@ class ModelRunner:
         head_dim) — installed in the model as its attention call (`PagedAttention`). One block more at the
         end is scratch: padded rows and already-cached tokens write there, so a store needs no mask.
         An FP8 pool (`kv_cache_dtype="fp8"`) has K and V scales per layer: 1.0, vLLM's for a model
-        without calibrated scales (a value is its E4M3 code; past ±448 it clamps)."""
+        without calibrated scales (a value is its E4M3 code; past ±448 it clamps). A KIVI pool ("kivi2",
+        "kivi4") holds bytes: packed codes, fp16 scales and zeros, and beside it each sequence's open key
+        group in 16 bits (`kv_pool`: nano_vllm.kivi)."""
         cfg, dtype = self.model_config, self.config.kv_torch_dtype
         self.scratch_slot = num_blocks * self.block_size
+        if self.config.kivi_bits is not None:
+            return install_kivi(self, num_blocks)
         layers = cfg.num_hidden_layers
         self.kv_cache = torch.zeros(2, layers, num_blocks + 1, self.block_size, self.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
@@ -155,7 +152,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs (§4.3)
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Pack the step's sequences into one batch: sequence i computes its tokens
-        [num_computed_tokens, + num_new_tokens[i]), whose K/V go to the slots its block table names."""
+        [num_computed_tokens, + num_new_tokens[i]), whose K/V go to the slots its block table names.
+        A KIVI cache first gives each open key group its 16-bit residual entry (`KIVIPool.plan`)."""
+        if self.config.kivi_bits is not None:
+            self.kv_pool.plan(out)
         bs, scratch = self.block_size, self.scratch_slot
         ids, positions, slots, cu_k, tables = [], [], [], [0], []
         for seq, n in zip(out.seqs, out.num_new_tokens):

@@ -127,15 +127,13 @@ def test_fp8_blocks_move_between_instances(llama_ckpt):
 
 
 @pytest.mark.parametrize("value, match", [
-    ("int3", r"kv_cache_dtype must be one of \('auto', 'fp8'\), got 'int3'"),
-    ("kivi2", "kivi2/kivi4: the quantized cache is not served yet; the paper path is nano_quant.kv"),
-    ("kivi4", "kv_cache_dtype='kivi4'"),
+    ("int3", r"kv_cache_dtype must be one of \('auto', 'fp8', 'kivi2', 'kivi4'\), got 'int3'"),
     (8, "kv_cache_dtype must be one of"),
     (["fp8"], "kv_cache_dtype must be one of"),
 ])
 def test_bad_kv_cache_dtype_is_a_value_error(llama_ckpt, value, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model=llama_ckpt, kv_cache_dtype=value)
-    if value in ("int3", "kivi2"):
+    if value == "int3":
         with pytest.raises(ValueError, match="kv_cache_dtype"):
             LLM(llama_ckpt, kv_cache_dtype=value)

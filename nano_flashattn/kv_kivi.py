@@ -1,0 +1,381 @@
+"""KIVI's 2- and 4-bit KV cache (arXiv 2402.02750) in Triton: the write that quantizes, and Flash-Decoding
+over packed blocks. The layout, the torch path and the dispatch are kivi.py's.
+
+* The write (`store_kv_kivi_triton`), two kernels over (token, kv head) in stream order: `_key_groups`
+  quantizes each key group that a new token completes (per channel over the group's G tokens, KIVI
+  §3.2), reading the group's older members from the 16-bit tail; `_store_values` quantizes each new
+  token's value (per token, groups of G channels) and puts its key into the tail unless `_key_groups`
+  just quantized its group. No host sync: CUDA-graph safe.
+* The read (`flash_attn_with_kivi_cache_triton`): decode.py's split-K over the keys, with tiles that
+  dequantize in registers — a word holds 32 / b codes, code = (word >> b·i) & (2^b - 1), value = code ·
+  scale + zero in fp32, cast to q's dtype for `tl.dot`, which sums in fp32 (as do the running softmax
+  sums across tiles). Keys past the last full group come from the tail instead; the tiles that may hold
+  them (and the sequence end, the causal edge) are the masked ones. The slices merge in decode.py's
+  `_combine_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import (
+    DTYPES,
+    NO_WINDOW,
+    _values_checkable,
+    cdiv,
+    check_block_table,
+    check_lengths_fit,
+    check_scale,
+    next_pow2,
+)
+from .configs import block_d, decode_config, num_sms
+from .decode import _combine_kernel, pick_num_splits
+from .forward import LN2_C, LOG2E, dot_precision, visible
+from .kivi import _check_rows, layout_of
+
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (t + it) - it rounds |t| < 2^22 half to even
+NO_WINDOW_C = tl.constexpr(NO_WINDOW)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def group_scale(lo, hi, BITS: tl.constexpr):
+    """KIVI's fp16 scale and zero of groups with minimum lo and maximum hi (fp32):
+    scale = max((hi - lo) / (2^b - 1), 1e-6), zero = lo, each rounded to fp16 as torch's `.half()`.
+    `div_rn`: the correctly rounded quotient torch computes."""
+    levels = tl.zeros_like(lo) + (2**BITS - 1)
+    scale = tl.maximum(tl.math.div_rn(hi - lo, levels), 1e-6)
+    return scale.to(tl.float16), lo.to(tl.float16)
+
+
+@triton.jit
+def group_codes(x, scale, zero, BITS: tl.constexpr):
+    """clamp(round((x - zero) / scale), 0, 2^b - 1), rounded half to even like torch.round, int32."""
+    t = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
+    t = (t + RNE_MAGIC) - RNE_MAGIC
+    return tl.minimum(tl.maximum(t, 0.0), 2**BITS - 1.0).to(tl.int32)
+
+
+@triton.jit
+def _key_groups(K, KW, KS, KZ, Tail, slot_mapping, tail_of_block,
+                stride_kt, stride_kh, stride_wb, stride_wr, stride_wh, stride_sb, stride_sg, stride_sh,
+                stride_te, stride_tr, stride_th,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
+                BITS: tl.constexpr):
+    """Pass 1: if token i's slot ends a key group, quantize the group per channel. grid (tokens, heads)."""
+    PW: tl.constexpr = 32 // BITS
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.load(slot_mapping + i).to(tl.int64)
+    if (s >= 0) & (s % G == G - 1):
+        o = tl.arange(0, G)
+        rows = i - (G - 1) + o
+        # a member was written this step iff the row G - 1 - o before i holds its slot
+        new = tl.load(slot_mapping + rows, mask=rows >= 0, other=-1).to(tl.int64) == s - (G - 1) + o
+        entry = tl.load(tail_of_block + s // BS).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d[None, :] < HEAD_DIM
+        fresh = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + d[None, :],
+                        mask=new[:, None] & d_ok, other=0.0)
+        older = tl.load(Tail + entry * stride_te + o[:, None] * stride_tr + h * stride_th + d[None, :],
+                        mask=(~new)[:, None] & d_ok, other=0.0)
+        x = tl.where(new[:, None], fresh.to(tl.float32), older.to(tl.float32))  # (G, BLOCK_D)
+        scale, zero = group_scale(tl.min(x, 0), tl.max(x, 0), BITS)
+        codes = group_codes(x, scale[None, :], zero[None, :], BITS)
+        # token o of the group is field o % PW of word o // PW (words run along the tokens)
+        codes = codes << ((o % PW) * BITS)[:, None]
+        words = tl.reduce(tl.reshape(codes, (G // PW, PW, BLOCK_D)), 1, _or)
+        first = s % BS - (G - 1)  # the group's first offset in block s // BS
+        blk = s // BS
+        w = first // PW + tl.arange(0, G // PW)
+        tl.store(KW + blk * stride_wb + w[:, None] * stride_wr + h * stride_wh + d[None, :], words,
+                 mask=d_ok)
+        at = blk * stride_sb + (first // G) * stride_sg + h * stride_sh + d
+        tl.store(KS + at, scale, mask=d < HEAD_DIM)
+        tl.store(KZ + at, zero, mask=d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _store_values(K, V, VW, VS, VZ, Tail, slot_mapping, tail_of_block, num_tokens,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_wb, stride_wt, stride_wh,
+                  stride_sb, stride_st, stride_sh, stride_te, stride_tr, stride_th,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
+                  BITS: tl.constexpr):
+    """Pass 2: token i's value quantized per token (groups of G channels) into its slot; its key into
+    the tail unless its group is complete in this step. grid (tokens, heads)."""
+    PW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BLOCK_D // G
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.load(slot_mapping + i).to(tl.int64)
+    if s >= 0:
+        blk, off = s // BS, s % BS
+        c = tl.arange(0, G)
+        g = tl.arange(0, NG)
+        d = g[:, None] * G + c[None, :]  # (groups, G): channel d is group d // G, member d % G
+        x = tl.load(V + i * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        scale, zero = group_scale(tl.min(x, 1), tl.max(x, 1), BITS)
+        codes = group_codes(x, scale[:, None], zero[:, None], BITS) << ((c % PW) * BITS)[None, :]
+        words = tl.reduce(tl.reshape(codes, (BLOCK_D // PW, PW)), 1, _or)  # channels d // PW
+        row = blk * stride_wb + off * stride_wt + h * stride_wh
+        w = tl.arange(0, BLOCK_D // PW)
+        tl.store(VW + row + w, words, mask=w < HEAD_DIM // PW)
+        row = blk * stride_sb + off * stride_st + h * stride_sh
+        tl.store(VS + row + g, scale, mask=g < HEAD_DIM // G)
+        tl.store(VZ + row + g, zero, mask=g < HEAD_DIM // G)
+        last = i + (G - 1 - s % G)  # the row that completes the group, if this step writes it
+        end = tl.load(slot_mapping + last, mask=last < num_tokens, other=-1).to(tl.int64)
+        if end != s - s % G + G - 1:
+            entry = tl.load(tail_of_block + blk).to(tl.int64)
+            dd = tl.arange(0, BLOCK_D)
+            k = tl.load(K + i * stride_kt + h * stride_kh + dd, mask=dd < HEAD_DIM)
+            tl.store(Tail + entry * stride_te + (s % G) * stride_tr + h * stride_th + dd,
+                     k.to(Tail.dtype.element_ty), mask=dd < HEAD_DIM)
+
+
+def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_block, bits,
+                         group_size) -> None:
+    """`kivi.store_kv_kivi` on the kernels (the two passes, in this order)."""
+    lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
+    k, v, slot_mapping = _check_rows(k, v, slot_mapping, lay, k_cache)
+    if slot_mapping.numel() and _values_checkable(slot_mapping):
+        hi = slot_mapping.max().item()
+        if hi >= k_cache.shape[0] * lay.block_size:
+            raise ValueError(f"slot_mapping has slot {hi}, the cache has "
+                             f"{k_cache.shape[0] * lay.block_size} slots")
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    kw, ks, kz = lay.key_views(k_cache)
+    vw, vs, vz = lay.value_views(v_cache)
+    meta = dict(HEAD_DIM=lay.head_dim, BLOCK_D=block_d(lay.head_dim), G=lay.group_size,
+                BS=lay.block_size, BITS=bits)
+    tail = dict(stride_te=k_tail.stride(0), stride_tr=k_tail.stride(1), stride_th=k_tail.stride(2))
+    _key_groups[(tokens, lay.heads)](
+        K=k, KW=kw, KS=ks, KZ=kz, Tail=k_tail, slot_mapping=slot_mapping, tail_of_block=tail_of_block,
+        stride_kt=k.stride(0), stride_kh=k.stride(1),
+        stride_wb=kw.stride(0), stride_wr=kw.stride(1), stride_wh=kw.stride(2),
+        stride_sb=ks.stride(0), stride_sg=ks.stride(1), stride_sh=ks.stride(2), **tail, **meta)
+    _store_values[(tokens, lay.heads)](
+        K=k, V=v, VW=vw, VS=vs, VZ=vz, Tail=k_tail, slot_mapping=slot_mapping,
+        tail_of_block=tail_of_block, num_tokens=tokens,
+        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
+        stride_wb=vw.stride(0), stride_wt=vw.stride(1), stride_wh=vw.stride(2),
+        stride_sb=vs.stride(0), stride_st=vs.stride(1), stride_sh=vs.stride(2), **tail, **meta)
+
+
+# ----------------------------------------------------------------------------------------- the read
+@triton.jit
+def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scale, hk, entry,
+                KW, KS, KZ, VW, VS, VZ, Tail,
+                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                stride_te, stride_tr, stride_th,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache: each K and V
+    tile dequantized in registers. MASKED: keys past the sequence end or the causal edge are masked
+    and keys from nk on (the sequence's last, partial group) come from tail entry `entry`."""
+    PW: tl.constexpr = 32 // BITS
+    CODE: tl.constexpr = 2**BITS - 1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        r = offs_n % PAGE_SIZE
+        # K^T (BLOCK_D, BLOCK_N): word (r // PW, channel d) of the page, field r % PW; per-channel
+        # scale and zero of group r // G
+        k_ok = d_ok[:, None] & (n_ok & (offs_n < nk))[None, :]
+        words = tl.load(KW + page[None, :] * stride_kwb + (r // PW)[None, :] * stride_kwr
+                        + hk * stride_kwh + d[:, None], mask=k_ok, other=0)
+        at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
+        sc = tl.load(KS + at, mask=k_ok, other=0.0).to(tl.float32)
+        ze = tl.load(KZ + at, mask=k_ok, other=0.0).to(tl.float32)
+        k = ((words >> ((r % PW) * BITS)[None, :]) & CODE).to(tl.float32) * sc + ze
+        if MASKED:  # keys nk.. live in the tail, 16-bit, row j - nk
+            t_ok = d_ok[:, None] & (n_ok & (offs_n >= nk))[None, :]
+            kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
+                         + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
+            k = tl.where((offs_n < nk)[None, :], k, kt.to(tl.float32))
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
+        if MASKED:
+            seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # V (BLOCK_N, BLOCK_D): word (row r, channel d // PW), field d % PW; per-token scale and zero
+        # of channel group d // G
+        v_ok = n_ok[:, None] & d_ok[None, :]
+        words = tl.load(VW + page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
+                        + (d // PW)[None, :], mask=v_ok, other=0)
+        at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (d // G)[None, :]
+        sc = tl.load(VS + at, mask=v_ok, other=0.0).to(tl.float32)
+        ze = tl.load(VZ + at, mask=v_ok, other=0.0).to(tl.float32)
+        v = ((words >> ((d % PW) * BITS)[None, :]) & CODE).to(tl.float32) * sc + ze
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
+def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_seqlens, block_table,
+                              tail_of_block, seqlen_q, group, qk_scale, window_right,
+                              stride_qb, stride_qt, stride_qh,
+                              stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                              stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                              stride_te, stride_tr, stride_th, stride_bt,
+                              stride_ob, stride_ot, stride_oh, stride_os,
+                              stride_lb, stride_lt, stride_lh, stride_ls,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
+                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch)."""
+    split = tl.program_id(0)
+    row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
+    hk = tl.program_id(1) // row_blocks
+    b64 = tl.program_id(2).to(tl.int64)
+    rows = (tl.program_id(1) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * seqlen_q
+    h = hk * group + rows // seqlen_q
+    t = rows % seqlen_q
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    k_len = tl.load(cache_seqlens + b64)
+    bt_row = block_table + b64 * stride_bt
+    nk = k_len // G * G  # keys [0, nk) are codes, [nk, k_len) the tail of the block holding nk
+    entry = tl.load(tail_of_block + tl.load(bt_row + tl.minimum(nk, tl.maximum(k_len - 1, 0))
+                                            // PAGE_SIZE)).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(k_len, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, k_len)
+    diag = k_len - seqlen_q
+    full_hi = tl.minimum(tl.minimum(hi, diag + window_right + 1), nk)
+    full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, full_hi, hi, nk, diag, window_right,
+                                qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
+                                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
+                                DOT_PRECISION=DOT_PRECISION)
+    acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
+                                qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
+                                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
+                                DOT_PRECISION=DOT_PRECISION)
+    empty = l_i == 0.0
+    l_i = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
+    o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+              + split * stride_os + d[None, :])
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
+    """flash_attn_with_kivi_cache's q, lengths and block table. Returns cache_seqlens as a tensor."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in DTYPES:
+        got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q must be a fp16/bf16/fp32 (batch, seqlen_q, heads_q, head_dim) tensor, got {got}")
+    if q.shape[-1] != lay.head_dim or q.shape[2] % lay.heads:
+        raise ValueError(f"q {tuple(q.shape)}: head_dim must be the cache's ({lay.head_dim}) and heads_q a "
+                         f"multiple of its {lay.heads} kv heads")
+    batch = q.shape[0]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
+            or cache_seqlens.dtype != torch.int32 or cache_seqlens.device != q.device):
+        got = (f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}" if isinstance(cache_seqlens, torch.Tensor)
+               else repr(cache_seqlens))
+        raise ValueError(f"cache_seqlens must be an int or an int32 ({batch},) tensor on q's device, got {got}")
+    check_block_table(block_table, batch, num_blocks, lay.block_size, q)
+    check_lengths_fit(cache_seqlens, "cache_seqlens", block_table.shape[1] * lay.block_size, False)
+    return cache_seqlens
+
+
+def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens, block_table,
+                                      tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
+                                      causal=False, return_lse=False):
+    """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine."""
+    lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
+    cache_seqlens = check_kivi_decode(q, lay, cache_seqlens, block_table, k_cache.shape[0])
+    scale = check_scale(softmax_scale, lay.head_dim)
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_table = block_table.contiguous()
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    group = heads_q // lay.heads
+    capacity = block_table.shape[1] * lay.block_size
+    block_m = max(16, min(64, next_pow2(group * seqlen_q)))
+    row_blocks = cdiv(group * seqlen_q, block_m)
+    programs = batch * lay.heads * row_blocks
+    block_n, num_warps, num_stages = decode_config(head_dim, q.dtype, q.device, True, programs)
+    if num_splits == 0:
+        num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
+    split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
+    num_splits = cdiv(max(capacity, 1), split_len)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, seqlen_q, heads_q, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        o_part, lse_part, s_strides = out, lse, (0, 0)
+    else:
+        o_part = torch.empty(batch, seqlen_q, heads_q, num_splits, head_dim, dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty(batch, seqlen_q, heads_q, num_splits, dtype=torch.float32, device=q.device)
+        s_strides = (o_part.stride(3), lse_part.stride(3))
+    if batch == 0:
+        return (out, lse.transpose(1, 2)) if return_lse else out
+    kw, ks, kz = lay.key_views(k_cache)
+    vw, vs, vz = lay.value_views(v_cache)
+    with torch.no_grad():
+        _kivi_decode_split_kernel[(num_splits, lay.heads * row_blocks, batch)](
+            Q=q, KW=kw, KS=ks, KZ=kz, VW=vw, VS=vs, VZ=vz, Tail=k_tail, Out=o_part, LSE=lse_part,
+            cache_seqlens=cache_seqlens, block_table=block_table, tail_of_block=tail_of_block,
+            seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
+            window_right=0 if causal else NO_WINDOW,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kwb=kw.stride(0), stride_kwr=kw.stride(1), stride_kwh=kw.stride(2),
+            stride_ksb=ks.stride(0), stride_ksg=ks.stride(1), stride_ksh=ks.stride(2),
+            stride_vwb=vw.stride(0), stride_vwt=vw.stride(1), stride_vwh=vw.stride(2),
+            stride_vsb=vs.stride(0), stride_vst=vs.stride(1), stride_vsh=vs.stride(2),
+            stride_te=k_tail.stride(0), stride_tr=k_tail.stride(1), stride_th=k_tail.stride(2),
+            stride_bt=block_table.stride(0),
+            stride_ob=o_part.stride(0), stride_ot=o_part.stride(1), stride_oh=o_part.stride(2),
+            stride_os=s_strides[0],
+            stride_lb=lse_part.stride(0), stride_lt=lse_part.stride(1), stride_lh=lse_part.stride(2),
+            stride_ls=s_strides[1],
+            HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+            PAGE_SIZE=lay.block_size, G=lay.group_size, BITS=bits, DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=num_warps, num_stages=num_stages)
+        if num_splits > 1:
+            _combine_kernel[(batch * seqlen_q * heads_q,)](
+                O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,
+                HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_S=next_pow2(num_splits))
+    return (out, lse.transpose(1, 2)) if return_lse else out
