@@ -5,23 +5,24 @@ the 16-bit cache in the same process.
     python -m nano_quant.bench_kv sections=[kernel]     # the decode attention kernel alone
     python -m nano_quant.bench_kv quick=true            # CPU-sized smoke run (automatic without CUDA)
 
-* **kernel** — Flash-Decoding (one new token per sequence) over a paged cache (pages of 16), at the
-  attention head shapes of `kernel.models` (llama3-8b: 32 q / 8 kv heads of 128; qwen3-0.6b: 16 / 8 of
-  128), batch × context 64 × 16k, 1 × 64k, 1 × 4k: nano_flashattn's kernel on the 16-bit cache, on FP8
-  codes (`k_scale` / `v_scale`) and on KIVI codes where nano_flashattn provides a KIVI decode
-  (`nano_flashattn.kv_kivi`, found at run time; a note when absent); beside them torch SDPA's cuDNN and
-  flash backends on a contiguous 16-bit cache. Time: `shared.bench.benchmark` (CUDA events, L2 flushed);
-  bytes: what the kernel must read (codes, scales and zero points, KIVI's 16-bit window, q, block table,
-  output); GB/s against the device copy measured in the same process; speedup against the 16-bit kernel;
-  error of each output against the 16-bit kernel's (quantization error, bounded; a broken kernel shows).
+* **kernel** — Flash-Decoding (one new token per sequence) over a paged cache, at the attention heads of
+  `kernel.models` (llama3-8b: 32 q / 8 kv heads of 128; qwen3-0.6b: 16 / 8 of 128), batch × context
+  64 × 16k, 1 × 64k, 1 × 4k: nano_flashattn's kernel on the 16-bit cache and on FP8 codes (`k_scale` /
+  `v_scale`) in pages of 16, on KIVI codes (`nano_flashattn.kivi`, found at run time; a note when absent)
+  in pages of 32 — a page holds whole key groups — beside a 16-bit row at that page; torch SDPA's cuDNN
+  and flash backends on a contiguous 16-bit cache. Time: `shared.bench.benchmark` (CUDA events, L2
+  flushed); bytes: what the kernel must read (codes, scales and zero points, q, block table, output);
+  GB/s and % of the device copy measured in the same process; speed against the 16-bit kernel at the
+  same page; each output's error against the 16-bit kernel's (quantization error; a broken kernel shows).
 * **engine** — a serving engine (`engine.api`: nano_vllm, imported by name at run time as in
-  `nano_quant.kv_quality`) on a workload the KV cache limits: `num_requests` random prompts of `prompt_len`
-  tokens, `output_len` greedy tokens each (ignore_eos), `kv_cache_memory_bytes` fixed so that the 16-bit
-  cache holds `fit_seqs` whole sequences; every dtype gets the same bytes. Per dtype: output tokens/s and
-  its ratio to auto, the blocks, tokens per GiB of the cache memory, how many whole sequences fit and the
-  most that ran at once, preemptions. Models are presets with random weights (the speed of a format does
-  not depend on the values); `engine.layers` runs a preset's shapes with fewer decoder layers (weights
-  and KV bytes per step shrink together).
+  `nano_quant.kv_quality`) on a workload the KV cache limits: `num_requests` random prompts of
+  `prompt_len` tokens, `output_len` greedy tokens each (ignore_eos), `kv_cache_memory_bytes` fixed so
+  that the 16-bit cache holds `fit_seqs` whole sequences; every dtype gets the same bytes. Per dtype:
+  output tokens/s and its ratio to auto, the blocks, tokens per GiB of that memory, how many whole
+  sequences fit and the most that ran at once, preemptions. Decode steps run as CUDA graphs, steps with
+  prompt tokens eagerly, for every dtype (KIVI's engine captures decode steps only). Models are presets
+  with random weights (a format's speed does not depend on the values); `engine.layers` runs a preset's
+  shapes with fewer decoder layers (weights and KV bytes per step shrink together).
 
 Writes `bench_kv.json` to the run directory after every row (a run cut short keeps what it measured);
 `python -m shared.report` draws it (kv_cache.png).
@@ -155,8 +156,8 @@ def kernel_jobs(specs: list[KVCacheSpec], q: torch.Tensor, c: dict, small: int, 
     jobs: dict[str, Any] = {}
     for spec in specs:
         if spec.name == "auto":
-            jobs["auto"] = (lambda: flash_attn_with_kvcache(q, c["k"], c["v"], c["seqlens"], block_table=c["table"],
-                                                            causal=True),
+            jobs["auto"] = (functools.partial(flash_attn_with_kvcache, q, c["k"], c["v"], c["seqlens"],
+                                              block_table=c["table"], causal=True),
                             2 * c["k"].numel() * c["k"].element_size() + small)
         elif spec.name == "fp8":  # vLLM's per-tensor scale, amax / 448
             sk, sv = ((c[x].abs().amax().float() / FP8_MAX).reshape(1) for x in ("k", "v"))
@@ -231,7 +232,8 @@ def time_jobs(cfg: DictConfig, device: torch.device, copy: float, record: dict, 
         ref, base = (out, t) if name == "auto" else (ref, base)
         row = {**where, "kv_cache_dtype": name, "us": t * 1e6, "bytes read": nbytes, "GB/s": nbytes / t / 1e9,
                "% of copy": 100 * nbytes / t / copy, "vs auto": base / t if base else None,
-               "rel err vs auto": None if ref is None else float((out - ref).norm() / ref.norm().clamp(min=1e-30))}
+               "rel err vs auto": None if ref is None else
+               float((out - ref).norm() / ref.norm().clamp(min=1e-30))}
         record["kernel"].append(row)
         print_table([row])
 
@@ -252,7 +254,8 @@ def timed_workload(api: ModuleType, llm: Any, prompts: list[dict], output_len: i
     `output_len` tokens each: output tokens/s; with nano_vllm's scheduler also the most sequences that ran
     at once and the preemptions."""
     params = api.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:2], api.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm = api.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts[:2], warm, use_tqdm=False)
     engine = getattr(llm, "engine", None)
     scheduler = getattr(engine, "scheduler", None)
     peak, preempted = [0], getattr(scheduler, "num_preemptions", 0)
@@ -275,7 +278,7 @@ def timed_workload(api: ModuleType, llm: Any, prompts: list[dict], output_len: i
     return {"prompt": len(prompts[0]["prompt_token_ids"]), "output": output_len, "requests": len(prompts),
             "output tok/s": tokens / seconds, "seconds": seconds, "vs auto": None,
             "most running": peak[0] if scheduler is not None else None,
-            "preemptions": getattr(scheduler, "num_preemptions", 0) - preempted if scheduler is not None else None,
+            "preemptions": None if scheduler is None else scheduler.num_preemptions - preempted,
             "kernels built while timed": len(compiles.names) if compiles.available else None}
 
 
@@ -295,7 +298,8 @@ def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> No
         raise ValueError(f"engine.layers ({list(layers)}) must be null or one entry per engine.models model")
     api = load_engine_api(str(e.api))
     if api is None:
-        record["notes"].append(f"the engine section needs a serving engine: engine.api={e.api!r} is not installed")
+        record["notes"].append(f"the engine section needs a serving engine: engine.api={e.api!r} is not "
+                               "installed")
         print(f"note: {record['notes'][-1]}", flush=True)
         return
     extra = OmegaConf.to_container(e.args, resolve=True) or {}
@@ -311,7 +315,8 @@ def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> No
         base = None
         for kv_dtype in cfg.kv_cache_dtypes:
             spec = parse_kv_cache_dtype(str(kv_dtype), bs, int(cfg.kivi.group_size), int(cfg.kivi.residual))
-            computed = 2**30 / kv_bytes_per_token(spec, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+            computed = 2**30 / kv_bytes_per_token(spec, mc.num_hidden_layers, mc.num_key_value_heads,
+                                                  mc.head_dim)
             memory_row = {"model": name, "kv_cache_dtype": spec.name, "tokens per GiB, computed": computed}
             record["memory"].append(memory_row)
             group = {"kv_cache_group_size": spec.group_size} if spec.group_size else {}  # nano_vllm's name
@@ -326,13 +331,15 @@ def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> No
                 record["notes"].append(f"engine {name}: refuses kv_cache_dtype={spec.name!r}: {err}")
                 print(f"note: {record['notes'][-1]}", flush=True)
                 continue
-            row = {"model": name, "kv_cache_dtype": spec.name, **timed_workload(api, llm, prompts, o_len, device)}
+            row = {"model": name, "kv_cache_dtype": spec.name,
+                   **timed_workload(api, llm, prompts, o_len, device)}
             cache = engine_cache(llm)
             if cache is not None:  # what the engine's sizing made of the same bytes
                 tokens = cache["blocks"] * cache["block_size"]
                 row.update({"blocks": cache["blocks"], "tokens per GiB": tokens * 2**30 / memory,
                             "whole sequences": tokens // (p_len + o_len)})
-                memory_row.update({"tokens per GiB": row["tokens per GiB"], "block bytes": cache["block_bytes"]})
+                memory_row.update({"tokens per GiB": row["tokens per GiB"],
+                                   "block bytes": cache["block_bytes"]})
             base = row["output tok/s"] if spec.name == "auto" else base
             row["vs auto"] = row["output tok/s"] / base if base else None
             row["kv GiB"] = memory / 2**30
@@ -343,7 +350,8 @@ def engine_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> No
             del llm
             release_memory()
     for m in record["memory"]:
-        auto = next((r for r in record["memory"] if r["model"] == m["model"] and r["kv_cache_dtype"] == "auto"), {})
+        auto = next((r for r in record["memory"]
+                     if r["model"] == m["model"] and r["kv_cache_dtype"] == "auto"), {})
         for key in ("tokens per GiB", "tokens per GiB, computed"):
             if m.get(key) and auto.get(key):
                 m[f"{key} vs auto"] = m[key] / auto[key]
@@ -361,16 +369,18 @@ def targets(record: dict) -> list[dict]:
     for r in record["kernel"]:
         if r["kv_cache_dtype"] in ("auto", "sdpa cudnn", "sdpa flash") or r.get("vs auto") is None:
             continue
-        goal = 0.9 if (r["batch"], r["context"]) == (1, 4096) else TARGETS.get(("kernel", r["kv_cache_dtype"]))
+        batch_1_4k = (r["batch"], r["context"]) == (1, 4096)
+        goal = 0.9 if batch_1_4k else TARGETS.get(("kernel", r["kv_cache_dtype"]))
         if goal is not None:
-            out.append({"what": f"kernel {r['model']} {r['batch']}x{r['context']}", "dtype": r["kv_cache_dtype"],
-                        "measured": r["vs auto"], "target": goal, "met": r["vs auto"] >= goal})
+            what = f"kernel {r['model']} {r['batch']}x{r['context']}"
+            out.append({"what": what, "dtype": r["kv_cache_dtype"], "measured": r["vs auto"], "target": goal,
+                        "met": r["vs auto"] >= goal})
     for section, key in (("engine", "vs auto"), ("memory", "tokens per GiB vs auto")):
         for r in record[section]:
             goal = TARGETS.get((section, r["kv_cache_dtype"]))
             if goal is not None and r.get(key) is not None:
-                out.append({"what": f"{section} {r['model']}", "dtype": r["kv_cache_dtype"], "measured": r[key],
-                            "target": goal, "met": r[key] >= goal})
+                out.append({"what": f"{section} {r['model']}", "dtype": r["kv_cache_dtype"],
+                            "measured": r[key], "target": goal, "met": r[key] >= goal})
     return out
 
 
@@ -398,7 +408,8 @@ def run(cfg: DictConfig) -> dict:
         copy = measure_copy_bandwidth(device)
         print(f"device copy: {format_rate(copy, 'B/s')} (read + write)", flush=True)
         path = Path(hydra_run_dir()) / "bench_kv.json"
-        record = {"bench": "nano_quant.bench_kv", "device": str(device), "quick": quick, "copy_GBps": copy / 1e9,
+        record = {"bench": "nano_quant.bench_kv", "device": str(device), "quick": quick,
+                  "copy_GBps": copy / 1e9,
                   "kernel": [], "engine": [], "memory": [], "notes": [], "config": config_record(cfg)}
 
         def save() -> None:

@@ -103,7 +103,7 @@ class DecodeCacheAttention:
         k, v = k.float(), v.float()
         if self.spec.name == "fp8":
             scale = torch.tensor(self.fp8_scale, device=k.device)
-            return dequantize_fp8(quantize_fp8(k, scale), scale), dequantize_fp8(quantize_fp8(v, scale), scale)
+            return tuple(dequantize_fp8(quantize_fp8(x, scale), scale) for x in (k, v))
         if self.spec.name == "auto":
             return k, v
         bits, g = self.spec.bits, self.spec.group_size
@@ -233,7 +233,8 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict[str, 
         n = max(len(ref), 1)
         same.append(sum(a == b for a, b in zip(ref, out)) / n)
         first.append(next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out))))
-    return {"identical token fraction": statistics.fmean(same), "first divergence mean": statistics.fmean(first),
+    return {"identical token fraction": statistics.fmean(same),
+            "first divergence mean": statistics.fmean(first),
             "first divergence median": statistics.median(first),
             "identical prompts": statistics.fmean(f == len(r) for f, r in zip(first, reference))}
 
@@ -256,8 +257,8 @@ def perplexity_rows(cfg: DictConfig, model_dir: Path, device: torch.device, spec
             model.set_attention(default_attention)
             row["ppl, model's attention"] = perplexity(model, tokens, seq_len, int(p.batch_size))["ppl"]
         row["seconds"] = time.perf_counter() - t0
-        print(f"{name}: held-out perplexity {row['ppl']:.4f} ({row['tokens']:,} tokens, windows of {seq_len})",
-              flush=True)
+        print(f"{name}: held-out perplexity {row['ppl']:.4f} ({row['tokens']:,} tokens, windows of "
+              f"{seq_len})", flush=True)
         yield name, row
     del model
     release_memory()
@@ -308,13 +309,13 @@ def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[
         if cache is not None:
             print(f"{name}: KV cache of {cache['blocks']} blocks x {cache['block_size']} tokens", flush=True)
         if probes:
-            outs = llm.generate([{"prompt_token_ids": p.prompt} for p in probes],
-                                [api.SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes],
-                                use_tqdm=False)
+            params = [api.SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes]
+            outs = llm.generate([{"prompt_token_ids": p.prompt} for p in probes], params, use_tqdm=False)
             right = [grade(p, enc.decode(o.outputs[0].token_ids)) for p, o in zip(probes, outs)]
             row["probe accuracy"], row["probe right"] = statistics.fmean(right), right
         if prompts:
-            params = api.SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens), ignore_eos=True)
+            params = api.SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens),
+                                        ignore_eos=True)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
             reference = tokens if name == "auto" else reference
@@ -335,7 +336,8 @@ def agreement_prompts(cfg: DictConfig, context: int) -> list[list[int]]:
                          f"context ({context})")
     tokens = corpus_tokens("val", corpus=str(cfg.perplexity.corpus))
     if tokens.numel() < prompt_len:
-        raise ValueError(f"the held-out split has {tokens.numel()} tokens, fewer than prompt_len {prompt_len}")
+        raise ValueError(f"the held-out split has {tokens.numel()} tokens, fewer than prompt_len "
+                         f"{prompt_len}")
     starts = torch.linspace(0, tokens.numel() - prompt_len, n).long().tolist() if n else []
     return [tokens[s: s + prompt_len].tolist() for s in starts]
 
@@ -345,7 +347,8 @@ def run(cfg: DictConfig) -> dict:
     every stage, so a run cut short keeps what it measured."""
     with performance_layers(cfg.get("performance_layers", True)):
         if not cfg.get("model"):
-            raise ValueError("model=DIR is required: the trained checkpoint (nano_megatron's <run>/checkpoint)")
+            raise ValueError("model=DIR is required: the trained checkpoint (nano_megatron's "
+                             "<run>/checkpoint)")
         model_dir, device = Path(str(cfg.model)), resolve_device(cfg.device)
         dtypes = [str(d) for d in cfg.kv_cache_dtypes]
         group = int(cfg.kivi.group_size)

@@ -16,9 +16,9 @@ from shared.config import PRESETS
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIG = Path(bench_kv.__file__).parent / "configs" / "bench_kv.yaml"
 ENGINE = importlib.util.find_spec("nano_vllm") is not None  # absent in a fork of nano_quant
-SMALL = {"quick": False, "warmup": 1, "repeats": 2, "kernel.models": "[qwen3-0.6b]", "kernel.cases": "[[2,64],[1,128]]",
-         "engine.models": "[tiny]", "engine.prompt_len": 40, "engine.output_len": 6, "engine.fit_seqs": 2,
-         "engine.num_requests": 5}
+SMALL = {"quick": False, "warmup": 1, "repeats": 2, "kernel.models": "[qwen3-0.6b]",
+         "kernel.cases": "[[2,64],[1,128]]", "engine.models": "[tiny]", "engine.prompt_len": 40,
+         "engine.output_len": 6, "engine.fit_seqs": 2, "engine.num_requests": 5}
 
 
 def config(**overrides):
@@ -52,7 +52,8 @@ def test_both_sections_on_small_shapes(tmp_path, monkeypatch):
     assert list(memory) == ["auto", "fp8", "kivi2", "kivi4"]
     assert memory["fp8"]["tokens per GiB vs auto"] == 4  # E4M3 against the fp32 CPU engine
     assert memory["fp8"]["tokens per GiB, computed vs auto"] == 2  # against 16 bits
-    assert memory["kivi2"]["tokens per GiB, computed vs auto"] == pytest.approx(16 / (2 + 32 / 32))  # fp16 scale + zero: 32 bits a group
+    kivi2 = 16 / (2 + 32 / 32)  # 2-bit codes, an fp16 scale and zero (32 bits) a group of 32
+    assert memory["kivi2"]["tokens per GiB, computed vs auto"] == pytest.approx(kivi2)
     assert record["targets"] and json.loads((tmp_path / "bench_kv.json").read_text())["kernel"]
     matplotlib = pytest.importorskip("matplotlib")
     assert matplotlib
@@ -65,9 +66,9 @@ def test_both_sections_on_small_shapes(tmp_path, monkeypatch):
 
 
 def test_targets_by_hand():
-    record = {"kernel": [{"model": "m", "batch": 64, "context": 16384, "kv_cache_dtype": "fp8", "vs auto": 1.9},
-                         {"model": "m", "batch": 1, "context": 4096, "kv_cache_dtype": "kivi2", "vs auto": 0.85},
-                         {"model": "m", "batch": 1, "context": 4096, "kv_cache_dtype": "sdpa flash", "vs auto": 2}],
+    kernel = [(64, 16384, "fp8", 1.9), (1, 4096, "kivi2", 0.85), (1, 4096, "sdpa flash", 2)]
+    record = {"kernel": [{"model": "m", "batch": b, "context": c, "kv_cache_dtype": d, "vs auto": x}
+                         for b, c, d, x in kernel],
               "engine": [{"model": "m", "kv_cache_dtype": "kivi2", "vs auto": 2.1}],
               "memory": [{"model": "m", "kv_cache_dtype": "fp8", "tokens per GiB vs auto": 1.9}]}
     got = [(t["what"], t["dtype"], t["target"], t["met"]) for t in bench_kv.targets(record)]
@@ -76,12 +77,15 @@ def test_targets_by_hand():
 
 
 def test_kivi_runs_at_a_page_that_holds_whole_key_groups():
-    pages = bench_kv.kernel_pages(config(), [bench_kv.parse_kv_cache_dtype(d) for d in ("auto", "fp8", "kivi2")])
-    assert {p: [s.name for s in specs] for p, specs in pages.items()} == {16: ["auto", "fp8"], 32: ["auto", "kivi2"]}
+    parse = bench_kv.parse_kv_cache_dtype
+    pages = bench_kv.kernel_pages(config(), [parse(d) for d in ("auto", "fp8", "kivi2")])
+    assert {p: [s.name for s in specs] for p, specs in pages.items()} == {16: ["auto", "fp8"],
+                                                                         32: ["auto", "kivi2"]}
     cfg = config(**{"kivi.group_size": 16})
-    pages = bench_kv.kernel_pages(cfg, [bench_kv.parse_kv_cache_dtype(d, group_size=16) for d in ("kivi4", "auto")])
+    pages = bench_kv.kernel_pages(cfg, [parse(d, group_size=16) for d in ("kivi4", "auto")])
     assert {p: [s.name for s in specs] for p, specs in pages.items()} == {16: ["auto", "kivi4"]}
-    assert bench_kv.block_size(config()) == 32 and bench_kv.block_size(config(kv_cache_dtypes="[auto,fp8]")) == 16
+    assert bench_kv.block_size(config()) == 32
+    assert bench_kv.block_size(config(kv_cache_dtypes="[auto,fp8]")) == 16
 
 
 def test_fewer_layers_of_a_preset():
