@@ -65,11 +65,17 @@ SPECDEC = {"bench": "nano_specdec", "model": "llama-100m", "num_speculative_toke
            "cost": {"label": "projection", "model": "llama3-8b", "projection": [
                {"workload": "edit", "method": "ngram", "batch": b, "temperature": 0.0, "projected speedup": 1.8}
                for b in (1, 4)]}}
+KV = {"bench": "nano_quant.bench_kv", "gpu": "NVIDIA H100",  # nano_quant.bench_kv: bench_kv.json
+      "kernel": [{"model": "llama3-8b", "batch": b, "context": c, "page": 16, "kv_cache_dtype": d, "vs auto": x}
+                 for b, c in ((64, 16384), (1, 4096)) for d, x in (("auto", 1.0), ("fp8", 1.9))],
+      "engine": [{"model": "qwen3-0.6b", "kv_cache_dtype": d, "vs auto": x} for d, x in (("auto", 1), ("fp8", 1.6))],
+      "memory": [{"model": "qwen3-0.6b", "kv_cache_dtype": "fp8", "tokens per GiB vs auto": 2.0},
+                 {"model": "qwen3-0.6b", "kv_cache_dtype": "kivi2", "tokens per GiB, computed vs auto": 5.3}]}
 ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
        "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
-       "nano_distserve_summarization.json": DISTSERVE, "nano_specdec.json": SPECDEC}
+       "nano_distserve_summarization.json": DISTSERVE, "nano_specdec.json": SPECDEC, "bench_kv.json": KV}
 EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "vllm_timeline.png", "mfu_scaling.png",
-            "sglang_hit_rate.png", "distserve_slo.png", "specdec_speedup.png"]
+            "sglang_hit_rate.png", "distserve_slo.png", "specdec_speedup.png", "kv_cache.png"]
 
 
 def _write(directory: Path, records: dict[str, object]) -> Path:
