@@ -321,8 +321,10 @@ def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
 
 def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens, block_table,
                                       tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
-                                      causal=False, return_lse=False):
-    """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine."""
+                                      causal=False, return_lse=False, config=None):
+    """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine. config:
+    (BLOCK_N, num_warps, num_stages) of the split kernel, default the 16-bit kernel's
+    (`configs.decode_config`)."""
     lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
     cache_seqlens = check_kivi_decode(q, lay, cache_seqlens, block_table, k_cache.shape[0])
     scale = check_scale(softmax_scale, lay.head_dim)
@@ -336,7 +338,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
-    block_n, num_warps, num_stages = decode_config(head_dim, q.dtype, q.device, True, programs)
+    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, True, programs)
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n

@@ -157,15 +157,23 @@ class KIVIPool:
     def apply(self) -> None:
         """Upload the map entries `plan` changed and copy the copy-on-write rows (before the forward)."""
         if self.updates:
-            blocks = torch.tensor(list(self.updates), dtype=torch.long, device=self.device)
-            entries = torch.tensor(list(self.updates.values()), dtype=torch.int32, device=self.device)
-            self.tail_of_block.index_copy_(0, blocks, entries)
+            blocks = self._upload(list(self.updates), torch.long)
+            self.tail_of_block.index_copy_(0, blocks, self._upload(list(self.updates.values()),
+                                                                   torch.int32))
             self.updates = {}
         if self.copies:
-            src = torch.tensor([s for s, _ in self.copies], device=self.device)
-            dst = torch.tensor([d for _, d in self.copies], device=self.device)
+            src = self._upload([s for s, _ in self.copies], torch.long)
+            dst = self._upload([d for _, d in self.copies], torch.long)
             self.k_tail[:, dst] = self.k_tail[:, src]
             self.copies = []
+
+    def _upload(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Host ints on the device without a sync: through pinned memory on CUDA (with overlapped
+        scheduling the device is still running the previous step)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ a sequence's blocks, for transfers
     def message_bytes(self, num_blocks: int) -> int:

@@ -1,8 +1,9 @@
-"""The FP8 KV cache (`kv_cache_dtype="fp8"`) on a CUDA GPU (marker `gpu`; run by hand:
+"""The FP8 and KIVI KV caches on a CUDA GPU (marker `gpu`; run by hand:
 `pytest tests/nano_vllm/test_gpu_kv_cache_dtype.py -m gpu`): a bf16 engine with every layer (CUDA
-graphs included) writing through nano_flashattn's `store_kv_fp8` and reading E4M3 blocks in the Triton
-kernels, against the same engine over a bf16 cache holding the E4M3-rounded K/V (fp8_reference.py). Both
-read the same values; the kernels differ in arithmetic order, so greedy agreement is high, not total.
+graphs included) writing through nano_flashattn's `store_kv_fp8` (`store_kv_kivi`) and reading E4M3
+(packed 2/4-bit) blocks in the Triton kernels, against the same engine over a bf16 cache holding the
+E4M3-rounded K/V (fp8_reference.py; KIVI's round trips, kivi_reference.py). Both read the same values;
+the kernels differ in arithmetic order, so greedy agreement is high, not total.
 """
 
 from __future__ import annotations
@@ -46,3 +47,28 @@ def test_fp8_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch):
     assert agree >= 0.9 * TOKENS * len(prompts), (outs, ref_outs)
     for engine in (llm.engine, ref.engine):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["kivi2", "kivi4"])
+def test_kivi_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch, dtype):
+    """KIVI on the GPU: the Triton write and Flash-Decoding over packed blocks (decode steps captured in
+    CUDA graphs, prefill steps over dequantized pages), against a bf16 engine over nano_quant.kv's round
+    trips of the same K/V (kivi_reference.py). 4.5x the blocks of bf16 at least (2-bit, G = 32)."""
+    from kivi_reference import reference_llm as kivi_reference
+
+    args = {**ENGINE, "block_size": 32, "max_num_batched_tokens": 64}  # chunked prompts: paged prefill
+    prompts = random_prompts(5, [7, 40, 100, 150])
+    llm = LLM(qwen3_ckpt, kv_cache_dtype=dtype, **args)
+    # the reference's store reads slots back on the host: eager, no CUDA graph
+    ref = kivi_reference(qwen3_ckpt, monkeypatch, dtype, 32, **args, enforce_eager=True)
+    runner = llm.engine.model_runner
+    assert runner.kv_cache.dtype == torch.uint8 and runner.config.kv_cache_group_size == 32
+    assert runner.cudagraphs and runner.config.mixed_cudagraph_sizes == ()
+    auto = LLM(qwen3_ckpt, **args).engine.model_runner
+    assert runner.num_blocks >= (4.5 if dtype == "kivi2" else 2.5) * auto.num_blocks
+    outs, ref_outs = greedy(llm, prompts), greedy(ref, prompts)
+    for out, want in zip(outs, ref_outs):
+        assert out[0] == want[0]
+    agree = sum(a == b for out, want in zip(outs, ref_outs) for a, b in zip(out, want))
+    assert agree >= 0.8 * TOKENS * len(prompts), (outs, ref_outs)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
