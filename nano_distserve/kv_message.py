@@ -14,22 +14,24 @@ from nano_distserve.kv_transfer import export_blocks, import_blocks
 
 def export_kv(runner: Any, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """The K/V of a request's first `num_tokens` tokens, in blocks `block_ids` of `runner`'s cache."""
-    if runner.config.kivi_bits is not None:
-        return runner.kv_pool.export_message(block_ids, num_tokens)
+    pool = getattr(runner, "kv_pool", None)  # a KIVI cache's (nano_vllm.kivi.KIVIPool)
+    if pool is not None:
+        return pool.export_message(block_ids, num_tokens)
     return export_blocks(runner.kv_cache, block_ids)
 
 
 def kv_buffer(runner: Any, num_blocks: int) -> torch.Tensor:
     """An empty receive buffer for `export_kv` of `num_blocks` blocks from an instance like `runner`."""
-    cache = runner.kv_cache
-    if runner.config.kivi_bits is not None:
-        return torch.empty(runner.kv_pool.message_bytes(num_blocks), dtype=torch.uint8, device=cache.device)
+    cache, pool = runner.kv_cache, getattr(runner, "kv_pool", None)
+    if pool is not None:
+        return torch.empty(pool.message_bytes(num_blocks), dtype=torch.uint8, device=cache.device)
     return torch.empty((*cache.shape[:2], num_blocks, *cache.shape[3:]), dtype=cache.dtype,
                        device=cache.device)
 
 
 def import_kv(runner: Any, block_ids: list[int], buf: torch.Tensor, num_tokens: int, seq: Any) -> None:
     """Scatter `export_kv`'s bytes into blocks `block_ids` of `runner`'s cache, for `seq`."""
-    if runner.config.kivi_bits is not None:
-        return runner.kv_pool.import_message(block_ids, buf, num_tokens, seq)
+    pool = getattr(runner, "kv_pool", None)
+    if pool is not None:
+        return pool.import_message(block_ids, buf, num_tokens, seq)
     import_blocks(runner.kv_cache, block_ids, buf)

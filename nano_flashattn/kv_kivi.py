@@ -174,6 +174,52 @@ def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_b
 
 # ----------------------------------------------------------------------------------------- the read
 @triton.jit
+def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+              stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in fp32: each int32
+    word read once (32 / b consecutive tokens of one channel, within one page), its fields shifted out,
+    times the channel's scale plus its zero (group w·PW // G of the page). Keys at or past min(n, nk):
+    whatever the words hold (the caller masks them)."""
+    PW: tl.constexpr = 32 // BITS
+    d = tl.arange(0, BLOCK_D)
+    tok = start_n + tl.arange(0, BLOCK_N // PW) * PW  # each word's first token
+    ok = (d < HEAD_DIM)[:, None] & ((tok < n) & (tok < nk))[None, :]
+    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok < n, other=0).to(tl.int64)
+    r = tok % PAGE_SIZE
+    words = tl.load(KW + page[None, :] * stride_kwb + (r // PW)[None, :] * stride_kwr + hk * stride_kwh
+                    + d[:, None], mask=ok, other=0)  # (BLOCK_D, BLOCK_N / PW)
+    at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
+    scale = tl.load(KS + at, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(KZ + at, mask=ok, other=0.0).to(tl.float32)
+    codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
+    k = codes.to(tl.float32) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_D, words, PW)
+    return tl.reshape(k, (BLOCK_D, BLOCK_N))
+
+
+@triton.jit
+def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """V (BLOCK_N, BLOCK_D) of tokens [start_n, start_n + BLOCK_N) in fp32: each word (32 / b channels of
+    one token) read once, times the token's scale plus zero of group (word · PW) // G. Past n: 0."""
+    PW: tl.constexpr = 32 // BITS
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    w = tl.arange(0, BLOCK_D // PW)
+    ok = (offs_n < n)[:, None] & (w < HEAD_DIM // PW)[None, :]
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
+    r = offs_n % PAGE_SIZE
+    row = page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
+    words = tl.load(VW + row + w[None, :], mask=ok, other=0)  # (BLOCK_N, BLOCK_D / PW)
+    at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (w * PW // G)[None, :]
+    scale = tl.load(VS + at, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(VZ + at, mask=ok, other=0.0).to(tl.float32)
+    codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
+    v = codes.to(tl.float32) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_N, words, PW)
+    return tl.reshape(v, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scale, hk, entry,
                 KW, KS, KZ, VW, VS, VZ, Tail,
                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
@@ -182,32 +228,20 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
-    """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache: each K and V
-    tile dequantized in registers. MASKED: keys past the sequence end or the causal edge are masked
-    and keys from nk on (the sequence's last, partial group) come from tail entry `entry`."""
-    PW: tl.constexpr = 32 // BITS
-    CODE: tl.constexpr = 2**BITS - 1
+    """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache, each K and V
+    tile dequantized in registers. lo is a multiple of BLOCK_N. MASKED: keys past the sequence end or
+    the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
+    `entry`, in 16 bits."""
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        r = offs_n % PAGE_SIZE
-        # K^T (BLOCK_D, BLOCK_N): word (r // PW, channel d) of the page, field r % PW; per-channel
-        # scale and zero of group r // G
-        k_ok = d_ok[:, None] & (n_ok & (offs_n < nk))[None, :]
-        words = tl.load(KW + page[None, :] * stride_kwb + (r // PW)[None, :] * stride_kwr
-                        + hk * stride_kwh + d[:, None], mask=k_ok, other=0)
-        at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
-        sc = tl.load(KS + at, mask=k_ok, other=0.0).to(tl.float32)
-        ze = tl.load(KZ + at, mask=k_ok, other=0.0).to(tl.float32)
-        k = ((words >> ((r % PW) * BITS)[None, :]) & CODE).to(tl.float32) * sc + ze
-        if MASKED:  # keys nk.. live in the tail, 16-bit, row j - nk
-            t_ok = d_ok[:, None] & (n_ok & (offs_n >= nk))[None, :]
+        k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+                      stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS)
+        if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
+            t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
             kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
                          + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
-            k = tl.where((offs_n < nk)[None, :], k, kt.to(tl.float32))
+            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(tl.float32))
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
         if MASKED:
             seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
@@ -221,15 +255,9 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # V (BLOCK_N, BLOCK_D): word (row r, channel d // PW), field d % PW; per-token scale and zero
-        # of channel group d // G
-        v_ok = n_ok[:, None] & d_ok[None, :]
-        words = tl.load(VW + page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
-                        + (d // PW)[None, :], mask=v_ok, other=0)
-        at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (d // G)[None, :]
-        sc = tl.load(VS + at, mask=v_ok, other=0.0).to(tl.float32)
-        ze = tl.load(VZ + at, mask=v_ok, other=0.0).to(tl.float32)
-        v = ((words >> ((d % PW) * BITS)[None, :]) & CODE).to(tl.float32) * sc + ze
+        v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                        stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
+                        BITS)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

@@ -20,7 +20,9 @@ Every layer writes before it reads, so within one step a sequence can read K/V t
 the same step writes (two identical prompts admitted together share their prefix blocks).
 
 An FP8 cache (`kv_cache_dtype="fp8"`, vLLM's) holds E4M3 codes: step 1 quantizes, x -> E4M3(x / scale),
-and step 2's kernels read code * scale, with one fp32 scale per layer for K and one for V.
+and step 2's kernels read code * scale, with one fp32 scale per layer for K and one for V. A KIVI cache
+(`kv_cache_dtype="kivi2" | "kivi4"`: 2/4-bit codes) takes the same two steps in its own attention call,
+nano_vllm.kivi.KIVIAttention.
 """
 
 from __future__ import annotations
