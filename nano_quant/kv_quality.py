@@ -311,7 +311,8 @@ def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[
         if probes:
             params = [api.SamplingParams(temperature=0.0, max_tokens=p.answer_tokens + 2) for p in probes]
             outs = llm.generate([{"prompt_token_ids": p.prompt} for p in probes], params, use_tqdm=False)
-            right = [grade(p, enc.decode(o.outputs[0].token_ids)) for p, o in zip(probes, outs)]
+            texts = [enc.decode([t for t in o.outputs[0].token_ids if t != enc.eot_token]) for o in outs]
+            right = [grade(p, text) for p, text in zip(probes, texts)]
             row["probe accuracy"], row["probe right"] = statistics.fmean(right), right
         if prompts:
             params = api.SamplingParams(temperature=0.0, max_tokens=int(cfg.agreement.max_tokens),
