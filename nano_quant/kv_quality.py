@@ -125,7 +125,7 @@ class DecodeCacheAttention:
         kf, vf = k.float(), v.float()
         kq, vq = self.dequantized(k, v)
         nk, nv = self.quantized_counts(s, q.device)
-        qf = q.float().view(b, s, hk, hq // hk, d)  # GQA: each kv head's query heads side by side
+        qf = q.float().reshape(b, s, hk, hq // hk, d)  # GQA: each kv head's query heads side by side
         j = torch.arange(s, device=q.device)
         out = torch.empty_like(qf)
         for lo in range(0, s, self.query_chunk):
