@@ -122,7 +122,8 @@ class EagleProposer(DraftModelProposer):
         """Roll back to the real pairs; the pairs up to (f_{n-2}, x_{n-1}) to compute; None without
         the features for them or without room in the draft's KV pool."""
         d = self.seqs.get(seq.seq_id)
-        if d is None or not len(d.pending) or d.base + d.real + len(d.pending) != seq.num_tokens - 1:
+        if d is None or not len(d.pending) or \
+                d.base + d.real + len(d.pending) != seq.num_tokens - 1:
             return None
         d.num_computed_tokens = d.real
         release_blocks(self.block_manager, d, d.real)

@@ -78,11 +78,11 @@ class MedusaHeads(nn.Module):
 class MedusaProposer:
     """Top-1 of each head on the feature of each sequence's last token (module docstring)."""
 
-    def __init__(self, path: str, target: CausalLM, num_speculative_tokens: int):
+    def __init__(self, path: str, target: CausalLM, k: int):
         self.heads = MedusaHeads.load(path, target)
-        if num_speculative_tokens > self.heads.num_heads:
-            raise ValueError(f"speculative_config: num_speculative_tokens ({num_speculative_tokens}) "
-                             f"exceeds the {self.heads.num_heads} Medusa heads of {path!r}")
+        if k > self.heads.num_heads:
+            raise ValueError(f"speculative_config: num_speculative_tokens ({k}) exceeds the "
+                             f"{self.heads.num_heads} Medusa heads of {path!r}")
         self.last: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (position, its feature)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ class SpecModelRunner(ModelRunner):
             emitted = [[next(tokens)] if s else [] for s in out.samples]
         else:
             logits = self.run(self.prepare(out))
-            scores = StepLogprobs.of(self, out, None, None)  # prompt log-probabilities, if asked for
+            scores = StepLogprobs.of(self, out, None, None)  # prompt log-probabilities, if any
             if scores is not None:
                 scores.attach()
             emitted = self.verify(logits, out)

@@ -60,6 +60,16 @@ from shared.train import (
 )
 
 METHODS = ("eagle", "medusa", "draft_model")
+BATCH, BLOCK = 256, 16  # sequences at a time in the engine runs, tokens per KV block
+
+
+def engine_args(num_seqs: int, max_len: int, device: str) -> dict[str, Any]:
+    """nano_vllm's LLM arguments for `num_seqs` sequences of up to `max_len` tokens: a KV pool that
+    holds a full batch of them (sized from the need, not from free memory: a draft's pool comes after
+    the target's, and GPU tests share the card)."""
+    seqs = min(num_seqs, BATCH)
+    return {"device": device, "max_model_len": max_len, "max_num_seqs": seqs, "block_size": BLOCK,
+            "num_kv_blocks": seqs * -(-max_len // BLOCK)}
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -84,7 +94,7 @@ def regenerate(target: str, data: DictConfig, device: str) -> tuple[torch.Tensor
     params = [SamplingParams(temperature=temp, max_tokens=n, ignore_eos=True,
                              seed=None if temp == 0 else int(data.seed) + i)
               for i in range(len(prompts))]
-    llm = PlainLLM(target, device=device, max_model_len=p + n)
+    llm = PlainLLM(target, **engine_args(len(prompts), p + n, device))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     report(f"regenerated {len(outs)} x {n} tokens with the target in {time.perf_counter() - t0:.1f}s")
@@ -236,8 +246,8 @@ def measure_tau(target: str, method: str, draft: str, ev: DictConfig, corpus: st
     prompts = prompt_windows(corpus, "val", int(ev.num_prompts), prompt_len, seed)
     spec = {"method": method, "model": draft,
             "num_speculative_tokens": int(ev.num_speculative_tokens)}
-    llm = LLM(target, speculative_config=spec, device=device,
-              max_model_len=prompt_len + int(ev.max_tokens))
+    llm = LLM(target, speculative_config=spec,
+              **engine_args(len(prompts), prompt_len + int(ev.max_tokens), device))
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(ev.max_tokens),
                                          ignore_eos=True), use_tqdm=False)
     stats = llm.engine.spec_decode_stats

@@ -72,8 +72,9 @@ def train_draft(target: str, method: str, out, overrides: list[str]) -> dict:
     from nano_specdec.train import run
 
     with initialize_config_module("nano_specdec.configs", version_base=None):
+        device = [] if any(o.startswith("device=") for o in overrides) else ["device=cpu"]
         cfg = compose("train", overrides=[f"target={target}", f"method={method}", f"out={out}",
-                                          "device=cpu", *DRAFT_TRAINING, *overrides])
+                                          *device, *DRAFT_TRAINING, *overrides])
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

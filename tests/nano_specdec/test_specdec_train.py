@@ -101,3 +101,13 @@ def test_bad_arguments_fail_before_anything_runs(cycle_target, tmp_path, overrid
     with pytest.raises(error, match=match):
         train_draft(cycle_target, "eagle", tmp_path / "out", overrides)
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_cuda_training_in_bf16_gives_an_accepted_draft(cycle_target, tmp_path, method):
+    """On the GPU: regeneration and τ through nano_vllm with its layers, the draft trained in bf16
+    (fp32 master weights, which the checkpoint holds)."""
+    summary = train_draft(cycle_target, method, tmp_path / method, ["device=cuda", "train.dtype=bf16"])
+    assert summary["tau"] > 1.5
+    assert all(t.dtype == torch.float32 for t in load_state_dict(tmp_path / method).values())
