@@ -75,4 +75,7 @@ def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
         stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
         stride_ks=scale_stride(k_scale), stride_vs=scale_stride(v_scale),
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        # one element a thread: with two, the E4M3 conversion of head_dims above 128 wrote every second code
+        # wrong on an H100 (Triton 3.6, 2026-12-06: 0xFC where torch's cast gives the value's code)
+        num_warps=max(1, block_d(head_dim) // 32))
