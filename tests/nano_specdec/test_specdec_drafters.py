@@ -63,6 +63,21 @@ def test_trained_drafts_are_accepted_and_rejected(cycle_target, method):
     assert not getattr(llm.engine.proposer, "last", {})  # Medusa's features, released
 
 
+def test_abort_forgets_the_drafters_state(cycle_target, method):
+    llm = LLM(cycle_target, speculative_config=method[1], **ARGS)
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=60))
+            for p in random_prompts(17, [25, 9, 40])]
+    for _ in range(4):
+        engine.step()
+    state = getattr(engine.proposer, "last", None) or engine.proposer.seqs
+    assert len(state) == 3 and engine.num_draft_tokens > 0
+    for s in seqs:
+        assert engine.abort_request(s.request_id)
+    assert not state
+    assert_all_free(llm)
+
+
 def test_the_drafters_receive_the_targets_hidden_states(cycle_target, method):
     """Every position's feature handed to the proposer (prefill rows, plain decodes, the accepted rows
     of each verification) equals the target's last hidden state there, recomputed from scratch."""
