@@ -98,8 +98,6 @@ class KIVIPool:
         """The tail entries this step's writes use (a `SchedulerOutput`: seqs, num_new_tokens, copies),
         on the device before the step runs (`apply`)."""
         G, bs = self.group_size, self.block_size
-        if len(self.free) < len(out.seqs) + len(out.copies):
-            self._reclaim()
         for src, dst in out.copies:  # copy-on-write: the copy's open group needs the source's rows
             if src in self.entry_of:
                 entry = self._take()
@@ -138,6 +136,8 @@ class KIVIPool:
 
     def _take(self) -> int:
         if not self.free:
+            self._reclaim()
+        if not self.free:
             raise RuntimeError(f"the KIVI residual has no free entry ({self.num_entries} entries, one "
                                "per sequence of max_num_seqs)")
         return self.free.pop()
@@ -147,8 +147,11 @@ class KIVIPool:
         self.free.append(entry)
 
     def _reclaim(self) -> None:
-        """Free the entries of blocks no running sequence holds open (finished, aborted, preempted)."""
+        """Free the entries of blocks no running sequence holds open (finished, aborted, preempted);
+        not those this step's plan has opened so far (a copy-on-write copy's holder may come later)."""
         for block, entry in list(self.entry_of.items()):
+            if block in self.updates:
+                continue
             owners = self.owners.get(entry, ())
             if not any(s.status is SequenceStatus.RUNNING and block in s.block_table for s in owners):
                 del self.entry_of[block]

@@ -229,3 +229,49 @@ def test_kivi_blocks_move_between_instances(llama_ckpt):
     while b.engine.has_unfinished_requests():
         b.engine.step()
     assert seq.output_token_ids == want
+
+
+def test_random_operations_match_the_reference(llama_ckpt, monkeypatch):
+    """Random arrivals and aborts over a small pool (preemption, chunks, prefix hits, entries reclaimed):
+    after every step both engines have produced the same tokens, and the residual's bookkeeping holds
+    (an entry is free or names one block, never both)."""
+    args = dict(max_model_len=96, max_num_batched_tokens=24, max_num_seqs=3, num_kv_blocks=8,
+                performance_layers=False)
+    llm = LLM(llama_ckpt, kv_cache_dtype="kivi2", **args)
+    ref = reference_llm(llama_ckpt, monkeypatch, "kivi2", 16, **args)
+    pool, gen = llm.engine.model_runner.kv_pool, torch.Generator().manual_seed(11)
+    base = random_prompts(12, [40])[0]
+    seqs: dict[str, list] = {}
+    for step in range(60):
+        if torch.rand(1, generator=gen) < 0.5:
+            n = int(torch.randint(1, 40, (1,), generator=gen))
+            prompt = base[:n] if torch.rand(1, generator=gen) < 0.5 else random_prompts(step, [n])[0]
+            params = SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 50, (1,), generator=gen)))
+            seqs[str(step)] = [e.add_request(prompt, params, request_id=str(step)) for e in (llm.engine, ref.engine)]
+        if seqs and torch.rand(1, generator=gen) < 0.1:
+            rid = list(seqs)[int(torch.randint(0, len(seqs), (1,), generator=gen))]
+            for e in (llm.engine, ref.engine):
+                e.abort_request(rid)
+        if llm.engine.has_unfinished_requests():
+            llm.engine.step(), ref.engine.step()
+        for ours, want in seqs.values():
+            assert ours.token_ids == want.token_ids
+        assert not set(pool.free) & set(pool.entry_of.values())
+        assert len(set(pool.entry_of.values())) == len(pool.entry_of)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_fused_rope_store_skips_a_kivi_cache(llama_ckpt, monkeypatch):
+    """layers/fused.py's RoPE + store kernel writes 16-bit K/V: with a KIVI cache the KIVI write runs,
+    even where the kernel would apply (use_triton forced on here)."""
+    import nano_vllm.layers.fused as fused
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rope_and_store must not write into a KIVI cache")
+
+    monkeypatch.setattr(fused, "use_triton", lambda t: True)
+    monkeypatch.setattr(fused, "rope_and_store", refuse)
+    llm = LLM(llama_ckpt, kv_cache_dtype="kivi4", max_model_len=64, fused_projections=True)
+    assert "fused" in llm.engine.model_runner.layers_applied
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
