@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from specdec_checkpoints import make_checkpoint  # noqa: E402
+from specdec_checkpoints import UNTRAINED, make_checkpoint, train_draft  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -55,34 +55,6 @@ def toy_pair(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- trained drafts
-DRAFT_TRAINING = ["data.corpus=docs", "data.num_prompts=32", "data.prompt_len=16", "data.max_tokens=32",
-                  "train.steps=60", "train.global_batch_size=8", "train.micro_batch_size=8",
-                  "train.warmup_steps=5", "train.lr=1e-2", "train.min_lr=1e-3", "train.log_every=60",
-                  "medusa.num_heads=3", "eval.num_prompts=4", "eval.max_tokens=32",
-                  "eval.num_speculative_tokens=3"]
-UNTRAINED = ["train.steps=1", "train.lr=0", "train.min_lr=0", "train.warmup_steps=0",
-             "draft_model.init_from_target=false"]
-
-
-def train_draft(target: str, method: str, out, overrides: list[str]) -> dict:
-    """`python -m nano_specdec.train target=... method=... out=...` through its shipped Hydra config,
-    in this process; returns the run's summary (τ of the draft on held-out prompts included)."""
-    from hydra import compose, initialize_config_module
-
-    from nano_specdec.train import run
-
-    with initialize_config_module("nano_specdec.configs", version_base=None):
-        device = [] if any(o.startswith("device=") for o in overrides) else ["device=cpu"]
-        cfg = compose("train", overrides=[f"target={target}", f"method={method}", f"out={out}",
-                                          *device, *DRAFT_TRAINING, *overrides])
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run(cfg)
-    finally:
-        torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="session")
 def cycle_target(tmp_path_factory):
     from specdec_checkpoints import make_cycle_target

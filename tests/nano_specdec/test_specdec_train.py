@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_draft
+from specdec_checkpoints import train_draft
 
 from nano_specdec.train import DraftTrainer, eagle_loss, medusa_loss, regenerate
 from shared.checkpoint import load_state_dict
