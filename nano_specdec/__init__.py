@@ -10,16 +10,23 @@ multi-step speculative sampling (arXiv 2305.09781) for a draft tree, and their g
 
 `verify_chains` / `verify_trees` (and `*_greedy`) are the batched forms an engine calls.
 
-In nano_vllm's engine, for draft chains proposed by prompt lookup (Saxena 2023) or a draft model
-(engine.py, scheduler.py, proposers.py, model_runner.py):
+In nano_vllm's engine, for draft chains proposed by prompt lookup (Saxena 2023), a draft model, Medusa's
+heads (arXiv 2401.10774) or EAGLE's draft layer (arXiv 2401.15077) (engine.py, scheduler.py, proposers.py,
+medusa.py, eagle.py, model_runner.py):
 
-    llm = LLM(model, speculative_config={"method": "ngram" | "draft_model", "num_speculative_tokens": k,
-                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1, "model": DIR})
+    llm = LLM(model, speculative_config={"method": "ngram" | "draft_model" | "medusa" | "eagle",
+                                         "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                         "prompt_lookup_min": 1, "model": DIR})
     engine = SpecDecodeEngine(EngineConfig(model=model), speculative_config)
+
+Drafts are trained here (`python -m nano_specdec.train target=DIR method=eagle|medusa|draft_model out=DIR`),
+served with `python -m nano_specdec.serve` and measured with `python -m nano_specdec.bench`.
 """
 
 from .config import SpeculativeConfig
+from .eagle import EagleProposer
 from .engine import LLM, SpecDecodeEngine
+from .medusa import MedusaProposer
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .sampling import (
     residual,
@@ -36,6 +43,8 @@ from .sampling import (
 __all__ = [
     "LLM",
     "DraftModelProposer",
+    "EagleProposer",
+    "MedusaProposer",
     "NgramProposer",
     "Proposer",
     "SpecDecodeEngine",
