@@ -30,7 +30,7 @@ from .checks import (
     check_scale,
     next_pow2,
 )
-from .configs import block_d, decode_config, num_sms
+from .configs import block_d, num_sms
 from .decode import _combine_kernel, pick_num_splits
 from .forward import LN2_C, LOG2E, dot_precision, visible
 from .kivi import _check_rows, layout_of
@@ -326,6 +326,20 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
+def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. Not yet timed on a GPU: chosen so
+    that ptxas spills no register at sm_90 (Triton 3.9, 2026-12-06: a dequantized K and V tile is fp32,
+    twice a 16-bit tile's registers; 16-bit queries, b = 2 and 4: hd 64 168 registers at 4 warps, hd 128
+    202 at 8 warps, hd 256 248-255 at 8 warps; fp32 queries hd 128: 230 with 16-key tiles at 8 warps)."""
+    if device.type != "cuda":
+        return 16, 4, 1
+    if dtype == torch.float32:
+        return 16, 8, 2
+    if head_dim <= 64:
+        return 64, 4, 3
+    return (64, 8, 3) if head_dim <= 128 else (32, 8, 3)
+
+
 def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
     """flash_attn_with_kivi_cache's q, lengths and block table. Returns cache_seqlens as a tensor."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in DTYPES:
@@ -351,8 +365,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
                                       tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
                                       causal=False, return_lse=False, config=None):
     """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine. config:
-    (BLOCK_N, num_warps, num_stages) of the split kernel, default the 16-bit kernel's
-    (`configs.decode_config`)."""
+    (BLOCK_N, num_warps, num_stages) of the split kernel, default `kivi_decode_config`."""
     lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
     cache_seqlens = check_kivi_decode(q, lay, cache_seqlens, block_table, k_cache.shape[0])
     scale = check_scale(softmax_scale, lay.head_dim)
@@ -366,7 +379,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
-    block_n, num_warps, num_stages = config or decode_config(head_dim, q.dtype, q.device, True, programs)
+    block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device)
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,7 @@ from nano_flashattn.kv_kivi import flash_attn_with_kivi_cache_triton, store_kv_k
 
 kv = pytest.importorskip("nano_quant.kv", reason="the KIVI reference is nano_quant.kv")
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS32 = 2.0**-24
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: EPS32}
@@ -116,9 +121,9 @@ def kivi_tolerance(q, k, v, out, n_keys, block_n, scale):
     qa, ka = q.double().abs().reshape(-1, q.shape[-1]), k.double().abs().reshape(-1, k.shape[-1])
     s_max = scale * (qa @ ka.T).max().item() if ka.numel() else 0.0
     v_max = v.double().abs().max().item() if v.numel() else 0.0
-    tiles = cdiv(max(n_keys, 1), block_n)
+    tiles = cdiv(max(n_keys, 1), block_n)  # block_n: the smallest tile the kernel may use, 128 the largest
     relative = 2 * u + 2 * (q.shape[-1] + 8) * EPS32 * s_max + 2 * u * s_max
-    relative += 2 * (tiles + 2 * block_n + 8) * EPS32
+    relative += 2 * (tiles + 2 * 128 + 8) * EPS32
     return v_max * relative + u * out.double().abs().max().item() + 1e-9
 
 
@@ -297,6 +302,68 @@ def test_kivi_bad_inputs_name_the_argument():
         store_kv_kivi_triton(k[:, :1], k, *args[:3], torch.arange(3), c.tail_of_block, 2, 16)
     with pytest.raises(ValueError, match=r"head_dim \(24\) must be a multiple of group_size \(16\)"):
         KIVILayout(2, 16, 16, 1, 24) and fa.kivi.check_kivi_spec(2, 16, 24)
+
+
+_COMPILE = """
+import sys
+import torch
+from triton import compile as triton_compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nano_flashattn import kv_kivi
+
+bits, d, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+G, BS, BD = 32, 32, max(16, 1 << (d - 1).bit_length())
+block_n, warps, stages = kv_kivi.kivi_decode_config(d, getattr(torch, dtype), torch.device("cuda"))
+ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+
+
+def build(kernel, pointers, ints, consts, **options):
+    sig = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+    if "qk_scale" in sig:
+        sig["qk_scale"] = "fp32"
+    triton_compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options=options)
+
+
+strides = lambda *names: [f"stride_{n}" for n in names]
+store = dict(HEAD_DIM=d, BLOCK_D=BD, G=G, BS=BS, BITS=bits)
+codes = {"KW": "*i32", "KS": "*fp16", "KZ": "*fp16"}
+build(kv_kivi._key_groups, {"K": f"*{ty}", **codes, "Tail": f"*{ty}", "slot_mapping": "*i64",
+      "tail_of_block": "*i32"}, strides("kt", "kh", "wb", "wr", "wh", "sb", "sg", "sh", "te", "tr", "th"),
+      store, num_warps=4)
+build(kv_kivi._store_values, {"K": f"*{ty}", "V": f"*{ty}", "VW": "*i32", "VS": "*fp16", "VZ": "*fp16",
+      "Tail": f"*{ty}", "slot_mapping": "*i64", "tail_of_block": "*i32"},
+      ["num_tokens", *strides("kt", "kh", "vt", "vh", "wb", "wt", "wh", "sb", "st", "sh", "te", "tr", "th")],
+      store, num_warps=4)
+build(kv_kivi._kivi_decode_split_kernel,
+      {"Q": f"*{ty}", **codes, "VW": "*i32", "VS": "*fp16", "VZ": "*fp16", "Tail": f"*{ty}", "Out": "*fp32",
+       "LSE": "*fp32", "cache_seqlens": "*i32", "block_table": "*i32", "tail_of_block": "*i32"},
+      ["seqlen_q", "group", "qk_scale", "window_right",
+       *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
+                "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
+      dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
+           DOT_PRECISION="ieee" if dtype == "float32" else "tf32"), num_warps=warps, num_stages=stages)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, d, dtype", [(2, 128, "bfloat16"), (4, 64, "float16"), (2, 256, "bfloat16"),
+                                            (4, 128, "float32")])
+def test_kernels_compile_for_sm90_without_spills(bits, d, dtype, tmp_path):
+    """The three kernels compiled for sm_90 with the installed Triton, no GPU needed, at
+    `kivi_decode_config`'s tiles: a Triton construct the interpreter takes and the compiler does not
+    fails here, and ptxas must not spill (a dequantized fp32 tile is register-hungry). In a process of its
+    own: this one imported Triton under TRITON_INTERPRET=1."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(bits), str(d), dtype], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    spills = [line for line in done.stdout.splitlines() if "spill" in line and " 0 bytes spill" not in line]
+    assert not spills, done.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------------------- GPU
