@@ -107,6 +107,8 @@ class KIVIPool:
             first, end = max(seq.num_computed_tokens, seq.num_cached_tokens), seq.num_computed_tokens + n
             if first >= end:  # a fully cached prompt's last token: recomputed, not written
                 continue
+            if first % G and end - first < G - first % G:
+                continue  # the step stays inside the open group (most decodes): its entry stays put
             table, entry = seq.block_table, None
             if first % G:  # the step continues an open group: its older keys are in the tail
                 block = table[(first - first % G) // bs]
