@@ -390,7 +390,7 @@ def test_gpu_kivi_decode_long_contraction(n):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     gen = torch.Generator().manual_seed(n)
-    cache = Cache([n - 7], 2, 32, 16, 8, 128, gen, dtype=torch.bfloat16, device="cuda").write()
+    cache = Cache([n - 7], 2, 32, 32, 8, 128, gen, dtype=torch.bfloat16, device="cuda").write()
     q = torch.randn(1, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16)
     _compare_decode(cache, q, 0, causal=True)
 
