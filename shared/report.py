@@ -275,6 +275,33 @@ def fig_vllm_timeline(records: list[Record], out: Path) -> list[Path]:
     return [_save(fig, out / "vllm_timeline.png")]
 
 
+def fig_vllm_kernels(records: list[Record], out: Path) -> list[Path]:
+    """One panel per nano_vllm record with a `kernel_profile` (bench/kernel_profile.py, batch-1 runs): µs a
+    decode step per kernel (what each adds to the step), the bubbles between kernels last; GB/s where the
+    layer knows a launch's bytes."""
+    profiled = [(name, rec) for name, rec in records if (rec.get("kernel_profile") or {}).get("available")]
+    if not profiled:
+        raise KeyError("kernel_profile")
+    fig, axes = _grid(len(profiled), 11, 3.6, columns=1)
+    for ax, (name, rec) in zip(axes, profiled):
+        p = rec["kernel_profile"]
+        rows = [r for r in p["kernels"] if r["us/step"] >= 1.0]
+        labels = [f"{r['kernel']} x{r['launches/step']:g}" for r in rows] + ["bubbles"]
+        values = [r["us/step"] for r in rows] + [p["bubbles us/step"]]
+        bars = ax.barh(labels[::-1], values[::-1], color=["C7"] + ["C0"] * len(rows))
+        for bar, r in zip(bars[::-1], rows):
+            if _num(r.get("GB/s")) is not None:
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['GB/s']:.0f} GB/s",
+                        va="center", fontsize=7)
+        ax.set_xlabel("µs a decode step")
+        ax.tick_params(axis="y", labelsize=7)
+        layers = ", ".join(k for k, v in (rec.get("performance_layers") or {}).items() if v) or "paper path only"
+        ax.set_title(f"{Path(name).stem}: {rec.get('model')}, {p['kernels/step']:.0f} kernels a step, device span "
+                     f"{p['device span us/step']:.0f} µs\nlayers: {layers}; {_where(rec)}", fontsize=8)
+    _title(fig, "nano_vllm batch-1 decode: where a step's device time goes (torch.profiler)", {})
+    return [_save(fig, out / "vllm_kernels.png")]
+
+
 # ------------------------------------------------------------------ training: MFU and scaling
 def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
     """(label, MFU %, denominator) bars of the training record in file `name`; the denominator names the
@@ -514,7 +541,8 @@ def fig_specdec(records: list[Record], out: Path) -> list[Path]:
 
 FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
     "attention": ("flashattn", fig_attention), "decode": ("flashattn", fig_decode),
-    "vllm": ("vllm", fig_vllm), "vllm_timeline": ("vllm", fig_vllm_timeline), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
+    "vllm": ("vllm", fig_vllm), "vllm_timeline": ("vllm", fig_vllm_timeline),
+    "vllm_kernels": ("vllm", fig_vllm_kernels), "training": ("training", fig_training), "sglang": ("sglang", fig_sglang),
     "distserve": ("distserve", fig_distserve), "specdec": ("specdec", fig_specdec),
     "kv_cache": ("kv", fig_kv),
 }

@@ -37,7 +37,13 @@ VLLM = {"bench": "nano_vllm", "model": "qwen3-0.6b", "date": "2026-12-01T04:58:0
                      "window": {"host": [[p, 7.5 * i + j, 7.5 * i + j + 0.2]
                                          for i in range(4) for j, p in enumerate(("postprocess", "schedule",
                                                                                   "prepare", "launch"))],
-                                "device": [[7.5 * i + 0.1, 7.5 * i + 7.4] for i in range(4)]}}}
+                                "device": [[7.5 * i + 0.1, 7.5 * i + 7.4] for i in range(4)]}},
+        "kernel_profile": {"available": True, "steps": 32, "kernels/step": 155.0, "device span us/step": 859.0,
+                           "device busy us/step": 814.0, "bubbles us/step": 45.0, "gaps": [], "kernels": [
+                               {"kernel": "_decode_attention_kernel", "launches/step": 28.0, "us/launch": 6.2,
+                                "us/step": 173.1},
+                               {"kernel": "_norm_qkv_rope_store_kernel", "launches/step": 28.0, "us/launch": 5.9,
+                                "us/step": 165.5, "GB/s": 1422.0}]}}
 SHARED = {"bench": "shared.kernels", "matmul_TFLOPs": 797.0, "copy_GBps": 4250.0, "rows": [],
           "model": {"model": "qwen3-0.6b", "rows": [{"impl": "shared.model", "MFU %": 43.3},
                                                     {"impl": "transformers 5.17", "MFU %": 29.9}]}}
@@ -74,7 +80,8 @@ KV = {"bench": "nano_quant.bench_kv", "gpu": "NVIDIA H100",  # nano_quant.bench_
 ALL = {"nano_flashattn.json": FLASHATTN, "nano_vllm.json": VLLM, "shared.json": SHARED,
        "nano_megatron.json": MEGATRON, "nano_zero.json": ZERO, "nano_sglang.json": SGLANG,
        "nano_distserve_summarization.json": DISTSERVE, "nano_specdec.json": SPECDEC, "bench_kv.json": KV}
-EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "vllm_timeline.png", "mfu_scaling.png",
+EXPECTED = ["attention_hd128.png", "decode.png", "vllm_roofline.png", "vllm_timeline.png", "vllm_kernels.png",
+            "mfu_scaling.png",
             "sglang_hit_rate.png", "distserve_slo.png", "specdec_speedup.png", "kv_cache.png"]
 
 
