@@ -34,6 +34,7 @@ from nano_specdec.memory import memory_summary
 from nano_vllm.engine import LLMEngine
 from nano_vllm.serve.engine_loop import EngineLoop
 from nano_vllm.serve.server import build as build_plain
+from nano_vllm.serve.server import serve_until_stopped
 
 SPEC_COUNTERS = (  # (vLLM's name, its documentation, the stats field)
     ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_verifications"),
@@ -115,16 +116,7 @@ def main(cfg: DictConfig) -> None:
 
 def serve(cfg: DictConfig) -> None:
     server, loop = build(cfg)
-    print(describe(cfg, server, loop), flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:  # a second Ctrl-C during the drain
-        pass
-    finally:
-        server.server_close()
-        loop.stop()
-        loop.engine.shutdown()
-    print("nano_specdec: server stopped", flush=True)
+    serve_until_stopped(server, loop, describe(cfg, server, loop), "nano_specdec")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nano_vllm.kv_cache import kv_cache_summary
-from nano_vllm.serve.server import build
+from nano_vllm.serve.server import build, serve_until_stopped
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="serve")
@@ -38,18 +38,10 @@ def serve(cfg: DictConfig) -> None:
     server, loop = build(cfg)
     host, port = server.server_address[:2]
     key = "; /v1 needs an API key" if server.requires_api_key else ""
-    print(f"nano_vllm: serving {cfg.model} as {server.api.model_name!r} on http://{host}:{port} "
-          f"(max_model_len {loop.engine.max_model_len}; {kv_cache_summary(loop.engine.model_runner)}; "
-          f"layers: {', '.join(loop.engine.layers_applied) or 'none'}{key})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:  # a second Ctrl-C during the drain
-        pass
-    finally:
-        server.server_close()
-        loop.stop()
-        loop.engine.shutdown()
-    print("nano_vllm: server stopped", flush=True)
+    serve_until_stopped(server, loop, f"nano_vllm: serving {cfg.model} as {server.api.model_name!r} on "
+                        f"http://{host}:{port} (max_model_len {loop.engine.max_model_len}; "
+                        f"{kv_cache_summary(loop.engine.model_runner)}; layers: "
+                        f"{', '.join(loop.engine.layers_applied) or 'none'}{key})", "nano_vllm")
 
 
 if __name__ == "__main__":

@@ -520,3 +520,18 @@ def build(cfg: DictConfig, engine_factory: Callable[[EngineConfig], LLMEngine] =
         raise
     name = cfg.get("served_model_name") or str(cfg.model)
     return make_server(loop, name, str(cfg.host), sock.getsockname()[1], http, sock, api_key), loop
+
+
+def serve_until_stopped(server: Any, loop: EngineLoop, banner: str, name: str) -> None:
+    """Print `banner`, serve until interrupted, then close the socket, stop the loop (requests in flight
+    drain) and shut the engine down."""
+    print(banner, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain
+        pass
+    finally:
+        server.server_close()
+        loop.stop()
+        loop.engine.shutdown()
+    print(f"{name}: server stopped", flush=True)
