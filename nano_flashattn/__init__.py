@@ -100,7 +100,7 @@ def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            softmax_scale=None, block_table=None, window_size=(-1, -1), return_lse=False,
-                           k_scale=None, v_scale=None):
+                           k_scale=None, v_scale=None, tree_mask=None):
     """flash_attn_func over a packed batch of variable-length sequences.
 
     q: (total_q, heads_q, head_dim), sequence b its rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; k, v likewise
@@ -110,13 +110,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     block_table[b, j // page_size] (inference only); a paged cache may be float8_e4m3fn codes, read as
     code * k_scale / v_scale (fp32, 1 or heads_k elements; `store_kv_fp8` writes it). Autograd without
     block_table.
+    tree_mask (tree attention, SpecInfer §4.2: verifying a draft tree in one forward): bool
+    (total_q, max_seqlen_q); sequence b's query rows are its new tokens, the last of its keys; row r
+    sees every earlier key and new token t of its sequence iff tree_mask[r, t] (its ancestors and
+    itself; nodes in topological order, so the bits lie at or left of the row's own, which is set).
+    Causal is implied, window_size must be (-1, -1); inference only. None: no cost, as before.
     Returns out (total_q, heads_q, head_dim) and with return_lse the LSE (heads_q, total_q).
     Rows past cu_seqlens_q[-1] belong to no sequence: the kernels leave them unwritten.
     """
     impl = flash_attn_varlen_func_triton if use_triton(q) else flash_attn_varlen_func_torch
     return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                 softmax_scale=softmax_scale, block_table=block_table, window_size=window_size,
-                return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+                return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale=None,

@@ -227,6 +227,55 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
 
 
+def check_tree_mask(tree_mask, q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, window_size):
+    """Tree attention's mask (SpecInfer §4.2; EAGLE-2's tree mask), after `check_varlen`.
+
+    tree_mask: bool (total_q, max_seqlen_q); row r of sequence b is its new token i = r -
+    cu_seqlens_q[b], a node of b's draft tree, and tree_mask[r, t] says whether it sees b's new token
+    t: its ancestors and itself. The new tokens are the last ones of b's keys (cu_seqlens_k), and
+    every key before them (the cached prefix) is visible. Nodes are in topological order (a parent
+    before its children), so each row's bits lie at or left of its own column, which is set; a chain
+    is causal attention. Value checks (a sync) are skipped as `_values_checkable` says.
+    Returns the window the kernels run it under: (NO_WINDOW, 0), causal."""
+    if not isinstance(tree_mask, torch.Tensor):
+        raise ValueError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
+    if tree_mask.dtype != torch.bool:
+        raise ValueError(f"tree_mask must be torch.bool (True: visible), got {tree_mask.dtype}")
+    if tree_mask.shape != (q.shape[0], max_seqlen_q):
+        raise ValueError(
+            f"tree_mask must have shape (q.shape[0]={q.shape[0]}, max_seqlen_q={max_seqlen_q}): a row "
+            f"per query row, a column per new token of its sequence (cu_seqlens_q); got "
+            f"{tuple(tree_mask.shape)}"
+        )
+    if tree_mask.device != q.device:
+        raise ValueError(f"tree_mask is on {tree_mask.device} but q is on {q.device}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size {window_size!r} with tree_mask: the tree mask is the mask; "
+                         "pass window_size=(-1, -1)")
+    if not _values_checkable(tree_mask):
+        return NO_WINDOW, 0
+    first, last = cu_seqlens_q[0].item(), cu_seqlens_q[-1].item()
+    lens_q = cu_seqlens_q.diff()
+    rows = torch.arange(first, last, device=q.device)
+    own = rows - cu_seqlens_q[:-1].repeat_interleave(lens_q)  # each row's column: itself
+    bits = tree_mask[first:last]
+    cols = torch.arange(max_seqlen_q, device=q.device)
+    bad_self = ~bits.gather(1, own[:, None])[:, 0]
+    bad_later = (bits & (cols[None, :] > own[:, None])).any(1)
+    for bad, what in ((bad_self, "omits itself: tree_mask[r, i] must be True"),
+                      (bad_later, "sees a later node: a parent comes before its children")):
+        if bad.any():
+            r = rows[bad.nonzero()[0, 0]].item()
+            i = own[r - first].item()
+            raise ValueError(f"tree_mask row {r} (new token {i} of its sequence) {what}")
+    short = (cu_seqlens_k.diff() < lens_q).nonzero()
+    if short.numel():
+        b = short[0, 0].item()
+        raise ValueError(f"tree_mask: sequence {b} has fewer keys (cu_seqlens_k) than new tokens "
+                         "(cu_seqlens_q); its new tokens must be the last of its keys")
+    return NO_WINDOW, 0
+
+
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits):
     """flash_attn_with_kvcache's arguments. Returns (scale, cache_seqlens as an int32 tensor)."""
     _, _, head_dim = check_qkv(q, k_cache, v_cache, 4, 4, names=("q", "k_cache", "v_cache"),

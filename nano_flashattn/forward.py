@@ -73,6 +73,16 @@ def visible(rows, cols, shift, lo_w, hi_w, n):
 
 
 @triton.jit
+def tree_bits(tree, rows, cols, shift, n, stride_tr):
+    """Tree attention (SpecInfer §4.2): the new rows are the last n - shift keys; key c before them is
+    visible, new key t = c - shift is visible to new row r iff tree[r, t] (r's ancestors and itself)."""
+    t = cols[None, :] - shift
+    new = (t >= 0) & (rows[:, None] + shift < n)
+    bit = tl.load(tree + rows[:, None] * stride_tr + t, mask=new, other=0)
+    return (t < 0) | (bit != 0)
+
+
+@triton.jit
 def kv_offsets(offs_n, bt_row, n, stride_kt, stride_kp,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Element offsets of key/value rows `offs_n` of one sequence.
@@ -91,11 +101,12 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
               qk_scale, stride_kt, stride_kp,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, tree=None, stride_tr=0, TREE: tl.constexpr = False):
     """Algorithm 1, lines 6-11, over the key tiles j in [lo, hi): S = Q_i K_j^T, online softmax, O += P V_j.
 
     k_base, v_base: K and V offset to this kv head (and, unpaged, to the sequence's first key row).
-    m_i is the running row max of the *base-2* scaled scores; l_i the running sum of exp2(s - m_i)."""
+    m_i is the running row max of the *base-2* scaled scores; l_i the running sum of exp2(s - m_i).
+    TREE: masked tiles also apply `tree_bits` (tree: the mask's row of the sequence's first query)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     pad_d: tl.constexpr = HEAD_DIM < BLOCK_D
@@ -110,6 +121,8 @@ def fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m, lo, hi, n, shift
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # line 8: S_ij = Q_i K_j^T
         if MASKED:
             seen = visible(offs_m, offs_n, shift, lo_w, hi_w, n)
+            if TREE:
+                seen = seen & tree_bits(tree, offs_m, offs_n, shift, n, stride_tr)
             s = tl.where(seen, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead, so that
@@ -147,17 +160,18 @@ def seq_bounds(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.con
 # (= the step's token count) change from call to call; Triton would compile a variant per "multiple of 16" /
 # "equals 1" pattern of each, mid-serving (a ~1 s stall: an H200 serving run built one inside a timed rate).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group", "window_left", "window_right",
-                               "stride_bt", "stride_lse_h"])
+                               "stride_bt", "stride_lse_h", "stride_tr"])
 def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, K_scale, V_scale,
                 seqlen_q, seqlen_k, group, qk_scale, window_left, window_right,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_kp, stride_bt, stride_lse_h,
-                stride_ks, stride_vs,
+                stride_ks, stride_vs, Tree, stride_tr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                FP8_KV: tl.constexpr):
+                FP8_KV: tl.constexpr, TREE: tl.constexpr):
     """Algorithm 1, lines 4-15, for one query tile Q_i of one head of one sequence (line 3's loop is the grid:
-    (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)). FP8_KV: E4M3 K/V codes, scaled as in decode.py."""
+    (cdiv(max_seqlen_q, BLOCK_M), heads_q, batch)). FP8_KV: E4M3 K/V codes, scaled as in decode.py.
+    TREE: tree attention (`tree_bits`) over the new rows, Tree a (total_q, stride_tr) byte mask."""
     pid_m = tl.program_id(0)
     # causal: the last query tiles see the most keys; start them first so the tail is short
     if REVERSE:
@@ -197,6 +211,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, K_sc
     r1 = tl.minimum(start_m + BLOCK_M, q_len)
     lo, full_lo, full_hi, hi = tile_range(start_m, r1, shift=diag, lo_w=window_left,
                                           hi_w=window_right, n=k_len, BLOCK=BLOCK_N)
+    if TREE:  # every tile holding a new key is masked: the unmasked run stops before the first
+        full_hi = tl.minimum(full_hi, tl.maximum(diag // BLOCK_N * BLOCK_N, full_lo))
+        Tree += q_start.to(tl.int64) * stride_tr
     # lines 6-11 in three runs: the left window edge (masked), the fully visible middle (no mask
     # arithmetic), the causal diagonal / right window edge / sequence end (masked)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m,
@@ -204,8 +221,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, K_sc
                               lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
                               stride_kt=stride_kt, stride_kp=stride_kp,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
-                              DOT_PRECISION=DOT_PRECISION)
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True, TREE=TREE,
+                              DOT_PRECISION=DOT_PRECISION, tree=Tree, stride_tr=stride_tr)
     acc, l_i, m_i = fwd_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, offs_m,
                               lo=full_lo, hi=full_hi, n=k_len, shift=diag,
                               lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
@@ -218,8 +235,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, block_table, K_sc
                               lo_w=window_left, hi_w=window_right, qk_scale=qk_scale,
                               stride_kt=stride_kt, stride_kp=stride_kp,
                               HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True,
-                              DOT_PRECISION=DOT_PRECISION)
+                              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, MASKED=True, TREE=TREE,
+                              DOT_PRECISION=DOT_PRECISION, tree=Tree, stride_tr=stride_tr)
 
     # line 12: O_i = diag(l_i)^-1 acc; line 13: L_i = m_i + log(l_i).
     # A row that saw no key: O = 0, L = -inf.
@@ -238,11 +255,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, block_table,
-                      scale, window_left, window_right, config=None, k_scale=None, v_scale=None):
+                      scale, window_left, window_right, config=None, k_scale=None, v_scale=None,
+                      tree_mask=None):
     """Launch Algorithm 1. q: (total_q, Hq, D); k, v: (total_k, Hk, D), or (pages, page_size, Hk, D)
     with block_table (float8_e4m3fn with flat fp32 k_scale, v_scale of 1 or Hk elements: an FP8 cache).
     Dense batches pass cu_seqlens None and seqlen_q/k per sequence; varlen batches pass the max
-    lengths. Returns out (total_q, Hq, D) and lse (Hq, total_q) fp32.
+    lengths. tree_mask: bool (total_q, max_seqlen_q), tree attention over each sequence's new rows
+    (checks.check_tree_mask; the window must be causal). Returns out (total_q, Hq, D), lse (Hq, total_q).
 
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages), default `configs.fwd_config`."""
     head_dim = q.shape[2]
@@ -252,7 +271,10 @@ def attention_forward(q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqle
                           HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), K_scale=k_scale,
                           V_scale=v_scale, FP8_KV=k_scale is not None,
                           stride_ks=0 if k_scale is None else scale_stride(k_scale),
-                          stride_vs=0 if v_scale is None else scale_stride(v_scale))
+                          stride_vs=0 if v_scale is None else scale_stride(v_scale),
+                          TREE=tree_mask is not None,
+                          Tree=None if tree_mask is None else tree_mask.view(torch.uint8),
+                          stride_tr=0 if tree_mask is None else tree_mask.stride(0))
 
 
 def launch_forward(kernel, q, k, v, batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,

@@ -25,6 +25,7 @@ from .checks import (
     check_kernel_head_dim,
     check_kv_scales,
     check_kvcache,
+    check_tree_mask,
     check_varlen,
 )
 from .decode import decode_forward
@@ -93,30 +94,35 @@ def flash_attn_func_triton(q, k, v, causal=False, softmax_scale=None, window_siz
 
 def flash_attn_varlen_func_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
-                                  return_lse=False, k_scale=None, v_scale=None):
+                                  return_lse=False, k_scale=None, v_scale=None, tree_mask=None):
     """Packed variable-length FlashAttention-2; see `nano_flashattn.flash_attn_varlen_func`."""
     scale, left, right, max_q, max_k = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
     )
     k_scale, v_scale = check_kv_scales(q, k, k_scale, v_scale, names=("k", "v"))
+    if tree_mask is not None:
+        left, right = check_tree_mask(tree_mask, q, cu_seqlens_q, cu_seqlens_k, max_q, window_size)
+        tree_mask = tree_mask.contiguous()
     _check_kernel_inputs(q)
     batch = cu_seqlens_q.numel() - 1
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if block_table is None:
+    if block_table is None and tree_mask is None:
         out, lse = FlashAttnFunction.apply(q, k, v, batch, max_q, max_k, cu_seqlens_q, cu_seqlens_k, scale,
                                            left, right)
     else:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise ValueError("block_table: no backward through a paged KV cache; call under torch.no_grad()")
+            what = "block_table: no backward through a paged KV cache" if tree_mask is None else (
+                "tree_mask: no backward through tree attention (inference only)")
+            raise ValueError(f"{what}; call under torch.no_grad()")
         paged = dict(q=q, k=k, v=v, batch=batch, seqlen_q=max_q, seqlen_k=max_k,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     block_table=block_table.contiguous(), scale=scale, window_left=left,
-                     window_right=right)
-        if k_scale is None:
+                     block_table=None if block_table is None else block_table.contiguous(),
+                     scale=scale, window_left=left, window_right=right)
+        if k_scale is None and tree_mask is None:
             out, lse = run_kernel("forward", **paged)
-        else:  # an FP8 cache: forward.py's kernel (the layers read 16-bit K/V)
-            out, lse = attention_forward(**paged, k_scale=k_scale, v_scale=v_scale)
+        else:  # an FP8 cache or a tree mask: forward.py's kernel (the layers read neither)
+            out, lse = attention_forward(**paged, k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
     return (out, lse) if return_lse else out
 
 

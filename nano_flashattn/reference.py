@@ -9,6 +9,8 @@ Conventions shared with the kernels (and with flash-attn):
   * masks are aligned to the bottom-right: query i may see key j iff
         i + diag - left <= j <= i + diag + right,   diag = seqlen_k - seqlen_q,
     causal is right = 0, and -1 means unbounded on that side;
+  * tree attention (SpecInfer §4.2, `tree_mask` of the varlen function): each sequence's new rows are
+    its last keys; every earlier key is visible, and new row i sees new key t iff tree_mask[row, t];
   * LSE is the natural-log log-sum-exp of the scaled scores, (batch, heads, seqlen_q) or
     (heads, total_q) for varlen. A query that sees no key gets output 0 and LSE -inf.
 """
@@ -17,11 +19,20 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_dense, check_kv_scales, check_kvcache, check_store_fp8, check_varlen
+from .checks import (
+    check_dense,
+    check_kv_scales,
+    check_kvcache,
+    check_store_fp8,
+    check_tree_mask,
+    check_varlen,
+)
 
 
-def attention_torch(q, k, v, scale: float, left: int, right: int, upcast: bool = True):
-    """softmax(scale * q k^T + mask) v for dense (B, M, Hq, D) q and (B, N, Hk, D) k, v.
+def attention_torch(q, k, v, scale: float, left: int, right: int, upcast: bool = True,
+                    mask: torch.Tensor | None = None):
+    """softmax(scale * q k^T + mask) v for dense (B, M, Hq, D) q and (B, N, Hk, D) k, v; `mask`, a bool
+    (M, N), hides keys the window shows (tree attention).
 
     `upcast` computes in fp32 (fp64 stays fp64); `upcast=False` computes in the input dtype, which is
     the "reference in the same low precision" of FlashAttention's error rule. Returns (out, lse)."""
@@ -37,6 +48,8 @@ def attention_torch(q, k, v, scale: float, left: int, right: int, upcast: bool =
     j = torch.arange(n, device=q.device)[None, :]
     diag = n - m
     visible = (j >= i + diag - left) & (j <= i + diag + right)
+    if mask is not None:
+        visible = visible & mask
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
     # softmax by hand so fully-masked rows give p = 0 instead of NaN
@@ -70,13 +83,16 @@ def dequantize_kv(rows: torch.Tensor, scale: torch.Tensor | None, q: torch.Tenso
 
 def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  causal=False, softmax_scale=None, block_table=None, window_size=(-1, -1),
-                                 return_lse=False, k_scale=None, v_scale=None):
+                                 return_lse=False, k_scale=None, v_scale=None, tree_mask=None):
     """Reference of `flash_attn_varlen_func`: one dense attention per packed sequence (an FP8 paged
-    cache dequantized first)."""
-    scale, left, right, _, _ = check_varlen(
+    cache dequantized first). With tree_mask (checks.check_tree_mask), sequence b's M new rows see its
+    first N - M keys and, of its last M, those tree_mask[rows of b, :M] shows."""
+    scale, left, right, max_q, _ = check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, block_table,
         window_size,
     )
+    if tree_mask is not None:
+        left, right = check_tree_mask(tree_mask, q, cu_seqlens_q, cu_seqlens_k, max_q, window_size)
     k_scale, v_scale = check_kv_scales(q, k, k_scale, v_scale, names=("k", "v"))
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     # rows outside every sequence (before cu_seqlens_q[0] or past cu_seqlens_q[-1]) stay 0, their LSE -inf
@@ -90,7 +106,12 @@ def flash_attn_varlen_func_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
             n = ck[b + 1] - ck[b]
             kb = dequantize_kv(_paged_rows(k, block_table[b], n), k_scale, q)
             vb = dequantize_kv(_paged_rows(v, block_table[b], n), v_scale, q)
-        o, lse_b = attention_torch(qb[None], kb[None], vb[None], scale, left, right)
+        mask = None
+        if tree_mask is not None:
+            m, n = qb.shape[0], kb.shape[0]
+            mask = torch.ones(m, n, dtype=torch.bool, device=q.device)
+            mask[:, n - m :] = tree_mask[cq[b] : cq[b + 1], :m]
+        o, lse_b = attention_torch(qb[None], kb[None], vb[None], scale, left, right, mask=mask)
         out[cq[b] : cq[b + 1]] = o[0]
         lse[:, cq[b] : cq[b + 1]] = lse_b[0]
     return (out, lse) if return_lse else out
