@@ -116,10 +116,11 @@ def _trees(shapes_sizes, seed=0):
     return [_parents(shape, n, gen) for shape, n in shapes_sizes]
 
 
-# a chain, a star, a deep tree, a random tree and a one-node tree of different sizes in one batch; one
-# sequence without a cached prefix (its tree is all of its keys), prefixes not multiples of the tiles
-MIXED = [("chain", 7), ("star", 9), ("deep", 21), ("random", 18), ("random", 1)]
-PREFIXES = [37, 0, 22, 5, 13]
+# a chain, a star, a deep tree, a random tree and a one-node tree of different sizes in one batch, and a
+# sequence with no draft this step; one sequence without a cached prefix (its tree is all of its keys),
+# prefixes not multiples of the tiles
+MIXED = [("chain", 7), ("star", 9), ("deep", 21), ("chain", 0), ("random", 18), ("random", 1)]
+PREFIXES = [37, 0, 22, 8, 5, 13]
 
 
 @pytest.mark.parametrize("d,dtype,page", [(64, torch.float32, None), (128, torch.float32, 16),
