@@ -9,10 +9,10 @@ A proposer that drafts from the target's hidden states (Medusa, EAGLE) also has 
 hidden)`: the verifying runner hands it, every step, the hidden states of the tokens of `seq` the step
 computed from position `start` on (of a verification, only the accepted ones).
 
-* `NgramProposer` — prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the
+* `NgramProposer` — prompt lookup decoding (Saxena 2023): find the first earlier occurrence of the
   last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`, vLLM's names) in prompt +
   output and propose the tokens that followed it. The cost per step does not grow with the context: each
-  sequence keeps an index {n-gram: where its latest occurrence ended}, extended by the tokens appended
+  sequence keeps an index {n-gram: where its first occurrence ended}, extended by the tokens appended
   since the last step, so a lookup is max − min + 1 dictionary reads, however long the prompt (the first
   lookup indexes the prompt once). Memory: (max − min + 1) entries per token.
 * `DraftModelProposer` — classic speculative sampling (Leviathan §2.3, Chen §2): a small model of the
@@ -64,21 +64,23 @@ class NgramProposer:
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.ns = range(prompt_lookup_max, prompt_lookup_min - 1, -1)  # longest match first
-        # seq_id -> ({n-gram: end of its latest occurrence}, tokens indexed so far)
+        # seq_id -> ({n-gram: end of its first occurrence}, tokens indexed so far)
         self.index: dict[int, tuple[dict[tuple[int, ...], int], list[int]]] = {}
 
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> Drafts:
         return [self.lookup(seq, k) for seq, k in zip(seqs, ks)], [None] * len(seqs)
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest suffix match."""
+        """Up to k tokens that followed the first earlier occurrence of the longest suffix match (Saxena's
+        reference takes the first match; the latest one, often just behind the suffix, leaves few tokens
+        to propose on repetitive text)."""
         ids = seq.token_ids
         last, n_indexed = self.index.setdefault(seq.seq_id, ({}, [0]))
         # index every n-gram ending before the last token (so a match is an *earlier* occurrence)
         for end in range(n_indexed[0] + 1, len(ids)):
             for n in self.ns:
                 if end >= n:
-                    last[tuple(ids[end - n : end])] = end
+                    last.setdefault(tuple(ids[end - n : end]), end)
         n_indexed[0] = max(n_indexed[0], len(ids) - 1)
         for n in self.ns:
             end = last.get(tuple(ids[-n:])) if len(ids) >= n else None

@@ -190,15 +190,15 @@ def test_the_target_as_its_own_draft_accepts_everything(target):
     same(out, plain(target, random_prompts(7, [12, 25]), params))
 
 
-def test_ngram_lookup_is_the_most_recent_longest_match():
+def test_ngram_lookup_is_the_first_longest_match():
     class S:
         seq_id = 0
 
     proposer, seq = NgramProposer(1, 3), S()
     seq.token_ids = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
-    assert proposer.lookup(seq, 2) == [7, 5]  # "1 2 3" last seen before 7 5
-    seq.token_ids += [7, 4, 2]  # "2" alone: its latest earlier occurrence is followed by 3 7 4
-    assert proposer.lookup(seq, 3) == [3, 7, 4]
+    assert proposer.lookup(seq, 2) == [9, 1]  # "1 2 3" first seen before 9 1
+    seq.token_ids += [7, 4, 2]  # "2" alone: its first occurrence is followed by 3 9 1
+    assert proposer.lookup(seq, 3) == [3, 9, 1]
     seq.token_ids += [6]  # no match at all
     assert proposer.lookup(seq, 3) == []
     g = torch.Generator().manual_seed(0)
@@ -212,7 +212,7 @@ def test_ngram_lookup_is_the_most_recent_longest_match():
 
 def brute_force(ids: list[int], lo: int, hi: int, k: int) -> list[int]:
     for n in range(hi, lo - 1, -1):
-        for start in range(len(ids) - n - 1, -1, -1):
+        for start in range(len(ids) - n):
             if len(ids) >= n and ids[start : start + n] == ids[-n:]:
                 return ids[start + n : start + n + k]
     return []
