@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_decode import _close
+from test_fused_decode import _close, _streams
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
@@ -106,3 +106,18 @@ def test_fused_layer_fp32_gives_transformers_greedy_tokens(family, request, hf_g
     assert "fused_decode" in llm.engine.layers_applied
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     assert llm.generate([prompt], sp, use_tqdm=False)[0].token_ids == hf_greedy(ckpt, prompt, 40)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_steps_equal_the_unfused_layer_by_layer_fp32(family, request):
+    """The residual stream after every layer of every one-row decode step, fused (eager: a forward hook does
+    not run inside a graph replay; PDL on) against
+    unfused, fp32: the same numbers up to summation order."""
+    ckpt = request.getfixturevalue(f"{family}_ckpt")
+    prompt = random_prompts(7, [13])[0]
+    common = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 1, "enforce_eager": True}
+    ref_tokens, ref = _streams(LLM(ckpt, fused_decode=False, **common), prompt, 12)
+    tokens, ours = _streams(LLM(ckpt, **common), prompt, 12)
+    assert tokens == ref_tokens and len(ours) == len(ref) > 0
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
