@@ -110,9 +110,8 @@ def test_fused_layer_fp32_gives_transformers_greedy_tokens(family, request, hf_g
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_steps_equal_the_unfused_layer_by_layer_fp32(family, request):
-    """The residual stream after every layer of every one-row decode step, fused (eager: a forward hook does
-    not run inside a graph replay; PDL on) against
-    unfused, fp32: the same numbers up to summation order."""
+    """The residual stream after every layer of every one-row decode step, fused against unfused, fp32 (eager:
+    a forward hook does not run inside a graph replay; PDL on): the same numbers up to summation order."""
     ckpt = request.getfixturevalue(f"{family}_ckpt")
     prompt = random_prompts(7, [13])[0]
     common = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 1, "enforce_eager": True}
