@@ -5,18 +5,20 @@ paper path is a dozen kernels — RMSNorm, the QKV GEMV, q/k norms, RoPE and the
 o_proj, the residual add and the next RMSNorm, gate/up, SwiGLU, down — and on small models each moves a
 few KiB to a few MiB, so the step is launches, ramp-ups and drains. Here one row of x goes through
 
-    (a) RMSNorm → QKV GEMV → (Qwen3's q/k RMSNorm) → RoPE → q out, k and v into the paged cache
-    (b) Flash-Decoding (the paper path's attention, nano_flashattn: split and combine kernels)
-    (c) o_proj GEMV → + residual                     (the new residual stream)
+    (a) h + residual → RMSNorm → QKV GEMV → (Qwen3's q/k RMSNorm) → RoPE → q out, k and v into the cache
+    (b) decode attention: split-K over the keys (Flash-Decoding), the slices combined in the same kernel
+    (c) o_proj GEMV → + (h + residual)                  (the new residual stream)
     (d) RMSNorm → gate/up GEMV → SiLU(gate)·up
-    (e) down GEMV → + residual
+    (e) down GEMV                                       (the next layer's (a) adds the stream)
 
-each a GEMV kernel (one weight row slice per program, products in fp32 registers, one reduction after
-the loop: nano_vllm/layers/gemv.py's M = 1 scheme) with its neighbours as prologue and epilogue:
+(a), (c), (d), (e) are GEMV kernels (a few weight rows per program, products in fp32 registers, one
+reduction after the loop: nano_vllm/layers/gemv.py's M = 1 scheme) with their neighbours as prologue and
+epilogue:
 
-* the RMSNorm prologue: every program computes the row's 1/rms itself (x is a few KiB, in L2) and
-  normalises the slice it multiplies, rounded as shared.kernels' RMSNorm rounds (x·rstd to the
-  activation dtype, then × weight, rounded again), so the products are those of the paper path's input;
+* the RMSNorm prologue: every program forms the residual stream h + residual (rounded, as shared.kernels'
+  RMSNorm adds), computes the row's 1/rms itself (x is a few KiB, in L2) and normalises the slice it
+  multiplies, rounded as that RMSNorm rounds (x·rstd to the activation dtype, then × weight, rounded
+  again), so the products are those of the paper path's input;
 * the epilogues: the residual add (output rounded, then added in fp32 and rounded, as the paper path
   adds two bf16 tensors); SiLU(gate)·up, where a program reads gate's rows and up's rows of the same
   columns; and for QKV, per head: the head's last program to finish (an arrival counter per head, as
@@ -27,10 +29,11 @@ the loop: nano_vllm/layers/gemv.py's M = 1 scheme) with its neighbours as prolog
 kernel loads its first weight tile — for most shapes all the weights it will read — *before*
 `griddepcontrol.wait`: weights do not depend on the previous kernel, so a kernel placed early (PDL) has its
 HBM reads in flight while the kernel before drains, and the weight stream does not stop at the boundary.
-Only x, the residual and the caches are touched after the wait.
+Only x, the residual and the caches are touched after the wait; the attention kernel also loads its
+slice's first tile of older keys before it waits (only q and the newest key depend on (a)).
 
-The residual stream: a fused layer returns (stream, None), the residual already added, which is what
-shared.model's next layer (fused or not) and its final norm take when `residual` is None.
+A fused layer returns (h, residual) as shared.model's layers do — the down projection's output and the
+stream it will be added to — so the next layer, fused or not, and the final norm take it unchanged.
 
 Applies on CUDA (`EngineConfig.fused_decode`, None: on where it applies) to one-row decode steps of a
 16-bit model whose projections the "fused" layer stacked (`qkv_proj`, `gate_up_proj`), a 16-bit KV cache,
