@@ -28,8 +28,8 @@ CASES = {
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    """Mixed lengths, a shared 40-token prefix (cache hits), a prompt twice (a full hit), and two
-    greedy samples of one prompt (n=2)."""
+    """Mixed lengths (for KIVI: key groups closed mid-prompt, mid-decode, exactly at a block's end), a shared
+    40-token prefix (cache hits), a prompt twice (a full hit), and two greedy samples of one prompt (n=2)."""
     base = random_prompts(1, [40])[0]
     prompts = random_prompts(0, [1, 17, 64]) + [base + t for t in random_prompts(2, [3, 9])]
     prompts += [base[:32], base[:32], base[:21]]

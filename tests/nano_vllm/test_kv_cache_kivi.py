@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 from kivi_reference import reference_llm
+from test_kv_cache_dtype import run  # the FP8 tests' workload, twice, every block back at the end
 from vllm_checkpoints import random_prompts
 
 from nano_flashattn.kivi import dequantize_kivi_pages
@@ -29,25 +30,6 @@ CASES = {
     "prefix_cache": {},
     "preemption": {"num_kv_blocks": 8},  # 128 token slots for requests of up to 84 tokens
 }
-
-
-def workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    """Mixed lengths (groups closed mid-prompt, mid-decode, exactly at a block's end), a shared 40-token
-    prefix (cache hits), a prompt twice (a full hit), two greedy samples of one prompt (n=2)."""
-    base = random_prompts(1, [40])[0]
-    prompts = random_prompts(0, [1, 17, 64]) + [base + t for t in random_prompts(2, [3, 9])]
-    prompts += [base[:32], base[:32], base[:21]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (20, 12, 20, 10, 10, 8, 8)]
-    return prompts, [*params, SamplingParams(temperature=0.0, max_tokens=12, n=2)]
-
-
-def run(llm: LLM) -> list[list[list[int]]]:
-    """Every completion's tokens (the workload twice: the second round hits the prefix cache)."""
-    prompts, params = workload()
-    outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts, params, use_tqdm=False)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks  # every block back at the end
-    return [[c.token_ids for c in o.outputs] for o in outs]
 
 
 def dequantized_pool(runner) -> torch.Tensor:
