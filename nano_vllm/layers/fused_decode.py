@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nano_flashattn.configs import num_sms
 from nano_vllm.attention import PagedAttention
 from nano_vllm.config import REGISTRY
 from shared.kernels import HAS_TRITON
@@ -96,10 +97,6 @@ def tile_config(kind: str, n: int, k: int, sms: int = 0) -> TileConfig:
     block_k = min(next_pow2(k), 2048)
     return TileConfig(16 if sms == 0 else 8, block_k, 8 if block_k >= 2048 else 4)
 
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 # ----------------------------------------------------------------------------------------------- reference
@@ -378,7 +375,7 @@ if HAS_TRITON:
                 tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
 
 def _config(kind: str, x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
-    return config or tile_config(kind, n, k, _num_sms(x.device))
+    return config or tile_config(kind, n, k, num_sms(x.device) if x.is_cuda else 0)
 
 
 def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
