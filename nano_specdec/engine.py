@@ -21,6 +21,7 @@ from typing import Any
 from nano_specdec.config import SpeculativeConfig
 from nano_specdec.eagle import EagleProposer
 from nano_specdec.medusa import MedusaProposer
+from nano_specdec.memory import draft_bytes
 from nano_specdec.model_runner import SpecModelRunner
 from nano_specdec.proposers import DraftModelProposer, NgramProposer, Proposer
 from nano_specdec.scheduler import SpecDecodeStats, SpecScheduler
@@ -45,6 +46,9 @@ class SpecDecodeEngine(LLMEngine):
         if spec.method != "ngram":
             draft_config = resolve_model_config(spec.model)
             spec.check_draft(draft_config, resolve_model_config(config.model), config.model)
+        if spec.method in ("draft_model", "eagle"):  # its own pool, sized with the target's
+            reserve = {"draft_bytes": draft_bytes(config, draft_config, spec.method)}
+            self.model_runner_cls = type("SpecModelRunner", (SpecModelRunner,), reserve)
         super().__init__(config)
         if draft_config is not None and draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config: the draft's max_position_embeddings "

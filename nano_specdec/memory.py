@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-from nano_vllm.kv_cache import kv_cache_summary, weight_bytes
+from nano_vllm.config import EngineConfig
+from nano_vllm.kv_cache import kv_block_bytes, kv_cache_summary, weight_bytes
+from shared.accounting import param_count
+from shared.config import ModelConfig
 
 GiB = 2**30
 
@@ -70,6 +73,17 @@ def memory_summary(engine: Any) -> str:
     if record is not None:
         return line + f"; draft ({spec.method}): weights {_size(record['weights_GiB'] * GiB)}"
     return line + f"; draft ({getattr(spec, 'method', '?')}): no model (host-side lookup)"
+
+
+def draft_bytes(config: EngineConfig, draft: ModelConfig, method: str) -> tuple[int, int]:
+    """(weights, KV bytes per block) of the draft beside the target: a draft model whole; EAGLE's layer
+    and its fc (2H -> H), the embedding and LM head being the target's."""
+    h = draft.hidden_size
+    params = param_count(draft) if method == "draft_model" else \
+        param_count(draft, include_embedding=False) + 2 * h * h + h - \
+        (0 if draft.tie_word_embeddings else draft.vocab_size * h)
+    return (params * config.torch_dtype.itemsize,
+            kv_block_bytes(draft, config.block_size, draft.num_key_value_heads, config))
 
 
 def _size(nbytes: float) -> str:

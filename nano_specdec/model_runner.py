@@ -40,6 +40,31 @@ class SpecModelRunner(ModelRunner):
     sequence, the tokens it emits."""
 
     proposer = None  # one with `observe`: it gets the target's hidden states every step
+    # Set by SpecDecodeEngine where the drafter runs a model on its own paged pool, one draft block per
+    # target block: the draft's weights' bytes and its KV bytes per block. §5's sizing then gives the
+    # memory to both pools (and the draft's weights) at once, as vLLM sizes a draft's layers with the
+    # target's, so loading the draft after the target cannot run past `gpu_memory_utilization`.
+    draft_bytes: tuple[int, int] = (0, 0)
+
+    def __init__(self, *args, **kwargs):
+        cfg = args[0]
+        self.sizing = True  # until the pool is sized, a block costs a draft block too
+        profiled = cfg.torch_device.type == "cuda" and cfg.num_kv_blocks is None and \
+            cfg.kv_cache_memory_bytes is None
+        # the draft's weights as one placeholder, which the profile counts as used
+        held = torch.empty(self.draft_bytes[0] * profiled, dtype=torch.uint8,
+                           device=cfg.torch_device)
+        super().__init__(*args, **kwargs)
+        self.sizing = False
+        del held
+
+    @property
+    def block_bytes(self) -> int:
+        return self.own_block_bytes + self.draft_bytes[1] * self.sizing
+
+    @block_bytes.setter
+    def block_bytes(self, value: int) -> None:
+        self.own_block_bytes = value
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """nano_vllm's packed batch; a sequence with drafts returns the logits of all its k + 1 rows."""

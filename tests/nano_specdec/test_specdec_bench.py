@@ -139,3 +139,16 @@ def test_llm_reports_the_drafts_weights_and_kv_like_the_targets():
     ngram = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **args)
     assert memory_record(ngram.engine)["draft"] is None
     assert memory_summary(ngram.engine).endswith("draft (ngram): no model (host-side lookup)")
+
+
+def test_kv_cache_memory_bytes_holds_the_drafts_pool_too():
+    """§5's sizing gives the memory to the target's and the draft's pools together (one draft block per
+    target block), so the draft loaded after the target does not run past the engine's memory."""
+    budget = 40 * 2**20
+    llm = LLM("tiny", speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                          "model": "tiny"}, device="cpu", max_model_len=128,
+              kv_cache_memory_bytes=budget)
+    target, draft = llm.engine.model_runner, llm.engine.proposer.runner
+    assert target.block_bytes == draft.block_bytes  # the same model twice; after sizing, its own block
+    assert target.num_blocks == draft.num_blocks == budget // (2 * target.block_bytes)
+    assert llm.engine.model_runner.draft_bytes == (weight_bytes(draft.model), draft.block_bytes)
