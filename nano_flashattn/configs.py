@@ -59,6 +59,9 @@ DECODE_CONFIGS: dict[tuple[bool, int], tuple[int, int, int]] = {
 # and a deep pipeline mostly fills and drains).
 # Tuned on an H200, 2026-11-30, commit 7b90774: `python -m nano_vllm.bench` (16 q / 8 kv heads, page 16).
 PAGED_MANY_PROGRAMS_CONFIG, MANY_PROGRAMS = (128, 4, 4), 4
+# Over an FP8 cache (head_dim <= 128, 16-bit queries). Not yet tuned on a GPU:
+# `python -m nano_quant.bench_kv kernel.sweep=true` times the candidates.
+FP8_DECODE_CONFIG = (128, 4, 5)
 # Split count: aim for `waves` programs per SM, no slice shorter than `min_split_tiles` key tiles.
 # Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (b1 x 64k, b64 x 4k).
 DECODE_TUNING = {"waves": 1, "min_split_tiles": 4}
@@ -92,14 +95,16 @@ def bwd_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, paged: bool,
-                  programs: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel."""
+                  programs: int = 0, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel; `fp8`: over an FP8 cache."""
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
     if head_dim > 128:
         return 32, 4, 3
+    if fp8:  # a tile holds half the bytes: longer tiles keep as many bytes in flight
+        return FP8_DECODE_CONFIG
     if paged and programs >= MANY_PROGRAMS * num_sms(device):
         return PAGED_MANY_PROGRAMS_CONFIG
     return DECODE_CONFIGS[paged, decode_width(head_dim)]

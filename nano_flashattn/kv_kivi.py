@@ -63,6 +63,16 @@ def group_codes(x, scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
+def code_value(codes, scale, zero):
+    """code · scale + zero in fp32 for integer codes < 2^23: the code goes into the mantissa of 2^23
+    (float bits 0x4B000000 | code is 2^23 + code) and 2^23 is subtracted, exactly. An OR and an add run
+    at full rate where the integer-to-float conversion (I2F) runs at an eighth on sm_90, and a K or V
+    tile converts every element."""
+    x = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return x * scale + zero
+
+
+@triton.jit
 def _key_groups(K, KW, KS, KZ, Tail, slot_mapping, tail_of_block,
                 stride_kt, stride_kh, stride_wb, stride_wr, stride_wh, stride_sb, stride_sg, stride_sh,
                 stride_te, stride_tr, stride_th,
@@ -193,7 +203,7 @@ def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, st
     scale = tl.load(KS + at, mask=ok, other=0.0).to(tl.float32)
     zero = tl.load(KZ + at, mask=ok, other=0.0).to(tl.float32)
     codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
-    k = codes.to(tl.float32) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_D, words, PW)
+    k = code_value(codes, scale[:, :, None], zero[:, :, None])  # (BLOCK_D, words, PW)
     return tl.reshape(k, (BLOCK_D, BLOCK_N))
 
 
@@ -215,8 +225,50 @@ def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stri
     scale = tl.load(VS + at, mask=ok, other=0.0).to(tl.float32)
     zero = tl.load(VZ + at, mask=ok, other=0.0).to(tl.float32)
     codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
-    v = codes.to(tl.float32) * scale[:, :, None] + zero[:, :, None]  # (BLOCK_N, words, PW)
+    v = code_value(codes, scale[:, :, None], zero[:, :, None])  # (BLOCK_N, words, PW)
     return tl.reshape(v, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _key_tile_flat(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+                   stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """`_key_tile` with one load per code: the 32 / b tokens of a word read the same address (one
+    transaction for the warp), so the tile is (BLOCK_D, BLOCK_N) from the start and nothing is reshaped."""
+    PW: tl.constexpr = 32 // BITS
+    d = tl.arange(0, BLOCK_D)
+    tok = start_n + tl.arange(0, BLOCK_N)
+    ok = (d < HEAD_DIM)[:, None] & ((tok < n) & (tok < nk))[None, :]
+    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok < n, other=0).to(tl.int64)
+    r = tok % PAGE_SIZE
+    words = tl.load(KW + (page * stride_kwb + (r // PW) * stride_kwr)[None, :] + hk * stride_kwh
+                    + d[:, None], mask=ok, other=0)
+    at = (page * stride_ksb + (r // G) * stride_ksg)[None, :] + hk * stride_ksh + d[:, None]
+    scale = tl.load(KS + at, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(KZ + at, mask=ok, other=0.0).to(tl.float32)
+    codes = (words >> ((r % PW) * BITS)[None, :]) & (2**BITS - 1)
+    return code_value(codes, scale, zero)
+
+
+@triton.jit
+def _value_tile_flat(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                     stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
+                     BITS: tl.constexpr):
+    """`_value_tile` with one load per code (the 32 / b channels of a word share its address)."""
+    PW: tl.constexpr = 32 // BITS
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    ok = (offs_n < n)[:, None] & (d < HEAD_DIM)[None, :]
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
+    r = offs_n % PAGE_SIZE
+    words = tl.load(VW + (page * stride_vwb + r * stride_vwt + hk * stride_vwh)[:, None]
+                    + (d // PW)[None, :], mask=ok, other=0)
+    at = (page * stride_vsb + r * stride_vst + hk * stride_vsh)[:, None] + (d // G)[None, :]
+    scale = tl.load(VS + at, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(VZ + at, mask=ok, other=0.0).to(tl.float32)
+    codes = (words >> ((d % PW) * BITS)[None, :]) & (2**BITS - 1)
+    return code_value(codes, scale, zero)
 
 
 @triton.jit
@@ -227,7 +279,7 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                 stride_te, stride_tr, stride_th,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, FLAT: tl.constexpr):
     """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache, each K and V
     tile dequantized in registers. lo is a multiple of BLOCK_N. MASKED: keys past the sequence end or
     the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
@@ -235,8 +287,14 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
     d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
-                      stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS)
+        if FLAT:
+            k = _key_tile_flat(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr,
+                               stride_kwh, stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, PAGE_SIZE, G, BITS)
+        else:
+            k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+                          stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
+                          BITS)
         if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
             t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
             kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
@@ -255,9 +313,14 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
-                        stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
-                        BITS)
+        if FLAT:
+            v = _value_tile_flat(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt,
+                                 stride_vwh, stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D,
+                                 BLOCK_N, PAGE_SIZE, G, BITS)
+        else:
+            v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                            stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
+                            G, BITS)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -274,7 +337,7 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                               stride_lb, stride_lt, stride_lh, stride_ls,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
-                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLAT: tl.constexpr):
     """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch)."""
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
@@ -308,14 +371,14 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
                                 stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, FLAT=FLAT)
     acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
                                 stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, FLAT=FLAT)
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
@@ -324,6 +387,16 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
     tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+# How a tile's codes come out of their words: False, each word loaded once and split into its 32 / b
+# fields (a (D, words, fields) tensor reshaped to the tile); True, one load per code, the fields of a word
+# reading one address (`_key_tile_flat`). Tuned: `python -m nano_quant.bench_kv kernel.sweep=true`.
+KIVI_FLAT = False
+# Programs an SM that Flash-Decoding's split count aims for (decode.py's DECODE_TUNING["waves"] times
+# this): a tile's words, scales and zeros are loaded, split and scaled before its dot, so an SM needs
+# more programs in flight than the 16-bit kernel does. Not yet tuned on a GPU.
+KIVI_WAVES = 2
 
 
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
@@ -365,7 +438,8 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
                                       tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
                                       causal=False, return_lse=False, config=None):
     """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine. config:
-    (BLOCK_N, num_warps, num_stages) of the split kernel, default `kivi_decode_config`."""
+    (BLOCK_N, num_warps, num_stages[, flat]) of the split kernel, default `kivi_decode_config` and
+    `KIVI_FLAT`."""
     lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
     cache_seqlens = check_kivi_decode(q, lay, cache_seqlens, block_table, k_cache.shape[0])
     scale = check_scale(softmax_scale, lay.head_dim)
@@ -379,9 +453,10 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
-    block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device)
-    if num_splits == 0:
-        num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
+    block_n, num_warps, num_stages, *flat = config or kivi_decode_config(head_dim, q.dtype, q.device)
+    flat = flat[0] if flat else KIVI_FLAT
+    if num_splits == 0:  # KIVI_WAVES programs an SM: one a SM leaves a dequantizing tile's latency bare
+        num_splits = pick_num_splits(programs, capacity, block_n, KIVI_WAVES * num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
     num_splits = cdiv(max(capacity, 1), split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -416,7 +491,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_ls=s_strides[1],
             HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             PAGE_SIZE=lay.block_size, G=lay.group_size, BITS=bits, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=num_warps, num_stages=num_stages)
+            FLAT=bool(flat), num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             _combine_kernel[(batch * seqlen_q * heads_q,)](
                 O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,

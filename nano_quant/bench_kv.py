@@ -4,6 +4,7 @@ the 16-bit cache in the same process.
     python -m nano_quant.bench_kv                       # GPU: the kernel, then the engine
     python -m nano_quant.bench_kv sections=[kernel]     # the decode attention kernel alone
     python -m nano_quant.bench_kv quick=true            # CPU-sized smoke run (automatic without CUDA)
+    python -m nano_quant.bench_kv kernel.sweep=true     # first, each quantized kernel's tile configs
 
 * **kernel** — Flash-Decoding (one new token per sequence) over a paged cache, at the attention heads of
   `kernel.models` (llama3-8b: 32 q / 8 kv heads of 128; qwen3-0.6b: 16 / 8 of 128), batch × context
@@ -11,7 +12,8 @@ the 16-bit cache in the same process.
   `v_scale`) in pages of 16, on KIVI codes (`nano_flashattn.kivi`, found at run time; a note when absent)
   in pages of 32 — a page holds whole key groups — beside a 16-bit row at that page; torch SDPA's cuDNN
   and flash backends on a contiguous 16-bit cache. Time: `shared.bench.benchmark` (CUDA events, L2
-  flushed); bytes: what the kernel must read (codes, scales and zero points, q, block table, output);
+  flushed, one call captured in a CUDA graph and replayed, as the engine runs its decode steps: an
+  eager call's host work and value checks are not the kernel's); bytes: what the kernel must read (codes, scales and zero points, q, block table, output);
   GB/s and % of the device copy measured in the same process; speed against the 16-bit kernel at the
   same page; each output's error against the 16-bit kernel's (quantization error; a broken kernel shows).
 * **engine** — a serving engine (`engine.api`: nano_vllm, imported by name at run time as in
@@ -223,7 +225,8 @@ def time_jobs(cfg: DictConfig, device: torch.device, copy: float, record: dict, 
         fn, nbytes = job
         try:
             out = fn().float().reshape(q.shape)
-            t = benchmark(fn, warmup=int(cfg.warmup), repeats=int(cfg.repeats), device=device)
+            t = benchmark(fn, warmup=int(cfg.warmup), repeats=int(cfg.repeats), device=device,
+                          graph=device.type == "cuda")
         except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
             note = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             record["notes"].append(note)
@@ -236,6 +239,72 @@ def time_jobs(cfg: DictConfig, device: torch.device, copy: float, record: dict, 
                float((out - ref).norm() / ref.norm().clamp(min=1e-30))}
         record["kernel"].append(row)
         print_table([row])
+
+
+def sweep_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> None:
+    """`kernel.sweep`: each quantized dtype's decode at every `kernel.sweep_configs` entry of its kind
+    (fp8: nano_flashattn.decode's (BLOCK_N, warps, stages); kivi: kv_kivi's (BLOCK_N, warps, stages,
+    flat)), at the first model's heads and the cases, the 16-bit kernel's default beside them; then, per
+    dtype, the entry with the best geometric-mean speed over the cases (record["sweep_best"])."""
+    from nano_flashattn.decode import decode_forward
+
+    if device.type != "cuda":  # the configs are the Triton kernels' (on a CPU the torch path runs)
+        record["notes"].append("kernel.sweep: needs a CUDA GPU")
+        print("note: kernel.sweep needs a CUDA GPU", flush=True)
+        return
+    g = int(cfg.kivi.group_size)
+    mc = resolve_model_config(str(cfg.kernel.models[0]))
+    hq, hk, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    page = math.lcm(int(cfg.kernel.page), g)
+    record["sweep"], record["sweep_best"] = [], {}
+    for batch, context in cfg.kernel.sweep_cases:
+        q = torch.randn(int(batch), 1, hq, d, device=device, dtype=torch.bfloat16)
+        c = paged_cache(int(batch), int(context), hk, d, page, torch.bfloat16, device)
+        jobs: dict[tuple[str, tuple], Any] = {("auto", ()): functools.partial(
+            flash_attn_with_kvcache, q, c["k"], c["v"], c["seqlens"], block_table=c["table"], causal=True)}
+        for name in cfg.kv_cache_dtypes:
+            spec = parse_kv_cache_dtype(str(name), None, g, int(cfg.kivi.residual))
+            if spec.name == "fp8":
+                sk, sv = ((c[x].abs().amax().float() / FP8_MAX).reshape(1) for x in ("k", "v"))
+                k8, v8 = fp8_codes(c["k"], sk), fp8_codes(c["v"], sv)
+                for conf in cfg.kernel.sweep_configs.fp8:
+                    jobs["fp8", tuple(conf)] = functools.partial(
+                        decode_forward, q, k8, v8, c["seqlens"], c["table"], d**-0.5, True, 0,
+                        k_scale=sk, v_scale=sv, config=tuple(conf))
+            elif spec.group_size:
+                make, _ = kivi_decode(spec)
+                if make is None:
+                    continue
+                run, _ = make(q, c)
+                for conf in cfg.kernel.sweep_configs.kivi:
+                    jobs[spec.name, tuple(conf)] = functools.partial(run, config=tuple(conf))
+        for (name, conf), fn in jobs.items():
+            try:
+                t = benchmark(fn, warmup=int(cfg.warmup), repeats=int(cfg.repeats), device=device,
+                              graph=device.type == "cuda")
+            except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+                print(f"note: sweep {name} {conf}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            row = {"kv_cache_dtype": name, "config": list(conf), "batch": int(batch),
+                   "context": int(context), "page": page, "us": t * 1e6}
+            record["sweep"].append(row)
+            print_table([row])
+            save()
+        del c, jobs
+        release_memory()
+    cases = {(r["batch"], r["context"]) for r in record["sweep"]}
+    for name in {r["kv_cache_dtype"] for r in record["sweep"]} - {"auto"}:
+        times: dict[tuple, list[float]] = {}
+        for r in record["sweep"]:
+            if r["kv_cache_dtype"] == name:
+                times.setdefault(tuple(r["config"]), []).append(r["us"])
+        full = {conf: ts for conf, ts in times.items() if len(ts) == len(cases)}
+        if full:
+            best = min(full, key=lambda conf: math.prod(full[conf]))
+            record["sweep_best"][name] = list(best)
+            print(f"sweep: {name} best {list(best)}: "
+                  + ", ".join(f"{t:.1f} us" for t in full[best]), flush=True)
+    save()
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -416,6 +485,8 @@ def run(cfg: DictConfig) -> dict:
             record["targets"] = [] if quick else targets(record)  # the targets are a GPU's
             write_json(path, record)
 
+        if "kernel" in sections and cfg.kernel.get("sweep"):
+            sweep_rows(cfg, device, record, save)
         if "kernel" in sections:
             kernel_rows(cfg, device, copy, record, save)
         if "engine" in sections:

@@ -53,6 +53,7 @@ def benchmark(
     repeats: int = 20,
     device: str | torch.device | None = None,
     flush_l2: bool = True,
+    graph: bool = False,
     **kwargs: Any,
 ) -> float:
     """Median seconds of `fn(*args, **kwargs)` over `repeats` calls, after `warmup` untimed calls.
@@ -61,7 +62,9 @@ def benchmark(
     is bracketed by CUDA events after a short GPU spin that hides the host's launch work (GPU time;
     host overhead is not counted: time it end to end if it matters), and with `flush_l2` a buffer of
     twice the L2 size is overwritten before each call so inputs come from HBM, as in a real model
-    whose other layers evict them. Elsewhere each call is timed with `time.perf_counter` (after a
+    whose other layers evict them. With `graph` (CUDA) one call is captured in a CUDA graph and the
+    graph replayed: what an engine that replays its steps sees, with no host work inside the events
+    (the value checks that synchronize an eager call are skipped under capture). Elsewhere each call is timed with `time.perf_counter` (after a
     CUDA synchronize when CUDA is in use, so pass `device=` for GPU work to get event timing).
     """
     if repeats < 1:
@@ -85,6 +88,12 @@ def benchmark(
     with torch.cuda.device(dev):
         for _ in range(warmup):
             fn(*args, **kwargs)
+        if graph:
+            captured = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(dev)
+            with torch.cuda.graph(captured):
+                fn(*args, **kwargs)
+            fn, args, kwargs = captured.replay, (), {}
         flush = None
         if flush_l2:
             l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 64 << 20) or 64 << 20
