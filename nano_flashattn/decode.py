@@ -90,7 +90,7 @@ def _decode_split_kernel(Q, K, V, Out, LSE, cache_seqlens, block_table, K_scale,
     if FP8_KV:
         k_scale = tl.load(K_scale + hk * stride_ks)
         v_scale = tl.load(V_scale + hk * stride_vs)
-        if q.dtype == tl.bfloat16:  # products in fp16: E4M3 widens to fp16 in one instruction a pair
+        if q.dtype == tl.bfloat16:  # products in fp16: E4M3 widens to fp16 in one instruction
             # (to bf16 in several), exactly; fp16 holds q (|q| <= 65504) and P more finely than bf16
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -176,7 +176,8 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))  # tl.dot wants >= 16 rows
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * heads_k * row_blocks
-    config = config or decode_config(head_dim, q.dtype, q.device, paged, programs, k_scale is not None)
+    fp8 = k_scale is not None
+    config = config or decode_config(head_dim, q.dtype, q.device, paged, programs, fp8)
     block_n, num_warps, num_stages = config
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
