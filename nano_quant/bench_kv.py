@@ -105,9 +105,10 @@ def kivi_decode(spec: KVCacheSpec) -> tuple[Any, str | None]:
         return None, f"{spec.name}: no KIVI decode in nano_flashattn ({type(e).__name__}: {e})"
     layout_cls, store, decode = api
 
-    def make(q: torch.Tensor, c: dict) -> tuple[Any, int]:
+    def make(q: torch.Tensor, c: dict, configs: list | None = None) -> tuple[Any, int]:
         """The same K/V written into a KIVI pool by `store_kv_kivi` (every row of every page at once;
-        contexts are whole groups, so no key stays in the 16-bit tail), then Flash-Decoding over it."""
+        contexts are whole groups, so no key stays in the 16-bit tail), then Flash-Decoding over it;
+        with `configs`, one Triton decode per tile config (kv_kivi's `config`) instead."""
         pages, page, heads, head_dim = c["k"].shape
         lay = layout_cls(spec.bits, spec.group_size, page, heads, head_dim)
         k_cache, v_cache = (torch.empty(pages, page, heads, lay.width, dtype=torch.uint8, device=q.device)
@@ -117,9 +118,14 @@ def kivi_decode(spec: KVCacheSpec) -> tuple[Any, str | None]:
         slots = torch.arange(pages * page, device=q.device)
         store(c["k"].flatten(0, 1), c["v"].flatten(0, 1), k_cache, v_cache, tail, slots, tail_of_block,
               spec.bits, spec.group_size)
-        run = functools.partial(decode, q, k_cache, v_cache, tail, c["seqlens"], c["table"], tail_of_block,
-                                spec.bits, spec.group_size, causal=True)
-        return run, 2 * k_cache.numel() + 2 * q.numel() * q.element_size() + c["table"].numel() * 4
+        args = (q, k_cache, v_cache, tail, c["seqlens"], c["table"], tail_of_block, spec.bits,
+                spec.group_size)
+        nbytes = 2 * k_cache.numel() + 2 * q.numel() * q.element_size() + c["table"].numel() * 4
+        if configs is not None:
+            triton_decode = importlib.import_module("nano_flashattn.kv_kivi").flash_attn_with_kivi_cache_triton
+            return [functools.partial(triton_decode, *args, causal=True, config=tuple(conf))
+                    for conf in configs], nbytes
+        return functools.partial(decode, *args, causal=True), nbytes
 
     return make, None
 
@@ -275,9 +281,9 @@ def sweep_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> Non
                 make, _ = kivi_decode(spec)
                 if make is None:
                     continue
-                run, _ = make(q, c)
-                for conf in cfg.kernel.sweep_configs.kivi:
-                    jobs[spec.name, tuple(conf)] = functools.partial(run, config=tuple(conf))
+                confs = [list(conf) for conf in cfg.kernel.sweep_configs.kivi]
+                for conf, run in zip(confs, make(q, c, confs)[0]):
+                    jobs[spec.name, tuple(conf)] = run
         for (name, conf), fn in jobs.items():
             try:
                 t = benchmark(fn, warmup=int(cfg.warmup), repeats=int(cfg.repeats), device=device,
