@@ -8,8 +8,9 @@ over packed blocks. The layout, the torch path and the dispatch are kivi.py's.
   just quantized its group. No host sync: CUDA-graph safe.
 * The read (`flash_attn_with_kivi_cache_triton`): decode.py's split-K over the keys, with tiles that
   dequantize in registers — a word holds 32 / b codes, code = (word >> b·i) & (2^b - 1), value = code ·
-  scale + zero in fp32, cast to q's dtype for `tl.dot`, which sums in fp32 (as do the running softmax
-  sums across tiles). Keys past the last full group come from the tail instead; the tiles that may hold
+  scale + zero, one FMA in fp16 (the stored scales' dtype; bf16 queries go to fp16) or in fp32 for fp32
+  queries, each thread splitting the words it loaded (`fields`); `tl.dot` sums in fp32, as do the
+  running softmax sums across tiles. Keys past the last full group come from the tail instead; the tiles that may hold
   them (and the sequence end, the causal edge) are the masked ones. The slices merge in decode.py's
   `_combine_kernel`.
 """
@@ -63,13 +64,34 @@ def group_codes(x, scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
-def code_value(codes, scale, zero):
-    """code · scale + zero in fp32 for integer codes < 2^23: the code goes into the mantissa of 2^23
-    (float bits 0x4B000000 | code is 2^23 + code) and 2^23 is subtracted, exactly. An OR and an add run
-    at full rate where the integer-to-float conversion (I2F) runs at an eighth on sm_90, and a K or V
-    tile converts every element."""
-    x = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return x * scale + zero
+def code_value(codes, scale, zero, out_dtype: tl.constexpr):
+    """code · scale + zero for integer codes, in `out_dtype` (fp16 or fp32); scale and zero are the stored
+    fp16. The code goes into a float's mantissa and the float's exponent is subtracted, exactly: in fp16,
+    bits 0x6400 | code are 1024 + code; in fp32, 0x4B000000 | code are 2^23 + code. An OR and an add
+    run at full rate where the integer-to-float conversion (I2F) runs at an eighth on sm_90. In fp16 the
+    stored scale and zero need no conversion and the product and sum are one FMA, rounded once."""
+    if out_dtype == tl.float16:
+        x = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        return x * scale + zero
+    else:
+        x = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return x * scale.to(tl.float32) + zero.to(tl.float32)
+
+
+@triton.jit
+def fields(words, scale, zero, START: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr,
+           BITS: tl.constexpr, out_dtype: tl.constexpr):
+    """Fields START, START + STEP, ... (COUNT of them) of every word, dequantized (`code_value`), as
+    words.shape + (2,) * log2(COUNT), flattening in field order. Built by tl.join, whose new axis stays
+    in the thread: each thread splits whole words it loaded itself, and the reshape to the tile moves
+    nothing (splitting by broadcast over a field axis spreads the fields of one word over 16 threads,
+    each loading the word again and its scale and zero)."""
+    if COUNT == 1:
+        return code_value((words >> (START * BITS)) & (2**BITS - 1), scale, zero, out_dtype)
+    else:
+        even = fields(words, scale, zero, START, 2 * STEP, COUNT // 2, BITS, out_dtype)
+        odd = fields(words, scale, zero, START + STEP, 2 * STEP, COUNT // 2, BITS, out_dtype)
+        return tl.join(even, odd)
 
 
 @triton.jit
@@ -186,8 +208,9 @@ def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_b
 @triton.jit
 def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
               stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in fp32: each int32
+              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+              out_dtype: tl.constexpr):
+    """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in `out_dtype`: each int32
     word read once (32 / b consecutive tokens of one channel, within one page), its fields shifted out,
     times the channel's scale plus its zero (group w·PW // G of the page). Keys at or past min(n, nk):
     whatever the words hold (the caller masks them)."""
@@ -200,18 +223,17 @@ def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, st
     words = tl.load(KW + page[None, :] * stride_kwb + (r // PW)[None, :] * stride_kwr + hk * stride_kwh
                     + d[:, None], mask=ok, other=0)  # (BLOCK_D, BLOCK_N / PW)
     at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
-    scale = tl.load(KS + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(KZ + at, mask=ok, other=0.0).to(tl.float32)
-    codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
-    k = code_value(codes, scale[:, :, None], zero[:, :, None])  # (BLOCK_D, words, PW)
-    return tl.reshape(k, (BLOCK_D, BLOCK_N))
+    scale = tl.load(KS + at, mask=ok, other=0.0)
+    zero = tl.load(KZ + at, mask=ok, other=0.0)
+    return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_D, BLOCK_N))
 
 
 @triton.jit
 def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
                 stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """V (BLOCK_N, BLOCK_D) of tokens [start_n, start_n + BLOCK_N) in fp32: each word (32 / b channels of
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                out_dtype: tl.constexpr):
+    """V (BLOCK_N, BLOCK_D) of tokens [start_n, start_n + BLOCK_N) in `out_dtype`: each word (32 / b channels of
     one token) read once, times the token's scale plus zero of group (word · PW) // G. Past n: 0."""
     PW: tl.constexpr = 32 // BITS
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -222,53 +244,9 @@ def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stri
     row = page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
     words = tl.load(VW + row + w[None, :], mask=ok, other=0)  # (BLOCK_N, BLOCK_D / PW)
     at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (w * PW // G)[None, :]
-    scale = tl.load(VS + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(VZ + at, mask=ok, other=0.0).to(tl.float32)
-    codes = (words[:, :, None] >> (tl.arange(0, PW) * BITS)[None, None, :]) & (2**BITS - 1)
-    v = code_value(codes, scale[:, :, None], zero[:, :, None])  # (BLOCK_N, words, PW)
-    return tl.reshape(v, (BLOCK_N, BLOCK_D))
-
-
-@triton.jit
-def _key_tile_flat(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
-                   stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """`_key_tile` with one load per code: the 32 / b tokens of a word read the same address (one
-    transaction for the warp), so the tile is (BLOCK_D, BLOCK_N) from the start and nothing is reshaped."""
-    PW: tl.constexpr = 32 // BITS
-    d = tl.arange(0, BLOCK_D)
-    tok = start_n + tl.arange(0, BLOCK_N)
-    ok = (d < HEAD_DIM)[:, None] & ((tok < n) & (tok < nk))[None, :]
-    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok < n, other=0).to(tl.int64)
-    r = tok % PAGE_SIZE
-    words = tl.load(KW + (page * stride_kwb + (r // PW) * stride_kwr)[None, :] + hk * stride_kwh
-                    + d[:, None], mask=ok, other=0)
-    at = (page * stride_ksb + (r // G) * stride_ksg)[None, :] + hk * stride_ksh + d[:, None]
-    scale = tl.load(KS + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(KZ + at, mask=ok, other=0.0).to(tl.float32)
-    codes = (words >> ((r % PW) * BITS)[None, :]) & (2**BITS - 1)
-    return code_value(codes, scale, zero)
-
-
-@triton.jit
-def _value_tile_flat(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
-                     stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
-                     BITS: tl.constexpr):
-    """`_value_tile` with one load per code (the 32 / b channels of a word share its address)."""
-    PW: tl.constexpr = 32 // BITS
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    ok = (offs_n < n)[:, None] & (d < HEAD_DIM)[None, :]
-    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
-    r = offs_n % PAGE_SIZE
-    words = tl.load(VW + (page * stride_vwb + r * stride_vwt + hk * stride_vwh)[:, None]
-                    + (d // PW)[None, :], mask=ok, other=0)
-    at = (page * stride_vsb + r * stride_vst + hk * stride_vsh)[:, None] + (d // G)[None, :]
-    scale = tl.load(VS + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(VZ + at, mask=ok, other=0.0).to(tl.float32)
-    codes = (words >> ((d % PW) * BITS)[None, :]) & (2**BITS - 1)
-    return code_value(codes, scale, zero)
+    scale = tl.load(VS + at, mask=ok, other=0.0)
+    zero = tl.load(VZ + at, mask=ok, other=0.0)
+    return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_N, BLOCK_D))
 
 
 @triton.jit
@@ -279,7 +257,7 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                 stride_te, stride_tr, stride_th,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                DOT_PRECISION: tl.constexpr):
     """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache, each K and V
     tile dequantized in registers. lo is a multiple of BLOCK_N. MASKED: keys past the sequence end or
     the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
@@ -287,19 +265,14 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
     d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if FLAT:
-            k = _key_tile_flat(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr,
-                               stride_kwh, stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, PAGE_SIZE, G, BITS)
-        else:
-            k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
-                          stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
-                          BITS)
+        k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+                      stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS,
+                      q.dtype)
         if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
             t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
             kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
                          + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
-            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(tl.float32))
+            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(k.dtype))
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
         if MASKED:
             seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
@@ -313,14 +286,9 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FLAT:
-            v = _value_tile_flat(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt,
-                                 stride_vwh, stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D,
-                                 BLOCK_N, PAGE_SIZE, G, BITS)
-        else:
-            v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
-                            stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE,
-                            G, BITS)
+        v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                        stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
+                        BITS, q.dtype)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -337,7 +305,7 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                               stride_lb, stride_lt, stride_lh, stride_ls,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
-                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch)."""
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
@@ -351,6 +319,10 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if q.dtype == tl.bfloat16:  # tiles and products in fp16, the dtype of the stored scales and zeros:
+        # a code dequantizes in one FMA without conversions, and fp16 holds K, V, q (|q| <= 65504) and P
+        # more finely than bf16
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     k_len = tl.load(cache_seqlens + b64)
     bt_row = block_table + b64 * stride_bt
     nk = k_len // G * G  # keys [0, nk) are codes, [nk, k_len) the tail of the block holding nk
@@ -371,14 +343,14 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
                                 stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
-                                DOT_PRECISION=DOT_PRECISION, FLAT=FLAT)
+                                DOT_PRECISION=DOT_PRECISION)
     acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
                                 stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
-                                DOT_PRECISION=DOT_PRECISION, FLAT=FLAT)
+                                DOT_PRECISION=DOT_PRECISION)
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
@@ -389,10 +361,6 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-# How a tile's codes come out of their words: False, each word loaded once and split into its 32 / b
-# fields (a (D, words, fields) tensor reshaped to the tile); True, one load per code, the fields of a word
-# reading one address (`_key_tile_flat`). Tuned: `python -m nano_quant.bench_kv kernel.sweep=true`.
-KIVI_FLAT = False
 # Programs an SM that Flash-Decoding's split count aims for (decode.py's DECODE_TUNING["waves"] times
 # this): a tile's words, scales and zeros are loaded, split and scaled before its dot, so an SM needs
 # more programs in flight than the 16-bit kernel does. Not yet tuned on a GPU.
@@ -400,17 +368,19 @@ KIVI_WAVES = 2
 
 
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. Not yet timed on a GPU: chosen so
-    that ptxas spills no register at sm_90 (Triton 3.9, 2026-12-06: a dequantized K and V tile is fp32,
-    twice a 16-bit tile's registers; 16-bit queries, b = 2 and 4: hd 64 168 registers at 4 warps, hd 128
-    202 at 8 warps, hd 256 248-255 at 8 warps; fp32 queries hd 128: 230 with 16-key tiles at 8 warps)."""
+    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. Chosen from ptxas's report at
+    sm_90 (Triton 3.9, 2026-12-06), not yet timed on a GPU: no spill; hd 128 with 16-bit queries,
+    32-key tiles at 4 warps use 191-194 registers (two programs an SM) and issue ~76 instructions per
+    key and warp in the unmasked loop, against ~86 for 64-key tiles at 8 warps (174 registers, one
+    program an SM) and ~132 for that config before the fp16 tiles and the joined fields.
+    `python -m nano_quant.bench_kv kernel.sweep=true` times them."""
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
         return 16, 8, 2
     if head_dim <= 64:
         return 64, 4, 3
-    return (64, 8, 3) if head_dim <= 128 else (32, 8, 3)
+    return (32, 4, 2) if head_dim <= 128 else (32, 8, 3)
 
 
 def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
@@ -438,8 +408,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
                                       tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
                                       causal=False, return_lse=False, config=None):
     """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine. config:
-    (BLOCK_N, num_warps, num_stages[, flat]) of the split kernel, default `kivi_decode_config` and
-    `KIVI_FLAT`."""
+    (BLOCK_N, num_warps, num_stages) of the split kernel, default `kivi_decode_config`."""
     lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
     cache_seqlens = check_kivi_decode(q, lay, cache_seqlens, block_table, k_cache.shape[0])
     scale = check_scale(softmax_scale, lay.head_dim)
@@ -453,8 +422,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
-    block_n, num_warps, num_stages, *flat = config or kivi_decode_config(head_dim, q.dtype, q.device)
-    flat = flat[0] if flat else KIVI_FLAT
+    block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device)
     if num_splits == 0:  # KIVI_WAVES programs an SM: one a SM leaves a dequantizing tile's latency bare
         num_splits = pick_num_splits(programs, capacity, block_n, KIVI_WAVES * num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
@@ -491,7 +459,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_ls=s_strides[1],
             HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             PAGE_SIZE=lay.block_size, G=lay.group_size, BITS=bits, DOT_PRECISION=dot_precision(q.dtype),
-            FLAT=bool(flat), num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             _combine_kernel[(batch * seqlen_q * heads_q,)](
                 O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,

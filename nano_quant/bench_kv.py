@@ -249,8 +249,8 @@ def time_jobs(cfg: DictConfig, device: torch.device, copy: float, record: dict, 
 
 def sweep_rows(cfg: DictConfig, device: torch.device, record: dict, save) -> None:
     """`kernel.sweep`: each quantized dtype's decode at every `kernel.sweep_configs` entry of its kind
-    (fp8: nano_flashattn.decode's (BLOCK_N, warps, stages); kivi: kv_kivi's (BLOCK_N, warps, stages,
-    flat)), at the first model's heads and the cases, the 16-bit kernel's default beside them; then, per
+    (fp8: nano_flashattn.decode's (BLOCK_N, warps, stages); kivi: kv_kivi's, the same), at the first
+    model's heads and the cases, the 16-bit kernel's default beside them; then, per
     dtype, the entry with the best geometric-mean speed over the cases (record["sweep_best"])."""
     from nano_flashattn.decode import decode_forward
 

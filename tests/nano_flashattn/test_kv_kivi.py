@@ -221,17 +221,6 @@ def test_kivi_decode(bits, G, d, num_splits):
     _compare_decode(cache, q, num_splits, causal=True)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kivi_decode_flat_tiles(bits):
-    """The one-load-per-code tiles (`KIVI_FLAT`) read what the word-split tiles read."""
-    gen = torch.Generator().manual_seed(bits)
-    cache = Cache([75, 16, 5, 64], bits, 32, 32, 2, 128, gen).write()
-    q = torch.randn(4, 1, 4, 128, generator=gen).half()
-    flat = _compare_decode(cache, q, 3, causal=True, config=(16, 4, 1, True))
-    words = _compare_decode(cache, q, 3, causal=True, config=(16, 4, 1, False))
-    assert torch.allclose(flat.float(), words.float(), atol=1e-3)
-
-
 def test_kivi_decode_fp32_multi_token_causal_mqa():
     """fp32 queries (ieee products), 3 new tokens per sequence (causal, bottom-right), one kv head."""
     gen = torch.Generator().manual_seed(7)
@@ -354,8 +343,7 @@ build(kv_kivi._kivi_decode_split_kernel,
        *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
                 "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
       dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
-           DOT_PRECISION="ieee" if dtype == "float32" else "tf32", FLAT=kv_kivi.KIVI_FLAT),
-      num_warps=warps, num_stages=stages)
+           DOT_PRECISION="ieee" if dtype == "float32" else "tf32"), num_warps=warps, num_stages=stages)
 print("compiled")
 """
 
