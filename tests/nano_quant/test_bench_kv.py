@@ -29,7 +29,8 @@ def config(**overrides):
 
 def test_both_sections_on_small_shapes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outside Hydra the JSON lands in the working directory
-    record = bench_kv.run(config(**SMALL))
+    record = bench_kv.run(config(**SMALL, **{"kernel.sweep": True}))
+    assert "kernel.sweep: needs a CUDA GPU" in record["notes"]  # the configs are the Triton kernels'
     kernel = {(r["batch"], r["context"], r["page"], r["kv_cache_dtype"]): r for r in record["kernel"]}
     for case in ((2, 64), (1, 128)):
         auto, fp8 = kernel[(*case, 16, "auto")], kernel[(*case, 16, "fp8")]
