@@ -96,11 +96,13 @@ class FusedAttention(Attention):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         attn = self.attn_fn
-        # RoPE and the cache write in one launch, for a cache of q's dtype (an FP8 one: the paper path's
-        # store, which quantizes)
-        if isinstance(attn, PagedAttention) and use_triton(q) and attn.kv_cache.dtype == q.dtype:
+        # RoPE and the cache write in one launch, for a cache of q's dtype or an FP8 one (quantized in
+        # the same kernel, the codes of nano_flashattn's store_kv_fp8)
+        if isinstance(attn, PagedAttention) and use_triton(q) and \
+                attn.kv_cache.dtype in (q.dtype, torch.float8_e4m3fn):
             caches = attn.kv_cache[0, self.layer_idx], attn.kv_cache[1, self.layer_idx]
-            q, k = rope_and_store(q, k, v, cos, sin, *caches, ctx.slot_mapping)
+            q, k = rope_and_store(q, k, v, cos, sin, *caches, ctx.slot_mapping,
+                                  **attn.scales(self.layer_idx))
             out = attn.attend(q, k, v, self.layer_idx, ctx)
         else:
             q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
@@ -112,15 +114,21 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from nano_flashattn.checks import scale_stride
+    from nano_flashattn.kv_fp8 import to_e4m3
     from shared.kernels import pdl_args, pdl_prologue
 
     @triton.jit(do_not_specialize=["n_rows"])
-    def _rope_store_kernel(Q, K, V, COS, SIN, QOUT, KOUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
-                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st, n_rows,
+    def _rope_store_kernel(Q, K, V, COS, SIN, QOUT, KOUT, K_CACHE, V_CACHE, SLOTS, K_SCALE, V_SCALE,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                           stride_st, stride_ks, stride_vs, n_rows,
                            HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                           PDL: tl.constexpr):
         """Row r = (token t, head h) of the HEADS_Q + 2·HEADS_KV heads of q, k, v: rotated (RoFormer eq. 34,
-        rotate_half, fp32) for q and k, as is for v; q → QOUT, k → KOUT and k, v → cache row SLOTS[t]."""
+        rotate_half, fp32) for q and k, as is for v; q → QOUT, k → KOUT and k, v → cache row SLOTS[t].
+        FP8: the cache rows hold E4M3(clamp(x / scale, ±448)) of x in q's dtype (`to_e4m3`), scales
+        K_SCALE[head · stride_ks] and V_SCALE[head · stride_vs] (stride 0: one per tensor)."""
         pdl_prologue(PDL)  # launch overlap with the previous kernel (nano_flashattn/launch.py)
         heads: tl.constexpr = HEADS_Q + 2 * HEADS_KV
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -153,6 +161,11 @@ if HAS_TRITON:
         tl.store(o_k + HALF, y2, mask=mk)
         slot = tl.load(SLOTS + t, mask=ok, other=0).to(tl.int64)
         row = (slot * HEADS_KV + tl.where(is_k, hk, hv))[:, None] * (2 * HALF) + d[None, :]
+        if FP8:  # k and v rows (q rows' scale is never used: their stores below are masked off)
+            scale = tl.where(is_k, tl.load(K_SCALE + hk * stride_ks), tl.load(V_SCALE + hv * stride_vs))
+            scale = tl.broadcast_to(scale[:, None], (BLOCK_R, BLOCK_D))
+            y1 = to_e4m3(y1, scale)
+            y2 = to_e4m3(y2, scale)
         tl.store(K_CACHE + row, y1, mask=mk)
         tl.store(K_CACHE + row + HALF, y2, mask=mk)
         tl.store(V_CACHE + row, y1, mask=mv)
@@ -160,19 +173,23 @@ if HAS_TRITON:
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.apply_rope` on q and k, then `attention.store_kvcache` of the rotated k and v, in one Triton
     kernel (the same fp32 arithmetic, rounded once). q (B, S, Hq, D), k / v (B, S, Hkv, D), any strides with a
     unit-stride last dim (views of the qkv projection's output); cos / sin (B, S, D/2); caches (blocks,
-    block_size, Hkv, D) contiguous; slot_mapping (B·S,). Returns the rotated q and k, new tensors."""
+    block_size, Hkv, D) contiguous, of q's dtype, or float8_e4m3fn with fp32 k_scale / v_scale of 1 or Hkv
+    elements (then `store_kv_fp8`'s codes); slot_mapping (B·S,). Returns the rotated q and k, new
+    tensors."""
     b, s, heads_q, dim = q.shape
     heads_kv = k.shape[2]
     tokens = b * s
     if (k.shape != v.shape or k.shape[:2] != (b, s) or k.shape[3] != dim or dim % 2 or cos.shape[-1] != dim // 2
             or k_cache.shape[-2:] != (heads_kv, dim) or v_cache.shape != k_cache.shape
             or not k_cache.is_contiguous() or not v_cache.is_contiguous() or slot_mapping.numel() != tokens
-            or k_cache.dtype != q.dtype or any(t.stride(-1) != 1 for t in (q, k, v))):
+            or k_cache.dtype != (q.dtype if k_scale is None else torch.float8_e4m3fn)
+            or (k_scale is None) != (v_scale is None) or any(t.stride(-1) != 1 for t in (q, k, v))):
         raise ValueError(f"rope_and_store: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
                          f"{tuple(cos.shape)}, caches {tuple(k_cache.shape)} {k_cache.dtype}, slot_mapping "
                          f"{tuple(slot_mapping.shape)} do not fit one another")
@@ -185,10 +202,12 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     block_r = max(1, 2048 // block_d)  # ~2K rotated pairs a program, as `apply_rope`
     if n_rows:
         _rope_store_kernel[(cdiv(n_rows, block_r),)](
-            q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, q3.stride(0), q3.stride(1),
-            k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0), sin2.stride(0), n_rows,
-            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-            **pdl_args(q.device))
+            q3, k3, v3, cos2, sin2, q_out, k_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos2.stride(0),
+            sin2.stride(0), 0 if k_scale is None else scale_stride(k_scale),
+            0 if v_scale is None else scale_stride(v_scale), n_rows,
+            HEADS_Q=heads_q, HEADS_KV=heads_kv, HALF=dim // 2, BLOCK_R=block_r, BLOCK_D=block_d,
+            FP8=k_scale is not None, num_warps=4, **pdl_args(q.device))
     return q_out, k_out
 
 

@@ -100,3 +100,16 @@ def test_rope_and_store_is_rope_then_the_cache_write(dtype, dim, qk_norm, b, s):
     torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
     with pytest.raises(ValueError, match="rope_and_store"):
         rope_and_store(q, k, v[..., :-2], cos, sin, caches[2], caches[3], slots)
+    # an FP8 cache (per-tensor and per-kv-head scales): the codes nano_flashattn's store writes
+    from nano_flashattn import store_kv_fp8
+
+    for k_scale, v_scale in ((torch.tensor([0.05]), torch.tensor([0.02])),
+                             (torch.tensor([0.05, 0.1]), torch.tensor([0.02, 0.3]))):
+        fp8 = [torch.zeros(blocks, page, heads_kv, dim, dtype=torch.float8_e4m3fn) for _ in range(4)]
+        store_kv_fp8(k_ref, v, fp8[0], fp8[1], slots, k_scale, v_scale)
+        q_out, k_out = rope_and_store(q, k, v, cos, sin, fp8[2], fp8[3], slots, k_scale, v_scale)
+        torch.testing.assert_close(q_out, q_ref, rtol=0, atol=0)
+        assert torch.equal(fp8[2].view(torch.uint8), fp8[0].view(torch.uint8))
+        assert torch.equal(fp8[3].view(torch.uint8), fp8[1].view(torch.uint8))
+    with pytest.raises(ValueError, match="rope_and_store"):
+        rope_and_store(q, k, v, cos, sin, fp8[2], fp8[3], slots)  # an FP8 cache needs its scales

@@ -64,20 +64,24 @@ def test_fp8_engine_equals_the_torch_reference(ckpt, case, layer_args, monkeypat
         assert llm.engine.scheduler.num_preemptions == ref.engine.scheduler.num_preemptions > 0
 
 
-def test_fused_rope_store_skips_an_fp8_cache(llama_ckpt, monkeypatch):
-    """layers/fused.py's RoPE + store kernel writes K/V of q's dtype: with an FP8 cache the paper path's
-    store (which quantizes) runs, even where the kernel would apply (use_triton forced on here)."""
+def test_fused_rope_store_quantizes_into_an_fp8_cache(llama_ckpt, monkeypatch):
+    """layers/fused.py's RoPE + store kernel (use_triton forced on: the Triton interpreter) writes an FP8
+    cache itself, the codes the paper path's store writes: the same tokens and the same cache bytes."""
     import nano_vllm.layers.fused as fused
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("rope_and_store must not write into an FP8 cache")
-
+    calls = []
+    kernel = fused.rope_and_store
     monkeypatch.setattr(fused, "use_triton", lambda t: True)
-    monkeypatch.setattr(fused, "rope_and_store", refuse)
-    llm = LLM(llama_ckpt, kv_cache_dtype="fp8", max_model_len=64, fused_projections=True)
-    assert "fused" in llm.engine.model_runner.layers_applied
-    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
+    monkeypatch.setattr(fused, "rope_and_store", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    runs = {}
+    for fuse in (True, False):
+        llm = LLM(llama_ckpt, kv_cache_dtype="fp8", max_model_len=64, fused_projections=fuse)
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+        runs[fuse] = [o.token_ids for o in out], llm.engine.model_runner.kv_cache.view(torch.uint8)
+    assert calls and all("k_scale" in kw for kw in calls)
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
 
 
 def test_fp8_holds_more_blocks_in_the_same_memory(llama_ckpt):
