@@ -193,6 +193,54 @@ def store_kv_kivi_torch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
     k_tail[tail_of_block[s // bs].long(), s % G] = k[open_].to(k_tail.dtype)
 
 
+class KIVIWindow(NamedTuple):
+    """KIVI's 16-bit residual window (§3.3, R = 128 in the paper), kept beside the packed blocks: each
+    sequence's newest tokens in a ring of `rows` (>= R + G - 1) 16-bit K and V rows, entry
+    `entry[b]` of `k` / `v` (entries, rows, heads_k, head_dim); position p sits in row p % rows. The
+    blocks still hold every token's codes (a block's bytes depend on its tokens alone); a decode reads
+    values at positions >= max(start[b], L - R) and keys at positions >= max(start[b], (L - R) // G · G)
+    from the ring instead (L: the sequence's length): the cache `nano_quant.kv`'s KIVICache holds, where a
+    key leaves the window with its whole group. `start[b]`: the first position the sequence wrote into
+    its ring (tokens a prefix hit shared were never written there and are read from their codes)."""
+    k: Tensor
+    v: Tensor
+    entry: Tensor  # int32 (batch,)
+    start: Tensor  # int32 (batch,)
+    residual: int  # R
+
+
+def window_bounds(window: KIVIWindow, cache_seqlens: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(first key position, first value position) each sequence reads from its window."""
+    lens, start = cache_seqlens.long(), window.start.long()
+    old = (lens - window.residual).clamp(min=0)
+    return torch.maximum(start, old // group_size * group_size), torch.maximum(start, old)
+
+
+def store_kv_window(k: Tensor, v: Tensor, window: KIVIWindow, window_slot: Tensor) -> None:
+    """Write new rows k, v (..., heads_k, head_dim) into the window's rings: row i to flat ring row
+    window_slot[i] = entry · rows + position % rows (every slot valid: padding goes to a scratch entry).
+    One index_copy_ each, no host sync: CUDA-graph safe."""
+    heads, dim = window.k.shape[-2:]
+    for ring, x in ((window.k, k), (window.v, v)):
+        ring.view(-1, heads, dim).index_copy_(0, window_slot, x.reshape(-1, heads, dim).to(ring.dtype))
+
+
+def overlay_window(k: Tensor, v: Tensor, table: Tensor, window: KIVIWindow, cache_seqlens: Tensor,
+                   group_size: int) -> None:
+    """Put the window's rows over the dequantized pages of `dequantize_kivi_pages` (in place)."""
+    bs, rows = k.shape[1], window.k.shape[1]
+    key_lo, value_lo = window_bounds(window, cache_seqlens, group_size)
+    lens = cache_seqlens.long()
+    pos = (lens[:, None] - 1 - torch.arange(rows, device=k.device)[None, :])  # the newest `rows`
+    entry = window.entry.long()[:, None]
+    for x, ring, lo in ((k, window.k, key_lo), (v, window.v, value_lo)):
+        live = (pos >= lo[:, None]) & (pos >= 0)
+        at = pos.clamp(min=0)
+        page = torch.where(live, table.long().gather(1, at // bs), x.shape[0] - 1)
+        x[page, torch.where(live, at % bs, 0)] = torch.where(
+            live[..., None, None], ring[entry, at % rows].to(x.dtype), x[page, at % bs])
+
+
 def dequantize_kivi_pages(k_cache: Tensor, v_cache: Tensor, k_tail: Tensor, block_table: Tensor,
                           cache_seqlens: Tensor, tail_of_block: Tensor, bits: int, group_size: int,
                           dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -249,12 +297,15 @@ def _check_rows(k: Tensor, v: Tensor, slot_mapping: Tensor, lay: KIVILayout, cac
 def kivi_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_tail: Tensor,
                          cache_seqlens: Tensor, block_table: Tensor, tail_of_block: Tensor, bits: int,
                          group_size: int, softmax_scale: float | None = None, causal: bool = False,
-                         return_lse: bool = False):
-    """`flash_attn_with_kivi_cache` in torch: the pages dequantized, then the 16-bit reference."""
+                         return_lse: bool = False, window: KIVIWindow | None = None):
+    """`flash_attn_with_kivi_cache` in torch: the pages dequantized (the window's rows over them), then
+    the 16-bit reference."""
     from .reference import flash_attn_with_kvcache_torch
 
     k, v, table = dequantize_kivi_pages(k_cache, v_cache, k_tail, block_table, cache_seqlens,
                                         tail_of_block, bits, group_size, q.dtype)
+    if window is not None:
+        overlay_window(k, v, table, window, cache_seqlens, group_size)
     return flash_attn_with_kvcache_torch(q, k, v, cache_seqlens, block_table=table,
                                          softmax_scale=softmax_scale, causal=causal,
                                          return_lse=return_lse)
@@ -284,16 +335,36 @@ def store_kv_kivi(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, k_tail
 def flash_attn_with_kivi_cache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_tail: Tensor,
                                cache_seqlens: Tensor, block_table: Tensor, tail_of_block: Tensor,
                                bits: int, group_size: int, softmax_scale: float | None = None,
-                               num_splits: int = 0, causal: bool = False, return_lse: bool = False):
+                               num_splits: int = 0, causal: bool = False, return_lse: bool = False,
+                               window: KIVIWindow | None = None):
     """Decode attention (Flash-Decoding) of q (batch, seqlen_q, heads_q, head_dim) over a KIVI paged cache
     (block_table (batch, pages) int32, cache_seqlens (batch,) int32): the arguments and returns of
-    `flash_attn_with_kvcache`, the cache as `store_kv_kivi` writes it. Triton on CUDA tensors (packed
-    codes dequantized in registers, fp32 sums), torch elsewhere."""
+    `flash_attn_with_kvcache`, the cache as `store_kv_kivi` writes it, and with `window` the newest
+    tokens from its 16-bit rings (`KIVIWindow`). Triton on CUDA tensors (packed codes dequantized in
+    registers, fp32 sums), torch elsewhere."""
+    if window is not None:
+        check_window(window, q, k_tail)
     if _on_triton(q):
         from .kv_kivi import flash_attn_with_kivi_cache_triton
 
         return flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens, block_table,
                                                  tail_of_block, bits, group_size, softmax_scale,
-                                                 num_splits, causal, return_lse)
+                                                 num_splits, causal, return_lse, window=window)
     return kivi_attention_torch(q, k_cache, v_cache, k_tail, cache_seqlens, block_table, tail_of_block,
-                                bits, group_size, softmax_scale, causal, return_lse)
+                                bits, group_size, softmax_scale, causal, return_lse, window)
+
+
+def check_window(window: KIVIWindow, q: Tensor, k_tail: Tensor) -> None:
+    """A KIVIWindow that fits q (batch) and the cache (heads_k, head_dim, the tail's group size)."""
+    batch, G = q.shape[0], k_tail.shape[1]
+    heads, dim = k_tail.shape[-2:]
+    ok = (isinstance(window, KIVIWindow) and isinstance(window.residual, int) and window.residual >= 0
+          and window.k.shape == window.v.shape and window.k.dim() == 4
+          and tuple(window.k.shape[2:]) == (heads, dim) and window.k.shape[1] >= window.residual + G - 1
+          and window.k.device == q.device and all(
+              t.dtype == torch.int32 and t.shape == (batch,) and t.device == q.device
+              for t in (window.entry, window.start)))
+    if not ok:
+        raise ValueError(f"window must be a KIVIWindow: k, v (entries, rows >= residual + "
+                         f"{G - 1}, {heads}, {dim}) on q's device, entry and start int32 ({batch},), "
+                         f"residual an int >= 0; got {window!r:.300}")

@@ -254,14 +254,15 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                 KW, KS, KZ, VW, VS, VZ, Tail,
                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-                stride_te, stride_tr, stride_th,
+                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, rows, stride_wr, stride_wh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache, each K and V
     tile dequantized in registers. lo is a multiple of BLOCK_N. MASKED: keys past the sequence end or
     the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
-    `entry`, in 16 bits."""
+    `entry`, in 16 bits; with a WINDOW, keys from key_lo and values from value_lo come from the
+    sequence's 16-bit rings WK, WV (row position % rows)."""
     d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -273,6 +274,11 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
             kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
                          + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
             k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(k.dtype))
+            if WINDOW:
+                w_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= key_lo) & (offs_n < n))[None, :]
+                kw = tl.load(WK + (offs_n % rows)[None, :] * stride_wr + hk * stride_wh + d[:, None],
+                             mask=w_ok, other=0.0)
+                k = tl.where((offs_n >= key_lo)[None, :], kw.to(k.dtype), k)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
         if MASKED:
             seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
@@ -289,6 +295,11 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
         v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
                         stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
                         BITS, q.dtype)
+        if MASKED and WINDOW:
+            w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (d < HEAD_DIM)[None, :]
+            vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
+                         mask=w_ok, other=0.0)
+            v = tl.where((offs_n >= value_lo)[:, None], vw.to(v.dtype), v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -296,7 +307,8 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
 def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_seqlens, block_table,
-                              tail_of_block, seqlen_q, group, qk_scale, window_right,
+                              tail_of_block, WinK, WinV, win_entry, win_start, residual, ring_rows,
+                              stride_we, stride_wr, stride_wh, seqlen_q, group, qk_scale, window_right,
                               stride_qb, stride_qt, stride_qh,
                               stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                               stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
@@ -305,8 +317,9 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                               stride_lb, stride_lt, stride_lh, stride_ls,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
-                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch)."""
+                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+    """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch).
+    WINDOW: the newest keys and values from the sequence's 16-bit rings (kivi.KIVIWindow)."""
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks
@@ -333,6 +346,16 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     hi = tl.minimum(lo + split_len, k_len)
     diag = k_len - seqlen_q
     full_hi = tl.minimum(tl.minimum(hi, diag + window_right + 1), nk)
+    key_lo, value_lo = k_len, k_len
+    WK, WV = WinK, WinV
+    if WINDOW:  # kivi.window_bounds; the tiles from key_lo on are the masked ones
+        w_start = tl.load(win_start + b64)
+        old = tl.maximum(k_len - residual, 0)
+        key_lo = tl.maximum(w_start, old // G * G)
+        value_lo = tl.maximum(w_start, old)
+        full_hi = tl.minimum(full_hi, key_lo)
+        WK = WinK + tl.load(win_entry + b64).to(tl.int64) * stride_we
+        WV = WinV + tl.load(win_entry + b64).to(tl.int64) * stride_we
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -341,16 +364,18 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-                                stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
+                                stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW)
     acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
                                 stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-                                stride_te, stride_tr, stride_th, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
+                                stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW)
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
@@ -406,7 +431,7 @@ def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
 
 def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens, block_table,
                                       tail_of_block, bits, group_size, softmax_scale=None, num_splits=0,
-                                      causal=False, return_lse=False, config=None):
+                                      causal=False, return_lse=False, config=None, window=None):
     """`kivi.flash_attn_with_kivi_cache` on the kernels: Flash-Decoding's split and combine. config:
     (BLOCK_N, num_warps, num_stages) of the split kernel, default `kivi_decode_config`."""
     lay = layout_of(k_cache, v_cache, k_tail, tail_of_block, bits, group_size)
@@ -440,10 +465,14 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
         return (out, lse.transpose(1, 2)) if return_lse else out
     kw, ks, kz = lay.key_views(k_cache)
     vw, vs, vz = lay.value_views(v_cache)
+    win = window if window is not None else (k_tail, k_tail, cache_seqlens, cache_seqlens, 0)
     with torch.no_grad():
         _kivi_decode_split_kernel[(num_splits, lay.heads * row_blocks, batch)](
             Q=q, KW=kw, KS=ks, KZ=kz, VW=vw, VS=vs, VZ=vz, Tail=k_tail, Out=o_part, LSE=lse_part,
             cache_seqlens=cache_seqlens, block_table=block_table, tail_of_block=tail_of_block,
+            WinK=win[0], WinV=win[1], win_entry=win[2], win_start=win[3], residual=win[4],
+            ring_rows=win[0].shape[1], stride_we=win[0].stride(0), stride_wr=win[0].stride(1),
+            stride_wh=win[0].stride(2),
             seqlen_q=seqlen_q, group=group, qk_scale=scale * LOG2E,
             window_right=0 if causal else NO_WINDOW,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
@@ -459,7 +488,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_ls=s_strides[1],
             HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             PAGE_SIZE=lay.block_size, G=lay.group_size, BITS=bits, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=num_warps, num_stages=num_stages)
+            WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             _combine_kernel[(batch * seqlen_q * heads_q,)](
                 O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,

@@ -27,10 +27,12 @@ import nano_flashattn as fa
 from nano_flashattn.checks import HEAD_DIMS, cdiv
 from nano_flashattn.kivi import (
     KIVILayout,
+    KIVIWindow,
     dequantize_kivi_pages,
     flash_attn_with_kivi_cache,
     store_kv_kivi,
     store_kv_kivi_torch,
+    store_kv_window,
 )
 from nano_flashattn.kv_kivi import flash_attn_with_kivi_cache_triton, store_kv_kivi_triton
 
@@ -219,6 +221,52 @@ def test_kivi_decode(bits, G, d, num_splits):
     cache = Cache([75, 16, 5, 2 * G], bits, G, 32, 2, d, gen).write()
     q = torch.randn(4, 1, 4, d, generator=gen).half()
     _compare_decode(cache, q, num_splits, causal=True)
+
+
+def window_of(cache, residual, starts, rows):
+    """A KIVIWindow over `cache`'s sequences: sequence b in entry b, holding its exact K/V from position
+    starts[b] on, written by `store_kv_window` one step at a time (a step never wraps its ring)."""
+    heads, d = cache.k[0].shape[1:]
+    dev, dtype = cache.table.device, cache.k[0].dtype
+    n = len(cache.lens)
+    rings = [torch.zeros(n + 1, rows, heads, d, dtype=dtype, device=dev) for _ in range(2)]
+    win = KIVIWindow(*rings, torch.arange(n, dtype=torch.int32, device=dev),
+                     torch.tensor(starts, dtype=torch.int32, device=dev), residual)
+    for b, length in enumerate(cache.lens):
+        for lo in range(starts[b], length, rows):
+            pos = torch.arange(lo, min(lo + rows, length), device=dev)
+            store_kv_window(cache.k[b][pos], cache.v[b][pos], win, b * rows + pos % rows)
+    return win
+
+
+@pytest.mark.parametrize("residual, starts", [(40, [0, 0, 0, 0]), (8, [70, 0, 3, 100])])
+def test_kivi_decode_reads_the_newest_tokens_from_the_window(residual, starts):
+    """KIVI §3.3's residual window beside the blocks: values at positions >= max(start, L - R) and keys
+    from max(start, (L - R) // G · G) on (a key leaves the window with its whole group, as in
+    nano_quant.kv's KIVICache) are the exact 16-bit rows; older ones their codes. The kernel and the
+    torch path against fp64 attention over pages built here from nano_quant.kv's codes and the exact K/V."""
+    gen = torch.Generator().manual_seed(residual)
+    G = 16
+    cache = Cache([75, 16, 5, 2 * G + 3], 2, G, 32, 2, 64, gen).write()
+    win = window_of(cache, residual, starts, residual + G)
+    q = torch.randn(4, 1, 4, 64, generator=gen).half()
+    kd, vd = cache.reference(q.dtype)
+    for b, n in enumerate(cache.lens):  # the reference's pages with the window's rows over them
+        old = max(n - residual, 0)
+        for x, exact, lo in ((kd, cache.k[b], max(starts[b], old // G * G)),
+                             (vd, cache.v[b], max(starts[b], old))):
+            pos = torch.arange(min(lo, n), n)
+            x[cache.table[b, pos // cache.bs].long(), pos % cache.bs] = exact[pos].to(q.dtype).double()
+    ref = fa.flash_attn_with_kvcache_torch(q.double(), kd, vd, cache.seqlens, block_table=cache.table,
+                                           causal=True)
+    tol = kivi_tolerance(q, kd, vd, ref, max(cache.lens), 16, 64**-0.5)
+    for out in (flash_attn_with_kivi_cache_triton(q, *cache.args(), num_splits=2, causal=True, window=win),
+                flash_attn_with_kivi_cache(q, *cache.args(), causal=True, window=win)):
+        _check("out", out, ref, tol)
+    plain = flash_attn_with_kivi_cache(q, *cache.args(), causal=True)
+    assert (plain.double() - ref).abs().max() > 3 * tol  # the window changed what was read
+    with pytest.raises(ValueError, match="window must be a KIVIWindow"):
+        flash_attn_with_kivi_cache(q, *cache.args(), window=win._replace(k=win.k[:, :G]))
 
 
 def test_kivi_decode_fp32_multi_token_causal_mqa():
