@@ -386,12 +386,15 @@ build(kv_kivi._store_values, {"K": f"*{ty}", "V": f"*{ty}", "VW": "*i32", "VS": 
       store, num_warps=4)
 build(kv_kivi._kivi_decode_split_kernel,
       {"Q": f"*{ty}", **codes, "VW": "*i32", "VS": "*fp16", "VZ": "*fp16", "Tail": f"*{ty}", "Out": "*fp32",
-       "LSE": "*fp32", "cache_seqlens": "*i32", "block_table": "*i32", "tail_of_block": "*i32"},
-      ["seqlen_q", "group", "qk_scale", "window_right",
+       "LSE": "*fp32", "cache_seqlens": "*i32", "block_table": "*i32", "tail_of_block": "*i32",
+       "WinK": f"*{ty}", "WinV": f"*{ty}", "win_entry": "*i32", "win_start": "*i32"},
+      ["residual", "ring_rows", "stride_we", "stride_wr", "stride_wh", "seqlen_q", "group", "qk_scale",
+       "window_right",
        *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
                 "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
       dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
-           DOT_PRECISION="ieee" if dtype == "float32" else "tf32"), num_warps=warps, num_stages=stages)
+           DOT_PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=True), num_warps=warps,
+      num_stages=stages)
 print("compiled")
 """
 
