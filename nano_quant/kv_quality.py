@@ -9,9 +9,9 @@ For every entry of `kv_cache_dtypes` (auto, fp8, kivi2, kivi4):
    them when token i is decoded — KIVI's evaluation quantizes the cache the decoding reads (§4). With
    KIVI (§3.3, Algorithm 1) the newest R tokens are 16-bit, older values quantized per token, older keys
    per channel in whole groups of G tokens counted from the sequence's first token (as a paged pool whose
-   block size G divides stores them). R = `kivi.residual`, 0 by default: what nano_vllm serves (values
-   quantized as they are written, keys once their group is complete, the open group in 16 bits), so the
-   three measures describe one cache; `perplexity.paper_residual` adds rows at the paper's R = 128. With
+   block size G divides stores them). R = `kivi.residual`, the paper's 128 by default, is also the
+   engine's (`kv_cache_residual`), so the three measures describe one cache;
+   `perplexity.other_residual` adds rows at another R (0: only the open key group in 16 bits). With
    FP8 every key and value, the current one too, is E4M3(x / scale) · scale (the engine's scale, 1.0 by
    default). The codes come from `nano_quant.kv`. This is every position decoded: a prompt's own queries
    read the fresh 16-bit K/V in a prefill (the engine does so), so perplexity measured here bounds the
@@ -295,7 +295,8 @@ def engine_rows(cfg: DictConfig, api: ModuleType, model_dir: Path, dtypes: list[
             **({"device": str(cfg.device)} if cfg.device else {}),
             **(OmegaConf.to_container(cfg.engine, resolve=True) or {})}
     for name in ["auto", *[d for d in dtypes if d != "auto"]]:
-        group = {"kv_cache_group_size": args["block_size"]} if parse_kv_cache_dtype(name).bits < 8 else {}
+        group = {"kv_cache_group_size": args["block_size"],
+                 "kv_cache_residual": int(cfg.kivi.residual)} if parse_kv_cache_dtype(name).bits < 8 else {}
         try:
             llm = api.LLM(str(model_dir), kv_cache_dtype=name, **group, **args)
         except ValueError as e:
@@ -356,9 +357,9 @@ def run(cfg: DictConfig) -> dict:
         specs = {d: parse_kv_cache_dtype(d, None, group, int(cfg.kivi.residual)) for d in dtypes}
         if "auto" not in specs:
             raise ValueError(f"kv_cache_dtypes must include 'auto' (the 16-bit reference), got {dtypes}")
-        paper = cfg.perplexity.get("paper_residual")
-        if paper is not None and int(paper) != int(cfg.kivi.residual):  # perplexity rows at KIVI's own R
-            specs |= {f"{d}, R={int(paper)}": parse_kv_cache_dtype(d, None, group, int(paper))
+        other = cfg.perplexity.get("other_residual")
+        if other is not None and int(other) != int(cfg.kivi.residual):  # perplexity rows at another R
+            specs |= {f"{d}, R={int(other)}": parse_kv_cache_dtype(d, None, group, int(other))
                       for d in dtypes if specs[d].group_size}
         max_len = resolve_model_config(str(model_dir)).max_position_embeddings
         seq_len = int(cfg.perplexity.seq_len or max_len)

@@ -43,6 +43,7 @@ LAYER_SWITCHES = {"async_scheduling": "overlap", "fused_projections": "fused", "
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "kivi2": torch.uint8, "kivi4": torch.uint8}
 KIVI_BITS = {"kivi2": 2, "kivi4": 4}  # bits per code
 KIVI_GROUP_SIZE = 32  # KIVI's G (§4: 32 for every model it evaluates)
+KIVI_RESIDUAL = 128  # KIVI's R (§4: 128)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -90,6 +91,9 @@ class EngineConfig:
         CUDA graphs (its prefill steps dequantize pages; decode steps are captured).
     kv_cache_group_size: KIVI's group size G, a power of two that divides block_size (a block holds
         whole key groups) and the model's head_dim; None: 32 (KIVI's), or block_size when that is 16.
+    kv_cache_residual: KIVI's residual window R (§3.3): each sequence's newest R values, and its keys
+        from the group holding the R-th newest on, read from a 16-bit copy kept beside the blocks
+        (`nano_flashattn.kivi.KIVIWindow`); None: 128 (KIVI's); 0: none beyond the open key group.
 
     Performance layers (nano_vllm/layers/), each the same tokens faster. None: on where the layer is
     present and applies (on CUDA), True: asked for (ValueError if the layer is missing), False: off.
@@ -128,6 +132,7 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int | None = None
+    kv_cache_residual: int | None = None
     performance_layers: bool = True
     async_scheduling: bool | None = None
     fused_projections: bool | None = None
@@ -236,10 +241,16 @@ class EngineConfig:
                              f"{self.kv_cache_dtype!r}")
         group, bits = self.kv_cache_group_size, KIVI_BITS.get(self.kv_cache_dtype)
         if bits is None:
-            if group is not None:
-                raise ValueError(f"kv_cache_group_size={group!r} is KIVI's (kv_cache_dtype kivi2 / kivi4); "
-                                 f"kv_cache_dtype={self.kv_cache_dtype!r} takes none")
+            for name in ("kv_cache_group_size", "kv_cache_residual"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is KIVI's (kv_cache_dtype kivi2 / "
+                                     f"kivi4); kv_cache_dtype={self.kv_cache_dtype!r} takes none")
             return
+        if self.kv_cache_residual is None:
+            self.kv_cache_residual = KIVI_RESIDUAL
+        if type(self.kv_cache_residual) is not int or self.kv_cache_residual < 0:
+            raise ValueError(f"kv_cache_residual must be an int >= 0 (KIVI's window R), got "
+                             f"{self.kv_cache_residual!r}")
         if group is None:
             group = self.kv_cache_group_size = min(KIVI_GROUP_SIZE, self.block_size)
         if type(group) is not int or group < 32 // bits or group & (group - 1):

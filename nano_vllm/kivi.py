@@ -10,13 +10,18 @@ nano_distserve's transfer move a block's bytes as they are, and a prefix hit sha
 The residual (KIVI §3.3): a key group is quantized once its G tokens are written, so each sequence's last,
 not yet full group (up to G - 1 keys) stays in 16 bits, in `k_tail` (layers, entries + 1, G, kv_heads,
 head_dim), entry `tail_of_block[block]` of the block that holds the group; values are quantized as they
-are written. KIVI keeps the newest R = 128 tokens in 16 bits; here R is 0 beyond the open group, so that
-a block's bytes depend on its tokens alone: a prefix hit, a chunked prefill, a one-shot prefill and a
-preempted sequence's recomputation write the same bytes, which a per-sequence window of the newest R
-tokens would not (a prefix hit cannot recreate the 16-bit copies of the tokens it skips).
+are written, so a block's bytes depend on its tokens alone: a prefix hit, a chunked prefill, a one-shot
+prefill and a preempted sequence's recomputation write the same bytes. KIVI's window of the newest
+R = 128 tokens (`kv_cache_residual`) is kept beside the blocks, not in them: each sequence writes its new
+K and V also into a 16-bit ring of its own (`k_win`, `v_win`: layers, entries + 1, rows, kv_heads,
+head_dim; rows = R + G - 1 rounded to whole groups), and a decode reads its newest values (from L - R)
+and keys (from the group holding position L - R) from the ring (`nano_flashattn.kivi.KIVIWindow`):
+nano_quant.kv's KIVICache, as KIVI decodes. Tokens a sequence did not write itself (a prefix hit) are
+read from their codes, and so are the cached pages a prefill step reads (they are dequantized).
 
-Host bookkeeping, each step (`plan`, from `ModelRunner.prepare`): the block that holds a sequence's open
-group after the step gets a tail entry — the sequence's entry follows its open group from block to block,
+Host bookkeeping, each step (`plan`, from `ModelRunner.prepare`): each sequence's ring entry and the
+first position it holds (`plan_window`; a recomputed sequence starts again); the block that holds a
+sequence's open group after the step gets a tail entry — the sequence's entry follows its open group from block to block,
 a new one when it opens a group, freed when the step closes it; a copy-on-write copy of a block takes a new
 entry holding a copy of the source's rows. Entries whose sequence finished, was aborted or preempted are
 reclaimed when the free ones run out. `apply` (from `ModelRunner.run`, before the forward) uploads the
@@ -36,20 +41,25 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from nano_flashattn import flash_attn_varlen_func
 from nano_flashattn.kivi import (
     KIVILayout,
+    KIVIWindow,
     check_kivi_spec,
     dequantize_kivi_pages,
     flash_attn_with_kivi_cache,
     store_kv_kivi,
+    store_kv_window,
 )
 from nano_vllm.attention import AttentionContext
 from nano_vllm.config import KIVI_BITS, EngineConfig
 from nano_vllm.sequence import SequenceStatus
 from shared.config import ModelConfig
+
+NO_WINDOW = 2**31 - 1  # the first window position of a row with no sequence: past any length
 
 
 def kivi_layout(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int) -> KIVILayout:
@@ -61,11 +71,20 @@ def kivi_layout(config: EngineConfig, model_config: ModelConfig, num_kv_heads: i
 
 def kivi_tail_bytes(config: EngineConfig, model_config: ModelConfig, num_kv_heads: int) -> int:
     """Bytes of the 16-bit residual: one entry of G keys per sequence (max_num_seqs + a scratch entry),
-    every layer, in the model's dtype."""
+    and with a window (kv_cache_residual R) one entry of R + G keys and values per sequence, every
+    layer, in the model's dtype."""
     lay = kivi_layout(config, model_config, num_kv_heads)
     entries = config.max_num_seqs + 1
-    return (model_config.num_hidden_layers * entries * lay.group_size * num_kv_heads * lay.head_dim
+    rows = lay.group_size + (2 * window_rows(config, lay) if config.kv_cache_residual else 0)
+    return (model_config.num_hidden_layers * entries * rows * num_kv_heads * lay.head_dim
             * config.torch_dtype.itemsize)
+
+
+def window_rows(config: EngineConfig, lay: KIVILayout) -> int:
+    """Rows of a sequence's window ring: R values, and keys back to the start of the group holding the
+    R-th newest (R + G - 1), rounded up to whole groups."""
+    G = lay.group_size
+    return -(-(config.kv_cache_residual + G - 1) // G) * G
 
 
 class KIVIPool:
@@ -88,10 +107,72 @@ class KIVIPool:
         self.free = list(range(self.num_entries - 1, -1, -1))
         self.updates: dict[int, int] = {}  # block -> entry, not yet on the device
         self.copies: list[tuple[int, int]] = []  # (src, dst) entries, not yet copied
+        # KIVI's window (kv_cache_residual R): a ring of 16-bit K and V per sequence, entry num_entries
+        # scratch; this step's entry and first held position per sequence row, ring row per token row
+        self.residual = config.kv_cache_residual
+        if self.residual:
+            self.rows = rows = window_rows(config, lay)
+            shape = (layers, self.num_entries + 1, rows, num_kv_heads, lay.head_dim)
+            self.k_win = torch.zeros(shape, dtype=config.torch_dtype, device=device)
+            self.v_win = torch.zeros_like(self.k_win)
+            self.win_entry = torch.full((self.num_entries,), self.num_entries, dtype=torch.int32,
+                                        device=device)
+            self.win_start = torch.full_like(self.win_entry, NO_WINDOW)
+            self.win_slot = torch.full((config.max_num_batched_tokens,), self.num_entries * rows,
+                                       dtype=torch.long, device=device)
+            self.win_held: dict[int, list] = {}  # seq_id -> [entry, start, next position, seq]
+            self.win_free = list(range(self.num_entries - 1, -1, -1))
 
     @property
     def tail_bytes(self) -> int:
-        return self.k_tail.nbytes + self.tail_of_block.nbytes
+        extra = self.k_win.nbytes + self.v_win.nbytes if self.residual else 0
+        return self.k_tail.nbytes + self.tail_of_block.nbytes + extra
+
+    def window(self, layer_idx: int, rows: slice) -> KIVIWindow | None:
+        """Layer `layer_idx`'s KIVIWindow for the step's sequence rows `rows` (None without one)."""
+        if not self.residual:
+            return None
+        return KIVIWindow(self.k_win[layer_idx], self.v_win[layer_idx], self.win_entry[rows],
+                          self.win_start[rows], self.residual)
+
+    def plan_window(self, out: Any) -> None:
+        """Each scheduled sequence's window entry and first held position (a new entry, and the
+        positions from the first it writes, when it is new or restarts after preemption), and the ring
+        row of every token row this step writes (scratch for cached tokens and for those the ring's
+        newest `rows` positions leave out); uploaded before the forward."""
+        rows, scratch = self.rows, self.num_entries * self.rows
+        entries, starts, slots = [], [], []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            begin = seq.num_computed_tokens
+            first, end = max(begin, seq.num_cached_tokens), begin + n
+            held = self.win_held.get(seq.seq_id)
+            if held is None or held[3]() is not seq or begin < held[2]:  # new, or recomputed
+                entry = held[0] if held is not None else self._take_window()
+                held = self.win_held[seq.seq_id] = [entry, first, first, weakref.ref(seq)]
+            held[2] = end
+            entries.append(held[0])
+            starts.append(held[1])
+            pos = np.arange(begin, end)
+            keep = pos >= max(first, end - rows)
+            slots.append(np.where(keep, held[0] * rows + pos % rows, scratch))
+        pad = self.num_entries - len(entries)
+        self.win_entry.copy_(self._upload(entries + [self.num_entries] * pad, torch.int32))
+        self.win_start.copy_(self._upload(starts + [NO_WINDOW] * pad, torch.int32))
+        flat = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+        n = min(max(len(flat), self.num_entries), self.win_slot.shape[0])
+        flat = np.concatenate([flat, np.full(n - len(flat), scratch)])[:n]
+        self.win_slot[:n].copy_(self._upload(flat.tolist(), torch.long))
+
+    def _take_window(self) -> int:
+        if not self.win_free:  # reclaim the entries of sequences no longer running
+            for seq_id, held in list(self.win_held.items()):
+                seq = held[3]()
+                if seq is None or seq.status is not SequenceStatus.RUNNING:
+                    self.win_free.append(self.win_held.pop(seq_id)[0])
+        if not self.win_free:
+            raise RuntimeError(f"the KIVI window has no free entry ({self.num_entries} entries, one per "
+                               "sequence of max_num_seqs)")
+        return self.win_free.pop()
 
     # ------------------------------------------------------------------ host bookkeeping
     def plan(self, out: Any) -> None:
@@ -127,6 +208,8 @@ class KIVIPool:
             elif stale is not None and stale != entry:
                 self._release(stale)
             self._open(block, entry, seq)
+        if self.residual:
+            self.plan_window(out)
         self.apply()  # in stream order: before this step's forward, after the last one's
 
     def _open(self, block: int, entry: int, seq: Any) -> None:
@@ -234,6 +317,8 @@ class KIVIAttention:
         p = self.pool
         store_kv_kivi(k, v, *self.caches(layer_idx), ctx.slot_mapping, p.tail_of_block, p.bits,
                       p.group_size)
+        if p.residual:  # and every new row into its sequence's window ring
+            store_kv_window(k, v, p.window(layer_idx, slice(None)), p.win_slot[: ctx.slot_mapping.numel()])
         return self.attend(q, k, v, layer_idx, ctx)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
@@ -242,7 +327,8 @@ class KIVIAttention:
         quant = (p.tail_of_block, p.bits, p.group_size)
         if ctx.is_decode:  # q: (batch, 1, heads, dim)
             return flash_attn_with_kivi_cache(q, *caches, ctx.context_lens, ctx.block_tables, *quant,
-                                              causal=True)
+                                              causal=True,
+                                              window=p.window(layer_idx, slice(0, q.shape[0])))
         q0 = q[0]
         if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
             return flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
@@ -255,7 +341,8 @@ class KIVIAttention:
         if lead:
             lens = ctx.decode_lens
             dec = flash_attn_with_kivi_cache(q0[:lead, None], *caches, lens, ctx.block_tables[:lead],
-                                             *quant, causal=True)[:, 0]
+                                             *quant, causal=True,
+                                             window=p.window(layer_idx, slice(0, lead)))[:, 0]
             out[:lead] = torch.where((lens > 0)[:, None, None], dec, out[:lead])
         return out[None]
 

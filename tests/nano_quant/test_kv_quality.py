@@ -135,7 +135,7 @@ def tiny(tmp_path, monkeypatch):
 def test_the_evaluation_end_to_end(tiny, tmp_path):
     ckpt, root, split = tiny
     record = kv_quality.run(config(tmp_path, model=ckpt, device="cpu", dtype="fp32", **{
-        "kivi.group_size": 16, "kivi.residual": 0, "perplexity.paper_residual": 40,
+        "kivi.group_size": 16, "kivi.residual": 0, "perplexity.other_residual": 40,
         "perplexity.corpus": "docs", "perplexity.seq_len": 96, "perplexity.max_tokens": 400,
         "probe.root": root, "probe.split": split, "probe.num": 3, "probe.per_file": 1,
         "agreement.num_prompts": 2, "agreement.prompt_len": 40, "agreement.max_tokens": 6}))

@@ -32,6 +32,14 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_window(monkeypatch):
+    """These tests check the packed blocks and the open group against a reference that holds each
+    token's round trip from its write on: no 16-bit window (kv_cache_residual=0 unless a test passes
+    one; the window's own tests are test_kivi_window_*)."""
+    monkeypatch.setattr("nano_vllm.config.KIVI_RESIDUAL", 0)
+
+
 def dequantized_pool(runner) -> torch.Tensor:
     """Every block of every layer, read as attention reads a full block (no open group): K, V as
     (2, layers, blocks, block_size, heads, dim)."""
@@ -257,3 +265,41 @@ def test_fused_rope_store_skips_a_kivi_cache(llama_ckpt, monkeypatch):
     assert "fused" in llm.engine.model_runner.layers_applied
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("case", ["plain", "preemption"])
+def test_kivi_window_covering_every_token_decodes_the_16_bit_tokens(llama_ckpt, case):
+    """KIVI §3.3's window (kv_cache_residual R) as wide as a sequence: every decode reads its keys and
+    values from the 16-bit rings, so greedy output is the 16-bit cache's, token for token — also when a
+    preempted sequence is recomputed and its window starts again (no prefix caching: a prefix hit's
+    tokens are not in the new sequence's ring, and are read from their codes)."""
+    args = dict(max_model_len=128, enable_prefix_caching=False, max_num_seqs=4)
+    if case == "preemption":
+        args["num_kv_blocks"] = 8  # 128 token slots for the workload's longer requests
+    prompts, params = random_prompts(6, [5, 30, 70]), SamplingParams(temperature=0.0, max_tokens=24)
+    want = LLM(llama_ckpt, **args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(llama_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=128, **args)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    narrow = LLM(llama_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=0, **args)
+    assert [o.token_ids for o in narrow.generate(prompts, params, use_tqdm=False)] != \
+        [o.token_ids for o in want]  # 2-bit codes read back do change the output here
+
+
+def test_kivi_window_sizing_and_bad_values(llama_ckpt):
+    """The rings (R + G - 1 rows rounded to whole groups, K and V, one entry a sequence and a scratch
+    entry) come out of the KV memory like the open group's tail; R is KIVI's only and an int >= 0."""
+    args = dict(max_model_len=64, kv_cache_memory_bytes=1 << 21, max_num_seqs=4)
+    runners = {r: LLM(llama_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=r, **args).engine.model_runner
+               for r in (0, 40)}
+    pool = runners[40].kv_pool
+    G = pool.group_size
+    assert pool.rows == 64 and pool.k_win.shape[1:3] == (5, 64) and runners[0].kv_pool.residual == 0
+    assert pool.tail_bytes == pool.k_tail.nbytes + pool.tail_of_block.nbytes + 2 * pool.k_win.nbytes
+    assert runners[40].num_blocks < runners[0].num_blocks and G == 16
+    for bad, match in (({"kv_cache_residual": -1}, "kv_cache_residual must be an int >= 0"),
+                       ({"kv_cache_residual": 8, "kv_cache_dtype": "fp8"}, "kv_cache_residual=8 is KIVI's")):
+        with pytest.raises(ValueError, match=match):
+            LLM(llama_ckpt, **{"kv_cache_dtype": "kivi2", **args, **bad})
