@@ -73,3 +73,15 @@ def test_kivi_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch, dtype):
     agree = sum(a == b for out, want in zip(outs, ref_outs) for a, b in zip(out, want))
     assert agree >= 0.8 * TOKENS * len(prompts), (outs, ref_outs)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_kivi_window_as_wide_as_the_sequence_decodes_the_16_bit_tokens(qwen3_ckpt):
+    """KIVI's 16-bit window (kv_cache_residual) covering every position, through the Triton write, the
+    window ring and Flash-Decoding with decode CUDA graphs: fp32, so greedy output is the 16-bit fp32
+    engine's (the kernels differ only in the order of fp32 sums)."""
+    args = {**ENGINE, "dtype": "float32", "block_size": 32, "enable_prefix_caching": False}
+    prompts = random_prompts(6, [7, 40, 100, 150])
+    want = greedy(LLM(qwen3_ckpt, **args), prompts)
+    llm = LLM(qwen3_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=256, **args)
+    assert llm.engine.model_runner.cudagraphs
+    assert greedy(llm, prompts) == want
