@@ -16,8 +16,8 @@ R = 128 tokens (`kv_cache_residual`) is kept beside the blocks, not in them: eac
 K and V also into a 16-bit ring of its own (`k_win`, `v_win`: layers, entries + 1, rows, kv_heads,
 head_dim; rows = R + G - 1 rounded to whole groups), and a decode reads its newest values (from L - R)
 and keys (from the group holding position L - R) from the ring (`nano_flashattn.kivi.KIVIWindow`):
-nano_quant.kv's KIVICache, as KIVI decodes. Tokens a sequence did not write itself (a prefix hit) are
-read from their codes, and so are the cached pages a prefill step reads (they are dequantized).
+nano_quant.kv's KIVICache, as KIVI decodes; a prefill step over cached pages reads the same rings over
+its dequantized pages. Tokens a sequence did not write itself (a prefix hit) are read from their codes.
 
 Host bookkeeping, each step (`plan`, from `ModelRunner.prepare`): each sequence's ring entry and the
 first position it holds (`plan_window`; a recomputed sequence starts again); the block that holds a
@@ -51,6 +51,7 @@ from nano_flashattn.kivi import (
     check_kivi_spec,
     dequantize_kivi_pages,
     flash_attn_with_kivi_cache,
+    overlay_window,
     store_kv_kivi,
     store_kv_window,
 )
@@ -336,6 +337,9 @@ class KIVIAttention:
         lead = 0 if ctx.decode_lens is None else ctx.decode_lens.shape[0]  # the decodes: below
         tables, cu_k = ctx.block_tables[lead:], ctx.cu_seqlens_k[lead:]
         k16, v16, pages = dequantize_kivi_pages(*caches, tables, cu_k.diff(), *quant, q.dtype)
+        if p.residual:  # the newest tokens, this step's among them, from the sequences' rings
+            overlay_window(k16, v16, pages, p.window(layer_idx, slice(lead, lead + tables.shape[0])),
+                           cu_k.diff(), p.group_size)
         out = flash_attn_varlen_func(q0, k16, v16, ctx.cu_seqlens_q[lead:], cu_k, ctx.max_seqlen_q,
                                      ctx.max_seqlen_k, causal=True, block_table=pages)
         if lead:

@@ -303,3 +303,32 @@ def test_kivi_window_sizing_and_bad_values(llama_ckpt):
                        ({"kv_cache_residual": 8, "kv_cache_dtype": "fp8"}, "kv_cache_residual=8 is KIVI's")):
         with pytest.raises(ValueError, match=match):
             LLM(llama_ckpt, **{"kv_cache_dtype": "kivi2", **args, **bad})
+
+
+def test_kivi_window_random_operations_match_the_16_bit_engine(llama_ckpt):
+    """Random arrivals and aborts over a small pool (preemption, ring entries reclaimed and restarted),
+    a window as wide as a sequence, whole prompts in one step and no prefix caching (so that nothing is
+    read from codes): after every step the KIVI engine has produced the 16-bit engine's tokens, and no
+    ring entry is both free and held or held twice."""
+    args = dict(max_model_len=96, max_num_batched_tokens=96, max_num_seqs=3, num_kv_blocks=8,
+                enable_prefix_caching=False, performance_layers=False)
+    llm = LLM(llama_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=96, **args)
+    ref = LLM(llama_ckpt, **args)
+    pool, gen = llm.engine.model_runner.kv_pool, torch.Generator().manual_seed(12)
+    seqs: dict[str, list] = {}
+    for step in range(60):
+        if torch.rand(1, generator=gen) < 0.5:
+            prompt = random_prompts(step, [int(torch.randint(1, 40, (1,), generator=gen))])[0]
+            params = SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 50, (1,), generator=gen)))
+            seqs[str(step)] = [e.add_request(prompt, params, request_id=str(step)) for e in (llm.engine, ref.engine)]
+        if seqs and torch.rand(1, generator=gen) < 0.1:
+            rid = list(seqs)[int(torch.randint(0, len(seqs), (1,), generator=gen))]
+            for e in (llm.engine, ref.engine):
+                e.abort_request(rid)
+        if llm.engine.has_unfinished_requests():
+            llm.engine.step(), ref.engine.step()
+        for ours, want in seqs.values():
+            assert ours.token_ids == want.token_ids
+        held = [h[0] for h in pool.win_held.values()]
+        assert len(set(held)) == len(held) and not set(held) & set(pool.win_free)
+    assert llm.engine.scheduler.num_preemptions > 0
