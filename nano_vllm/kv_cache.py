@@ -204,7 +204,7 @@ def kv_cache_summary(r: Runner) -> str:
     side = kv_side_bytes(cfg, r.model_config, r.num_kv_heads) * r.tp_size
     if cfg.kivi_bits is not None:
         kv_dtype = (f"{cfg.kv_cache_dtype}: {cfg.kivi_bits}-bit codes, groups of {cfg.kv_cache_group_size}, "
-                    f"16-bit residual {_size(side)}")
+                    f"window {cfg.kv_cache_residual}, 16-bit residual {_size(side)}")
     total = r.num_blocks * r.block_bytes * r.tp_size + side
     per_gib = round(r.num_blocks * bs * 2**30 / total) if total else 0
     return (f"weights: {_size(weight_bytes(r.model))} ({quantized}); "
