@@ -203,7 +203,9 @@ def _beside(site: Site, beside: dict[str, Definition], papers: list[maps.Paper],
 def _html(title: str, body: str) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{html.escape(title)}'
-            f'</title><link rel="stylesheet" href="reader.css"><script src="reader.js" defer></script></head>'
+            # an empty icon: without one the browser asks the server for /favicon.ico, which is not there
+            f'</title><link rel="icon" href="data:,"><link rel="stylesheet" href="reader.css">'
+            f'<script src="reader.js" defer></script></head>'
             f"<body>\n{body}\n</body></html>\n")
 
 
