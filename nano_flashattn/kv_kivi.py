@@ -354,8 +354,8 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
         key_lo = tl.maximum(w_start, old // G * G)
         value_lo = tl.maximum(w_start, old)
         full_hi = tl.minimum(full_hi, key_lo)
-        WK = WinK + tl.load(win_entry + b64).to(tl.int64) * stride_we
-        WV = WinV + tl.load(win_entry + b64).to(tl.int64) * stride_we
+        ring = tl.load(win_entry + b64).to(tl.int64) * stride_we
+        WK, WV = WinK + ring, WinV + ring
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

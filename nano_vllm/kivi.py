@@ -116,9 +116,10 @@ class KIVIPool:
             shape = (layers, self.num_entries + 1, rows, num_kv_heads, lay.head_dim)
             self.k_win = torch.zeros(shape, dtype=config.torch_dtype, device=device)
             self.v_win = torch.zeros_like(self.k_win)
-            self.win_entry = torch.full((self.num_entries,), self.num_entries, dtype=torch.int32,
-                                        device=device)
-            self.win_start = torch.full_like(self.win_entry, NO_WINDOW)
+            # rows 0 and 1: each sequence row's entry and first held position, uploaded together
+            self.win_meta = torch.tensor([[self.num_entries], [NO_WINDOW]], dtype=torch.int32,
+                                         device=device).repeat(1, self.num_entries)
+            self.win_entry, self.win_start = self.win_meta
             self.win_slot = torch.full((config.max_num_batched_tokens,), self.num_entries * rows,
                                        dtype=torch.long, device=device)
             self.win_held: dict[int, list] = {}  # seq_id -> [entry, start, next position, seq]
@@ -147,22 +148,23 @@ class KIVIPool:
             begin = seq.num_computed_tokens
             first, end = max(begin, seq.num_cached_tokens), begin + n
             held = self.win_held.get(seq.seq_id)
-            if held is None or held[3]() is not seq or begin < held[2]:  # new, or recomputed
+            if held is None or begin < held[2]:  # new, or recomputed after preemption
                 entry = held[0] if held is not None else self._take_window()
                 held = self.win_held[seq.seq_id] = [entry, first, first, weakref.ref(seq)]
             held[2] = end
             entries.append(held[0])
             starts.append(held[1])
-            pos = np.arange(begin, end)
-            keep = pos >= max(first, end - rows)
-            slots.append(np.where(keep, held[0] * rows + pos % rows, scratch))
+            if n == 1:  # a decode (hundreds a step): its one row
+                slots.append(held[0] * rows + begin % rows if begin >= first else scratch)
+            else:
+                pos = np.arange(begin, end)
+                keep = pos >= max(first, end - rows)
+                slots += np.where(keep, held[0] * rows + pos % rows, scratch).tolist()
         pad = self.num_entries - len(entries)
-        self.win_entry.copy_(self._upload(entries + [self.num_entries] * pad, torch.int32))
-        self.win_start.copy_(self._upload(starts + [NO_WINDOW] * pad, torch.int32))
-        flat = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        n = min(max(len(flat), self.num_entries), self.win_slot.shape[0])
-        flat = np.concatenate([flat, np.full(n - len(flat), scratch)])[:n]
-        self.win_slot[:n].copy_(self._upload(flat.tolist(), torch.long))
+        self.win_meta.copy_(self._upload([entries + [self.num_entries] * pad,
+                                          starts + [NO_WINDOW] * pad], torch.int32))
+        slots += [scratch] * (self.num_entries - len(slots))  # a decode graph's padded rows
+        self.win_slot[: len(slots)].copy_(self._upload(slots, torch.long))
 
     def _take_window(self) -> int:
         if not self.win_free:  # reclaim the entries of sequences no longer running

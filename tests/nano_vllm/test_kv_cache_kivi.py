@@ -221,6 +221,28 @@ def test_kivi_blocks_move_between_instances(llama_ckpt):
     assert seq.output_token_ids == want
 
 
+def random_operations(llm: LLM, ref: LLM, gen: torch.Generator, prompt, check, steps: int = 60) -> None:
+    """Random arrivals (`prompt(step, n)` gives n prompt tokens) and aborts on both engines, one step each
+    at a time: after every step both have produced the same tokens and `check()` holds; some request
+    was preempted by the end."""
+    seqs: dict[str, list] = {}
+    for step in range(steps):
+        if torch.rand(1, generator=gen) < 0.5:
+            tokens = prompt(step, int(torch.randint(1, 40, (1,), generator=gen)))
+            params = SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 50, (1,), generator=gen)))
+            seqs[str(step)] = [e.add_request(tokens, params, request_id=str(step)) for e in (llm.engine, ref.engine)]
+        if seqs and torch.rand(1, generator=gen) < 0.1:
+            rid = list(seqs)[int(torch.randint(0, len(seqs), (1,), generator=gen))]
+            for e in (llm.engine, ref.engine):
+                e.abort_request(rid)
+        if llm.engine.has_unfinished_requests():
+            llm.engine.step(), ref.engine.step()
+        for ours, want in seqs.values():
+            assert ours.token_ids == want.token_ids
+        check()
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_random_operations_match_the_reference(llama_ckpt, monkeypatch):
     """Random arrivals and aborts over a small pool (preemption, chunks, prefix hits, entries reclaimed):
     after every step both engines have produced the same tokens, and the residual's bookkeeping holds
@@ -231,24 +253,15 @@ def test_random_operations_match_the_reference(llama_ckpt, monkeypatch):
     ref = reference_llm(llama_ckpt, monkeypatch, "kivi2", 16, **args)
     pool, gen = llm.engine.model_runner.kv_pool, torch.Generator().manual_seed(11)
     base = random_prompts(12, [40])[0]
-    seqs: dict[str, list] = {}
-    for step in range(60):
-        if torch.rand(1, generator=gen) < 0.5:
-            n = int(torch.randint(1, 40, (1,), generator=gen))
-            prompt = base[:n] if torch.rand(1, generator=gen) < 0.5 else random_prompts(step, [n])[0]
-            params = SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 50, (1,), generator=gen)))
-            seqs[str(step)] = [e.add_request(prompt, params, request_id=str(step)) for e in (llm.engine, ref.engine)]
-        if seqs and torch.rand(1, generator=gen) < 0.1:
-            rid = list(seqs)[int(torch.randint(0, len(seqs), (1,), generator=gen))]
-            for e in (llm.engine, ref.engine):
-                e.abort_request(rid)
-        if llm.engine.has_unfinished_requests():
-            llm.engine.step(), ref.engine.step()
-        for ours, want in seqs.values():
-            assert ours.token_ids == want.token_ids
+
+    def prompt(step: int, n: int) -> list[int]:  # a shared prefix half of the time
+        return base[:n] if torch.rand(1, generator=gen) < 0.5 else random_prompts(step, [n])[0]
+
+    def check() -> None:
         assert not set(pool.free) & set(pool.entry_of.values())
         assert len(set(pool.entry_of.values())) == len(pool.entry_of)
-    assert llm.engine.scheduler.num_preemptions > 0
+
+    random_operations(llm, ref, gen, prompt, check)
 
 
 def test_fused_rope_store_skips_a_kivi_cache(llama_ckpt, monkeypatch):
@@ -315,20 +328,9 @@ def test_kivi_window_random_operations_match_the_16_bit_engine(llama_ckpt):
     llm = LLM(llama_ckpt, kv_cache_dtype="kivi2", kv_cache_residual=96, **args)
     ref = LLM(llama_ckpt, **args)
     pool, gen = llm.engine.model_runner.kv_pool, torch.Generator().manual_seed(12)
-    seqs: dict[str, list] = {}
-    for step in range(60):
-        if torch.rand(1, generator=gen) < 0.5:
-            prompt = random_prompts(step, [int(torch.randint(1, 40, (1,), generator=gen))])[0]
-            params = SamplingParams(temperature=0.0, max_tokens=int(torch.randint(1, 50, (1,), generator=gen)))
-            seqs[str(step)] = [e.add_request(prompt, params, request_id=str(step)) for e in (llm.engine, ref.engine)]
-        if seqs and torch.rand(1, generator=gen) < 0.1:
-            rid = list(seqs)[int(torch.randint(0, len(seqs), (1,), generator=gen))]
-            for e in (llm.engine, ref.engine):
-                e.abort_request(rid)
-        if llm.engine.has_unfinished_requests():
-            llm.engine.step(), ref.engine.step()
-        for ours, want in seqs.values():
-            assert ours.token_ids == want.token_ids
+
+    def check() -> None:
         held = [h[0] for h in pool.win_held.values()]
         assert len(set(held)) == len(held) and not set(held) & set(pool.win_free)
-    assert llm.engine.scheduler.num_preemptions > 0
+
+    random_operations(llm, ref, gen, lambda step, n: random_prompts(step, [n])[0], check)
