@@ -26,19 +26,20 @@ RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (t + it) - it rounds |t| < 2
 
 @triton.jit
 def to_e4m3(x, scale):
-    """E4M3(clamp(x / scale, ±448)), rounded to nearest even like torch's cast. The quotient is rounded
-    to E4M3's grid in fp32 first (3 mantissa bits: step 2^(e - 3) at exponent e, subnormals below 2^-6
-    share step 2^-9), so the cast itself is exact on every backend (Triton's interpreter truncates).
+    """E4M3(clamp(x / scale, ±448)), rounded to nearest even like torch's cast, built in integers. The
+    quotient y is rounded to E4M3's grid in fp32 (3 mantissa bits: step 2^(e - 3) at exponent e,
+    subnormals below 2^-6 share step 2^-9): m = round(|y| / 2^(e - 3)) is an integer in [0, 16], and
+    the code is (e + 6) · 8 + m (a normal's exponent field e + 7 and mantissa m - 8; m = 16 carries into
+    the next exponent; at e = -6 it is the subnormal's code m). No float-to-fp8 conversion: on sm_90 the
+    packed two-element cvt gave wrong codes for threads that hold several elements.
     `div_rn`: the correctly rounded quotient torch computes (`/` on fp32 is approximate on GPUs)."""
     y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3): exact products below
     m = (tl.abs(y) * ((3 - e + 127) << 23).to(tl.float32, bitcast=True) + RNE_MAGIC) - RNE_MAGIC
-    # The magnitude's code with y's sign bit set by hand: a negative value that rounds to 0 is -0, as in
-    # torch (on the H100 a negated zero came out +0 through the cast)
-    code = (m * step).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return (code | ((bits >> 24) & 0x80).to(tl.uint8)).to(tl.float8e4nv, bitcast=True)
+    code = (e + 6) * 8 + m.to(tl.int32)
+    # y's sign bit set by hand: a negative value that rounds to 0 is -0, as in torch
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
