@@ -113,3 +113,32 @@ def test_rope_and_store_is_rope_then_the_cache_write(dtype, dim, qk_norm, b, s):
         assert torch.equal(fp8[3].view(torch.uint8), fp8[1].view(torch.uint8))
     with pytest.raises(ValueError, match="rope_and_store"):
         rope_and_store(q, k, v, cos, sin, fp8[2], fp8[3], slots)  # an FP8 cache needs its scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("b,s", [(8, 1), (2, 37)])
+def test_gpu_rope_and_store_fp8_codes_are_the_stores(dim, b, s):
+    """On the GPU, where each thread holds many elements: the FP8 rows the fused kernel writes are
+    `store_kv_fp8`'s codes of the k it returns and of v, per-tensor and per-kv-head scales."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nano_flashattn import store_kv_fp8
+    from nano_vllm.layers.fused import rope_and_store
+
+    g = torch.Generator(device="cuda").manual_seed(dim + s)
+    heads_q, heads_kv, blocks, page = 16, 8, 8, 16
+    qkv = torch.randn(b, s, (heads_q + 2 * heads_kv) * dim, generator=g, device="cuda").bfloat16() * 4
+    q, k, v = (t.view(b, s, -1, dim) for t in qkv.split([heads_q * dim, heads_kv * dim, heads_kv * dim], -1))
+    pos = torch.arange(b * s, device="cuda").view(b, s, 1).float() / (10.0 ** torch.arange(dim // 2, device="cuda")
+                                                                      / dim)
+    cos, sin = pos.cos(), pos.sin()
+    slots = torch.randperm(blocks * page, generator=g, device="cuda")[: b * s]
+    for scales in ((0.01,), (0.01, 0.003, 0.02, 0.5, 1.0, 0.007, 0.05, 0.1)):
+        k_scale = torch.tensor(scales, device="cuda")
+        v_scale = k_scale.flip(0) * 2
+        fp8 = [torch.zeros(blocks, page, heads_kv, dim, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(4)]
+        _, k_out = rope_and_store(q, k, v, cos, sin, fp8[2], fp8[3], slots, k_scale, v_scale)
+        store_kv_fp8(k_out, v, fp8[0], fp8[1], slots, k_scale, v_scale)
+        assert torch.equal(fp8[2].view(torch.uint8), fp8[0].view(torch.uint8))
+        assert torch.equal(fp8[3].view(torch.uint8), fp8[1].view(torch.uint8))
