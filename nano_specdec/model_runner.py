@@ -18,9 +18,10 @@ nano_vllm's sampler, the same draw as in a plain step.
 
 A proposer that drafts from the target's hidden states (Medusa's heads, EAGLE's draft layer) is set as
 `proposer`; every step then hands it the hidden states of each sequence's tokens — all rows of a
-prefill chunk or plain decode, the accepted rows of a verification. They come out of nano_vllm's runner
-the way prompt log-probabilities do: as rows of `StepInputs.prompt_rows`, whose hidden states
-`forward` keeps (such a step runs eagerly, without CUDA graphs).
+prefill chunk or plain decode, the accepted rows of a verification. A forward hook on the decoder stack
+copies every row's final hidden state into one buffer (`keeps_hidden`); the copy runs in eager steps
+and is captured inside nano_vllm's CUDA graphs with the forward, so these steps replay graphs like
+plain ones.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SpecModelRunner(ModelRunner):
     # memory to both pools (and the draft's weights) at once, as vLLM sizes a draft's layers with the
     # target's, so loading the draft after the target cannot run past `gpu_memory_utilization`.
     draft_bytes: tuple[int, int] = (0, 0)
+    keeps_hidden = False  # set by SpecDecodeEngine for a proposer that reads the target's hidden states
+    sample_rows_per_seq = 1  # k + 1 (set by SpecDecodeEngine): the logits rows nano_vllm's graphs keep
 
     def __init__(self, *args, **kwargs):
         cfg = args[0]
@@ -57,6 +60,20 @@ class SpecModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.sizing = False
         del held
+
+    def load_model(self) -> torch.nn.Module:
+        model = super().load_model()
+        if self.keeps_hidden:  # every row of every step: the most a step or a captured graph computes
+            cfg = self.config
+            rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs, *(cfg.mixed_cudagraph_sizes or ()))
+            self.hidden_buf = torch.empty(rows, self.model_config.hidden_size, dtype=cfg.torch_dtype,
+                                          device=self.device)
+            model.model.register_forward_hook(self._keep_hidden)
+        return model
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, hidden: torch.Tensor) -> None:
+        flat = hidden.reshape(-1, hidden.shape[-1])  # decode (B, 1, H) or packed (1, N, H): token order
+        self.hidden_buf[: len(flat)].copy_(flat)
 
     @property
     def block_bytes(self) -> int:
@@ -74,16 +91,12 @@ class SpecModelRunner(ModelRunner):
             cu = inputs.cu_seqlens_q
             inputs.sample_rows = [row for i, s in enumerate(out.samples) if s
                                   for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
-        if self.proposer is not None:  # every row's hidden state, after the scored prompt rows
-            self.num_scored = len(inputs.prompt_rows)
-            inputs.prompt_rows = inputs.prompt_rows + list(range(len(inputs.token_ids)))
         return inputs
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        logits = super().forward(inputs)
-        if self.proposer is not None:
-            n = self.num_scored
-            self.hidden, self.prompt_hidden = self.prompt_hidden[n:], self.prompt_hidden[:n]
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        logits = super().run(inputs)
+        if self.keeps_hidden:  # this step's rows (a graph pads past them), read before the next step
+            self.hidden = self.hidden_buf[: len(inputs.token_ids)]
         return logits
 
     def execute(self, out: SchedulerOutput) -> list[list[int]]:

@@ -11,7 +11,10 @@ bound by launches; a replayed graph launches them all at once. `install_cudagrap
   within the step budget, on one device): steps that are not pure decode (prefill chunks, short extends
   such as nano_sglang's jump-forward, decodes mixed with either) of up to that many tokens, padded with
   tokens of no sequence and with empty sequences up to max_num_seqs; paged attention throughout (a
-  step's own K/V are in the cache once it has written them).
+  step's own K/V are in the cache once it has written them). A runner that scores several rows of a
+  sequence (nano_specdec's verification: the last token and k drafts) says how many in
+  `sample_rows_per_seq`; its graphs then keep that many logits rows a sequence, and the default sizes add
+  its verification steps' token counts (k + 1 times each decode batch size).
 
 A graph reads static device buffers; each step fills their pinned host twins with numpy and copies them
 over asynchronously (`StaticBuffer`). Delete this file and every step runs eagerly: same tokens, slower.
@@ -40,13 +43,15 @@ from nano_vllm.model_runner import ModelRunner, StepGraphs, StepInputs, fill_blo
 MIXED_CUDAGRAPH_SIZES = (128, 256, 512, 1024, 1536, 2048)
 
 
-def mixed_sizes(config: EngineConfig) -> tuple[int, ...]:
-    """The mixed-step graph sizes a runner of `config` captures (see MIXED_CUDAGRAPH_SIZES)."""
+def mixed_sizes(config: EngineConfig, rows_per_seq: int = 1) -> tuple[int, ...]:
+    """The mixed-step graph sizes a runner of `config` captures (see MIXED_CUDAGRAPH_SIZES), with
+    `rows_per_seq` times each decode batch size for a runner that verifies drafts."""
     if config.mixed_cudagraph_sizes is not None:
         return tuple(config.mixed_cudagraph_sizes)
     if config.tensor_parallel_size > 1:
         return ()
-    return tuple(s for s in MIXED_CUDAGRAPH_SIZES if s <= config.max_num_batched_tokens)
+    verify = {rows_per_seq * b for b in cudagraph_batch_sizes(config.max_num_seqs)} if rows_per_seq > 1 else set()
+    return tuple(sorted(s for s in {*MIXED_CUDAGRAPH_SIZES, *verify} if s <= config.max_num_batched_tokens))
 
 
 def cudagraph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -152,7 +157,10 @@ class MixedStepGraphs:
     def __init__(self, runner: ModelRunner, decode: DecodeCudaGraphs, sizes: Seq[int]):
         self.runner, self.decode = runner, decode
         max_bs = runner.config.max_num_seqs
-        self.max_rows = min(sizes[-1], max_bs)
+        self.row_cap = max_bs * getattr(runner, "sample_rows_per_seq", 1)  # logits rows a step may ask for
+        self.max_rows = min(sizes[-1], self.row_cap)
+        self.logits = decode.logits if self.max_rows <= len(decode.logits) else torch.zeros(
+            self.max_rows, runner.vocab_size, dtype=runner.config.torch_dtype, device=runner.device)
         self.tokens = StaticBuffer.full(runner, (3, sizes[-1]), torch.long)  # ids, positions, slot mapping
         self.cu_seqlens = StaticBuffer.full(runner, (2, max_bs + 1), torch.int32)  # q (attention's), k
         self.sample_rows = StaticBuffer.full(runner, (self.max_rows,), torch.long)  # padded with row 0
@@ -164,7 +172,7 @@ class MixedStepGraphs:
         """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, max_num_seqs)
         rows. max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
         ids, positions, slots = self.tokens.device[:, :n]
-        rows = min(n, self.runner.config.max_num_seqs)
+        rows = min(n, self.row_cap)
         cu = self.cu_seqlens.device
         ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
                                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
@@ -173,15 +181,14 @@ class MixedStepGraphs:
         with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
             hidden = self.runner.model.model(ids[None], positions[None], ctx)
         logits = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
-        self.decode.logits[:rows] = logits
+        self.logits[:rows] = logits
 
     def _size(self, inputs: StepInputs) -> int | None:
         """The captured token count the step is padded to, or None (run it eagerly)."""
         n, rows = len(inputs.token_ids), len(inputs.sample_rows)
         if inputs.is_decode or inputs.num_seqs > self.runner.config.max_num_seqs:
             return None
-        return min((s for s in self.graphs if s >= n and min(s, self.runner.config.max_num_seqs) >= rows),
-                   default=None)
+        return min((s for s in self.graphs if s >= n and min(s, self.row_cap) >= rows), default=None)
 
     def fits(self, inputs: StepInputs) -> bool:
         return self._size(inputs) is not None
@@ -196,7 +203,7 @@ class MixedStepGraphs:
         cu_q, cu_k = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k
         cu[0, : batch + 1], cu[1, : batch + 1] = cu_q, cu_k
         cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_q[-1], cu_k[-1]  # empty sequences
-        num_rows = min(size, self.runner.config.max_num_seqs)
+        num_rows = min(size, self.row_cap)
         hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
         dec = inputs.context_lens[: inputs.num_decodes]
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
@@ -210,14 +217,14 @@ class MixedStepGraphs:
         self.decode.block_tables.upload(slice(batch), slice(width))
         self.decode.host_free.record()
         self.graphs[size].replay()
-        return self.decode.logits[: len(rows)] if rows else None
+        return self.logits[: len(rows)] if rows else None
 
 
 @torch.inference_mode()
 def capture_cudagraphs(runner: ModelRunner) -> list[StepGraphs]:
     """The decode graphs, and the mixed-step graphs when `mixed_sizes` names any."""
     decode = DecodeCudaGraphs(runner)
-    sizes = mixed_sizes(runner.config)
+    sizes = mixed_sizes(runner.config, getattr(runner, "sample_rows_per_seq", 1))
     return [decode, MixedStepGraphs(runner, decode, sizes)] if sizes else [decode]
 
 
