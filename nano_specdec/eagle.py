@@ -8,6 +8,8 @@ outputs: (f̂_{j+1}, x̂_{j+2}) -> f̂_{j+2}, and so on. The embedding and the L
 
 In the engine the draft layer runs through nano_vllm's `ModelRunner` on its own paged KV cache, as
 `DraftModelProposer`'s model does: position j of the draft's sequence holds the pair (f_j, x_{j+1}).
+Its features go in, and its f̂ come out, through two fixed buffers, so the runner's CUDA graphs replay
+the draft's steps like a model's.
 The target's features arrive from the verifying runner each step (`observe`: every row it computed,
 only the accepted ones of a verification). A proposal for a sequence of n tokens computes the pairs
 of the features received since the last one (up to f_{n-2}, x_{n-1}) in its first forward, then k − 1
@@ -38,7 +40,9 @@ from shared.model import CausalLM, DecoderLayer, rope_inv_freq
 class EagleDraft(nn.Module):
     """fc(concat(f_j, embed(x_{j+1}))) -> one shared.model DecoderLayer -> f̂_{j+1}; logits through the
     target's LM head. `model` is itself, so nano_vllm's `ModelRunner` runs it as it runs a CausalLM;
-    the features of the rows it computes come in `features` ([tokens, H], the packed batch's order)."""
+    the features of the rows it computes come in the first rows of `features` ([rows, H], the packed
+    batch's order) and f̂ of the rows it computes logits of go to the first rows of `out`: fixed
+    buffers (`buffers`), which a captured CUDA graph reads and writes as an eager step does."""
 
     def __init__(self, cfg: ModelConfig, target: CausalLM):
         super().__init__()
@@ -47,7 +51,14 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
         self.target = (target,)  # frozen and not a parameter of the draft (a tuple hides it)
         self.features: torch.Tensor | None = None
-        self.out: torch.Tensor | None = None  # f̂ of the rows of the last compute_logits
+        self.out: torch.Tensor | None = None
+        self.more_rows: torch.Tensor | None = None  # a step's features past the buffer (eager steps)
+
+    def buffers_for(self, rows: int) -> None:
+        """`features` and `out` of `rows` rows, on the draft's device and in its dtype."""
+        w = self.fc.weight
+        self.features = w.new_zeros(rows, self.config.hidden_size)
+        self.out = w.new_zeros(rows, self.config.hidden_size)
 
     @property
     def model(self) -> EagleDraft:
@@ -56,14 +67,17 @@ class EagleDraft(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: object = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
         """f̂ for every pair (features[i], input_ids[i]); input_ids [B, S], features [B, S, H]."""
-        f = (self.features if features is None else features).reshape(*input_ids.shape, -1)
+        if features is None:  # the engine's step: its rows of the buffer
+            features = self.features[: input_ids.numel()] if self.more_rows is None else self.more_rows
+        f = features.reshape(*input_ids.shape, -1)
         x = self.fc(torch.cat([f, self.target[0].model.embed_tokens(input_ids)], -1))
         freqs = positions.float()[..., None] * rope_inv_freq(self.config, positions.device)
         h, residual = self.layers[0](x, None, freqs.cos(), freqs.sin(), ctx)
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.out = hidden
+        if self.out is not None:
+            self.out[: len(hidden)] = hidden
         return self.target[0].compute_logits(hidden)
 
     def set_attention(self, fn: object) -> None:
@@ -102,13 +116,16 @@ class EagleProposer(DraftModelProposer):
         draft = EagleDraft(draft_config, target)
         draft.load_state_dict(load_state_dict(path))
         self.draft = draft.to(w.device, w.dtype).eval()
+        # the most rows a draft step (or a graph of one) computes
+        self.draft.buffers_for(max(config.max_num_batched_tokens, config.max_num_seqs))
         super().__init__(config, path, draft_config, num_blocks, max_model_len)
 
     def make_runner(self, cfg: EngineConfig, draft_config: ModelConfig,
                     max_model_len: int) -> ModelRunner:
-        # no layer: CUDA graphs and fused decoder layers would not see `features`
-        return LoadedRunner(self.draft, cfg.replace(performance_layers=False), draft_config,
-                            max_model_len)
+        # CUDA graphs (they read `features` from its fixed buffer) and the per-module layers; not the
+        # fused decoder layer, which runs a model's own layers, nor the overlap and fused sampling
+        cfg = cfg.replace(fused_decode=False, fused_sampling=False, async_scheduling=False)
+        return LoadedRunner(self.draft, cfg, draft_config, max_model_len)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         """The target's features of `seq`'s tokens start, start + 1, ... (this step's rows)."""
@@ -135,8 +152,14 @@ class EagleProposer(DraftModelProposer):
         return d
 
     def _forward(self, batch: list[EagleSeq]) -> torch.Tensor:
-        self.draft.features = torch.cat([d.inputs for d in batch])
+        inputs = torch.cat([d.inputs for d in batch])
+        # a catch-up over a whole prompt can pass the buffer: no graph is that large, it runs eagerly
+        fits = len(inputs) <= len(self.draft.features)
+        self.draft.more_rows = None if fits else inputs
+        if fits:
+            self.draft.features[: len(inputs)] = inputs
         logits = super()._forward(batch)
+        out = self.draft.out[: len(batch)].clone()  # the buffer is the next step's
         for j, d in enumerate(batch):  # the next row's feature is this one's prediction
-            d.inputs = self.draft.out[j : j + 1]
+            d.inputs = out[j : j + 1]
         return logits

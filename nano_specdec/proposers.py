@@ -162,9 +162,10 @@ class DraftModelProposer:
         while live:
             batch = [d for d, _ in live]
             logits = self._forward(batch)
+            top = logits.argmax(-1).tolist()  # the greedy requests' drafts, one read for the batch
             for j, d in enumerate(batch):
                 d.num_computed_tokens = d.num_tokens
-                token = self._draw(d, logits[j : j + 1])
+                token = top[j] if d.params.greedy else self._draw(d, logits[j : j + 1])
                 d.token_ids.append(token)
                 d.drafts.append(token)
             # the next forward computes the last draft's K/V: one slot more, or the sequence stops
@@ -179,11 +180,9 @@ class DraftModelProposer:
         return self.runner.run(self.runner.prepare(out))
 
     def _draw(self, d: DraftSeq, logits: torch.Tensor) -> int:
-        """The request's own sampling on the draft's logits: the argmax when greedy, else a draw from q,
-        recorded for the verification (seeded requests from a draft generator of their own)."""
+        """A sampled request's draw from q (the draft's logits after its sampling), recorded for the
+        verification (seeded requests from a draft generator of their own)."""
         sp = d.params
-        if sp.greedy:
-            return int(logits.argmax())
         if d.generator is None and sp.seed is not None:
             seed = seed64(sp.seed) ^ DRAFT_SEED
             d.generator = torch.Generator(self.runner.device).manual_seed(seed)
