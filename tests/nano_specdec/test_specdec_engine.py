@@ -244,10 +244,11 @@ def test_a_draft_with_another_vocabulary_fails_before_anything_loads(target, oth
 
 # --------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("mixed", [(), (16, 64)])
+@pytest.mark.parametrize("mixed", [(), (16, 64), None])
 def test_cuda_greedy_equals_the_plain_engine(target, method, mixed):
     """With the performance layers nano_vllm runs on CUDA (decode graphs, the warm-up, and mixed-step
-    graphs that the verify steps fit where `mixed` captures them), fp32: the plain engine's tokens."""
+    graphs that the verify steps fit where `mixed` captures them; None: the default sizes, k + 1 times
+    each decode batch size), fp32: the plain engine's tokens."""
     args = dict(device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
                 max_num_batched_tokens=64, mixed_cudagraph_sizes=mixed)
     prompts = random_prompts(8, [5, 19, 33, 8])
