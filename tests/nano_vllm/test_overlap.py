@@ -243,6 +243,10 @@ def test_layer_defaults_and_switch_errors():
     assert not config.replace(performance_layers=False).wants("fused_sampling", cuda)
     assert mixed_sizes(config.replace(max_num_batched_tokens=300, max_num_seqs=256)) == (128, 256)
     assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[64])) == (64,)
+    # a runner verifying k = 4 drafts: 5 tokens a sequence at each decode batch size (1, 2, 4, 8, 16, 32)
+    assert mixed_sizes(config.replace(max_num_batched_tokens=300, max_num_seqs=32), 5) == \
+        (5, 10, 20, 40, 80, 128, 160, 256)
+    assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[64]), 5) == (64,)
     assert mixed_sizes(config.replace(mixed_cudagraph_sizes=[])) == ()
     with pytest.raises(TypeError, match="gemv_max_tokens must be an int"):
         EngineConfig(gemv_max_tokens=2.5)
