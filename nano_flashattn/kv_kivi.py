@@ -392,20 +392,24 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
 KIVI_WAVES = 2
 
 
-def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. Chosen from ptxas's report at
-    sm_90 (Triton 3.9, 2026-12-06), not yet timed on a GPU: no spill; hd 128 with 16-bit queries,
-    32-key tiles at 4 warps use 191-194 registers (two programs an SM) and issue ~76 instructions per
-    key and warp in the unmasked loop, against ~86 for 64-key tiles at 8 warps (174 registers, one
-    program an SM) and ~132 for that config before the fp16 tiles and the joined fields.
-    `python -m nano_quant.bench_kv kernel.sweep=true` times them."""
+def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                       bits: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. hd ≤ 128 with 16-bit queries: 64-key
+    tiles at 4 warps, the fastest of eight configs timed by `python -m nano_quant.bench_kv
+    kernel.sweep=true` on an H200 (2026-12-06, llama3-8b heads), for 2-bit codes: 64 × 16k 1,954 µs
+    against 2,538 for 32-key tiles at 4 warps, 1 × 64k 138 against 175 µs. ptxas spills 464 bytes there
+    (255 registers), and the tile is faster all the same. 4-bit codes keep 32-key tiles at 4 warps
+    (2,297 against 2,535 µs at 64 × 16k; 64-key tiles spill 600 bytes). Other head_dims: chosen from
+    ptxas's report at sm_90 (no spill), not timed."""
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
         return 16, 8, 2
     if head_dim <= 64:
         return 64, 4, 3
-    return (32, 4, 2) if head_dim <= 128 else (32, 8, 3)
+    if head_dim <= 128:
+        return (64, 4, 2) if bits == 2 else (32, 4, 2)
+    return 32, 8, 3
 
 
 def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
@@ -447,7 +451,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
-    block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device)
+    block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device, lay.bits)
     if num_splits == 0:  # KIVI_WAVES programs an SM: one a SM leaves a dequantizing tile's latency bare
         num_splits = pick_num_splits(programs, capacity, block_n, KIVI_WAVES * num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n

@@ -362,7 +362,7 @@ from nano_flashattn import kv_kivi
 
 bits, d, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 G, BS, BD = 32, 32, max(16, 1 << (d - 1).bit_length())
-block_n, warps, stages = kv_kivi.kivi_decode_config(d, getattr(torch, dtype), torch.device("cuda"))
+block_n, warps, stages = kv_kivi.kivi_decode_config(d, getattr(torch, dtype), torch.device("cuda"), bits)
 ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
 
 
@@ -400,13 +400,14 @@ print("compiled")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits, d, dtype", [(2, 128, "bfloat16"), (4, 64, "float16"), (2, 256, "bfloat16"),
-                                            (4, 128, "float32")])
+@pytest.mark.parametrize("bits, d, dtype", [(2, 128, "bfloat16"), (4, 128, "bfloat16"), (4, 64, "float16"),
+                                            (2, 256, "bfloat16"), (4, 128, "float32")])
 def test_kernels_compile_for_sm90_without_spills(bits, d, dtype, tmp_path):
     """The three kernels compiled for sm_90 with the installed Triton, no GPU needed, at
     `kivi_decode_config`'s tiles: a Triton construct the interpreter takes and the compiler does not
-    fails here, and ptxas must not spill (a dequantized fp32 tile is register-hungry). In a process of its
-    own: this one imported Triton under TRITON_INTERPRET=1."""
+    fails here, and ptxas must not spill (a dequantized fp32 tile is register-hungry) — except the decode
+    kernel's 2-bit hd 128 tile, which spills and was measured faster than the tiles that do not
+    (`kivi_decode_config`). In a process of its own: this one imported Triton under TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -414,7 +415,7 @@ def test_kernels_compile_for_sm90_without_spills(bits, d, dtype, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
     spills = [line for line in done.stdout.splitlines() if "spill" in line and " 0 bytes spill" not in line]
-    assert not spills, done.stdout[-3000:]
+    assert len(spills) == ((bits, d, dtype) == (2, 128, "bfloat16")), done.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------------------- GPU
