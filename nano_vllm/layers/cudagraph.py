@@ -165,7 +165,8 @@ class MixedStepGraphs:
         self.cu_seqlens = StaticBuffer.full(runner, (2, max_bs + 1), torch.int32)  # q (attention's), k
         self.sample_rows = StaticBuffer.full(runner, (self.max_rows,), torch.long)  # padded with row 0
         # key counts of the leading one-token sequences (the decode kernel's), 0 past them
-        self.decode_lens = StaticBuffer.full(runner, (self.max_rows,), torch.int32)
+        self.max_decodes = min(sizes[-1], max_bs)
+        self.decode_lens = StaticBuffer.full(runner, (self.max_decodes,), torch.int32)
         self.graphs = {n: decode.capture(functools.partial(self._body, n)) for n in reversed(sizes)}
 
     def _body(self, n: int) -> None:
@@ -177,7 +178,7 @@ class MixedStepGraphs:
         ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
                                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
                                max_seqlen_k=self.runner.max_model_len,
-                               decode_lens=self.decode_lens.device[:rows])
+                               decode_lens=self.decode_lens.device[: min(n, self.max_decodes)])
         with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
             hidden = self.runner.model.model(ids[None], positions[None], ctx)
         logits = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
@@ -207,13 +208,14 @@ class MixedStepGraphs:
         hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
         dec = inputs.context_lens[: inputs.num_decodes]
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
-        hd[: len(dec)], hd[len(dec) : num_rows] = dec, 0
+        num_decodes = min(size, self.max_decodes)
+        hd[: len(dec)], hd[len(dec) : num_decodes] = dec, 0
         width = max(map(len, inputs.block_tables))
         fill_block_tables(self.decode.block_tables.host[:batch, :width].numpy(), inputs.block_tables)
         self.tokens.upload(slice(None), slice(size))
         self.cu_seqlens.upload()
         self.sample_rows.upload(slice(num_rows))
-        self.decode_lens.upload(slice(num_rows))
+        self.decode_lens.upload(slice(num_decodes))
         self.decode.block_tables.upload(slice(batch), slice(width))
         self.decode.host_free.record()
         self.graphs[size].replay()

@@ -182,3 +182,49 @@ def test_a_draft_of_another_kind_or_shape_fails_at_construction(cycle_target, tr
     with pytest.raises(ValueError, match="hidden states of size 128, the target's are 64"):
         LLM(cycle_target, speculative_config={"method": "medusa", "num_speculative_tokens": 2,
                                               "model": str(other)}, **ARGS)
+
+
+class EagerReplay:
+    """A captured graph on a CPU: its body run again on the static buffers (test_cudagraph_logic.py's)."""
+
+    def __init__(self, body):
+        self.body, self.replays = body, 0
+
+    def replay(self) -> None:
+        self.body()
+        self.replays += 1
+
+
+def test_graph_steps_hand_over_hidden_states_and_draft(cycle_target, method, monkeypatch):
+    """nano_vllm's CUDA-graph bookkeeping on a CPU, each graph an eager replay of its body: every target
+    step replays a graph (prefill chunks and verifications in the mixed-step graphs of the default
+    sizes, k + 1 times each batch size; plain decodes in the decode graphs), the hidden states reach the
+    drafter from the graphs' buffer, EAGLE's draft decodes replay its own graphs; tokens and τ are the
+    eager engine's."""
+    from nano_vllm.layers.cudagraph import DecodeCudaGraphs, capture_cudagraphs
+
+    args = {**ARGS, "max_num_batched_tokens": 32}
+    prompts = random_prompts(13, [30, 7, 12])
+    eager = LLM(cycle_target, speculative_config=method[1], **args)
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: EagerReplay(body))
+    llm = LLM(cycle_target, speculative_config=method[1], **args)
+    target = llm.engine.model_runner
+    runners = [target] + ([llm.engine.proposer.runner] if method[0] == "eagle" else [])
+    for runner in runners:
+        runner.cudagraphs = capture_cudagraphs(runner)
+    mixed = target.cudagraphs[1]
+    assert sorted(mixed.graphs) == [K + 1, 2 * (K + 1), 4 * (K + 1), 8 * (K + 1)]
+
+    def no_eager_step(inputs):
+        raise AssertionError(f"an eager target step: {len(inputs.token_ids)} tokens")
+
+    monkeypatch.setattr(target, "forward", no_eager_step)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.spec_decode_stats.mean_tokens_per_verification == \
+        eager.engine.spec_decode_stats.mean_tokens_per_verification > 2.0
+    assert any(g.replays for n, g in mixed.graphs.items() if n <= K + 1)  # a verification alone
+    if method[0] == "eagle":
+        assert any(g.replays for g in runners[1].cudagraphs[0].graphs.values())
+    assert_all_free(llm)
