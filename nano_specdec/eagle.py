@@ -41,8 +41,8 @@ class EagleDraft(nn.Module):
     """fc(concat(f_j, embed(x_{j+1}))) -> one shared.model DecoderLayer -> f̂_{j+1}; logits through the
     target's LM head. `model` is itself, so nano_vllm's `ModelRunner` runs it as it runs a CausalLM;
     the features of the rows it computes come in the first rows of `features` ([rows, H], the packed
-    batch's order) and f̂ of the rows it computes logits of go to the first rows of `out`: fixed
-    buffers (`buffers`), which a captured CUDA graph reads and writes as an eager step does."""
+    batch's order) and f̂ of the rows it computes logits of go to the first rows of `out`: the
+    proposer's fixed buffers, which a captured CUDA graph reads and writes as an eager step does."""
 
     def __init__(self, cfg: ModelConfig, target: CausalLM):
         super().__init__()
@@ -52,13 +52,6 @@ class EagleDraft(nn.Module):
         self.target = (target,)  # frozen and not a parameter of the draft (a tuple hides it)
         self.features: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
-        self.more_rows: torch.Tensor | None = None  # a step's features past the buffer (eager steps)
-
-    def buffers_for(self, rows: int) -> None:
-        """`features` and `out` of `rows` rows, on the draft's device and in its dtype."""
-        w = self.fc.weight
-        self.features = w.new_zeros(rows, self.config.hidden_size)
-        self.out = w.new_zeros(rows, self.config.hidden_size)
 
     @property
     def model(self) -> EagleDraft:
@@ -67,9 +60,9 @@ class EagleDraft(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: object = None,
                 features: torch.Tensor | None = None) -> torch.Tensor:
         """f̂ for every pair (features[i], input_ids[i]); input_ids [B, S], features [B, S, H]."""
-        if features is None:  # the engine's step: its rows of the buffer
-            features = self.features[: input_ids.numel()] if self.more_rows is None else self.more_rows
-        f = features.reshape(*input_ids.shape, -1)
+        # the engine's steps: their rows of the buffer
+        f = self.features[: input_ids.numel()] if features is None else features
+        f = f.reshape(*input_ids.shape, -1)
         x = self.fc(torch.cat([f, self.target[0].model.embed_tokens(input_ids)], -1))
         freqs = positions.float()[..., None] * rope_inv_freq(self.config, positions.device)
         h, residual = self.layers[0](x, None, freqs.cos(), freqs.sin(), ctx)
@@ -116,8 +109,9 @@ class EagleProposer(DraftModelProposer):
         draft = EagleDraft(draft_config, target)
         draft.load_state_dict(load_state_dict(path))
         self.draft = draft.to(w.device, w.dtype).eval()
-        # the most rows a draft step (or a graph of one) computes
-        self.draft.buffers_for(max(config.max_num_batched_tokens, config.max_num_seqs))
+        # rows: the most a graph computes (max_num_batched_tokens >= max_num_seqs and mixed sizes)
+        self.buf, self.draft.out = w.new_zeros(2, config.max_num_batched_tokens, w.shape[1])
+        self.draft.features = self.buf
         super().__init__(config, path, draft_config, num_blocks, max_model_len)
 
     def make_runner(self, cfg: EngineConfig, draft_config: ModelConfig,
@@ -152,12 +146,10 @@ class EagleProposer(DraftModelProposer):
         return d
 
     def _forward(self, batch: list[EagleSeq]) -> torch.Tensor:
-        inputs = torch.cat([d.inputs for d in batch])
+        x = torch.cat([d.inputs for d in batch])
         # a catch-up over a whole prompt can pass the buffer: no graph is that large, it runs eagerly
-        fits = len(inputs) <= len(self.draft.features)
-        self.draft.more_rows = None if fits else inputs
-        if fits:
-            self.draft.features[: len(inputs)] = inputs
+        self.draft.features = self.buf if len(x) <= len(self.buf) else x
+        self.draft.features[: len(x)] = x  # (onto itself past the buffer)
         logits = super()._forward(batch)
         out = self.draft.out[: len(batch)].clone()  # the buffer is the next step's
         for j, d in enumerate(batch):  # the next row's feature is this one's prediction

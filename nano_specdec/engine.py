@@ -46,12 +46,12 @@ class SpecDecodeEngine(LLMEngine):
         if spec.method != "ngram":
             draft_config = resolve_model_config(spec.model)
             spec.check_draft(draft_config, resolve_model_config(config.model), config.model)
-        # the target's hidden states for Medusa / EAGLE; k + 1 logits rows a sequence in a verify graph
-        runner_attrs: dict[str, Any] = {"keeps_hidden": spec.method in ("medusa", "eagle"),
-                                        "sample_rows_per_seq": spec.num_speculative_tokens + 1}
-        if spec.method in ("draft_model", "eagle"):  # its own pool, sized with the target's
-            runner_attrs["draft_bytes"] = draft_bytes(config, draft_config, spec.method)
-        self.model_runner_cls = type("SpecModelRunner", (SpecModelRunner,), runner_attrs)
+        # a draft model's (EAGLE's) own pool, sized with the target's; the target's hidden states for
+        # Medusa / EAGLE; k + 1 logits rows a sequence in a verify graph
+        self.model_runner_cls = type("SpecModelRunner", (SpecModelRunner,), {
+            "draft_bytes": draft_bytes(config, draft_config, spec.method),
+            "keeps_hidden": spec.method in ("medusa", "eagle"),
+            "sample_rows_per_seq": spec.num_speculative_tokens + 1})
         super().__init__(config)
         if draft_config is not None and draft_config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config: the draft's max_position_embeddings "

@@ -77,7 +77,10 @@ def memory_summary(engine: Any) -> str:
 
 def draft_bytes(config: EngineConfig, draft: ModelConfig, method: str) -> tuple[int, int]:
     """(weights, KV bytes per block) of the draft beside the target: a draft model whole; EAGLE's layer
-    and its fc (2H -> H), the embedding and LM head being the target's."""
+    and its fc (2H -> H), the embedding and LM head being the target's; (0, 0) for prompt lookup and
+    Medusa, which run no model on a KV pool of their own."""
+    if method not in ("draft_model", "eagle"):
+        return 0, 0
     h = draft.hidden_size
     params = param_count(draft) if method == "draft_model" else \
         param_count(draft, include_embedding=False) + 2 * h * h + h - \

@@ -46,8 +46,10 @@ class SpecModelRunner(ModelRunner):
     # memory to both pools (and the draft's weights) at once, as vLLM sizes a draft's layers with the
     # target's, so loading the draft after the target cannot run past `gpu_memory_utilization`.
     draft_bytes: tuple[int, int] = (0, 0)
-    keeps_hidden = False  # set by SpecDecodeEngine for a proposer that reads the target's hidden states
-    sample_rows_per_seq = 1  # k + 1 (set by SpecDecodeEngine): the logits rows nano_vllm's graphs keep
+    # Set by SpecDecodeEngine: whether the proposer reads the target's hidden states, and k + 1, the
+    # logits rows a sequence that nano_vllm's graphs keep.
+    keeps_hidden = False
+    sample_rows_per_seq = 1
 
     def __init__(self, *args, **kwargs):
         cfg = args[0]
@@ -62,17 +64,16 @@ class SpecModelRunner(ModelRunner):
         del held
 
     def load_model(self) -> torch.nn.Module:
-        model = super().load_model()
-        if self.keeps_hidden:  # every row of every step: the most a step or a captured graph computes
-            cfg = self.config
-            rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs, *(cfg.mixed_cudagraph_sizes or ()))
-            self.hidden_buf = torch.empty(rows, self.model_config.hidden_size, dtype=cfg.torch_dtype,
-                                          device=self.device)
+        model, cfg = super().load_model(), self.config
+        if self.keeps_hidden:  # every row of a step: max_num_seqs and mixed graph sizes are no more
+            rows = cfg.max_num_batched_tokens
+            self.hidden_buf = model.lm_head.weight.new_empty(rows, self.model_config.hidden_size)
             model.model.register_forward_hook(self._keep_hidden)
         return model
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, hidden: torch.Tensor) -> None:
-        flat = hidden.reshape(-1, hidden.shape[-1])  # decode (B, 1, H) or packed (1, N, H): token order
+        # decode (B, 1, H) or packed (1, N, H): the tokens' order
+        flat = hidden.reshape(-1, hidden.shape[-1])
         self.hidden_buf[: len(flat)].copy_(flat)
 
     @property
@@ -95,7 +96,7 @@ class SpecModelRunner(ModelRunner):
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         logits = super().run(inputs)
-        if self.keeps_hidden:  # this step's rows (a graph pads past them), read before the next step
+        if self.keeps_hidden:  # this step's rows (a graph pads past them), read before the next
             self.hidden = self.hidden_buf[: len(inputs.token_ids)]
         return logits
 
