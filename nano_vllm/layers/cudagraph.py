@@ -170,8 +170,8 @@ class MixedStepGraphs:
         self.graphs = {n: decode.capture(functools.partial(self._body, n)) for n in reversed(sizes)}
 
     def _body(self, n: int) -> None:
-        """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, max_num_seqs)
-        rows. max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
+        """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, row_cap)
+        rows (row_cap: max_num_seqs times the runner's `sample_rows_per_seq`). max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
         ids, positions, slots = self.tokens.device[:, :n]
         rows = min(n, self.row_cap)
         cu = self.cu_seqlens.device
