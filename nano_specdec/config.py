@@ -19,10 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nano_flashattn.registry import Registry
 from shared.checkpoint import read_json
 from shared.config import ModelConfig
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle")
+# nano_specdec's performance layers (nano_specdec/layers), applied to the engine once its proposer exists
+REGISTRY = Registry("nano_specdec", points=("proposer",), modules=("draft_chain",))
+
+
+def apply_layers(point: str, target: Any) -> list[str]:
+    """Every layer hook at `point` that applies to `target`, in order; the names of their modules."""
+    names = []
+    for hook in REGISTRY.active(point, target):
+        hook(target)
+        names.append(hook.__module__.rpartition(".")[2])
+    return names
 
 
 def _positive(name: str, value: Any) -> None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from nano_specdec.config import SpeculativeConfig
+from nano_specdec.config import SpeculativeConfig, apply_layers
 from nano_specdec.eagle import EagleProposer
 from nano_specdec.medusa import MedusaProposer
 from nano_specdec.memory import draft_bytes
 from nano_specdec.model_runner import SpecModelRunner
 from nano_specdec.proposers import DraftModelProposer, NgramProposer, Proposer
-from nano_specdec.scheduler import SpecDecodeStats, SpecScheduler
+from nano_specdec.scheduler import SpecScheduler
+from nano_specdec.stats import SpecDecodeStats
 from nano_vllm.config import EngineConfig
 from nano_vllm.engine import LLM as PlainLLM
 from nano_vllm.engine import LLMEngine
@@ -70,6 +71,8 @@ class SpecDecodeEngine(LLMEngine):
             self.model_runner.proposer = self.proposer
         self.scheduler.proposer = self.proposer
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+        with config.layers_context():  # nano_specdec's performance layers (nano_specdec/layers)
+            self.layers_applied += apply_layers("proposer", self)
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:

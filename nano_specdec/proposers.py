@@ -124,6 +124,9 @@ def release_blocks(bm: BlockManager, seq: Sequence | DraftSeq, num_tokens: int) 
 class DraftModelProposer:
     """A small model of the target's vocabulary on its own paged KV cache (module docstring)."""
 
+    # a performance layer that runs a proposal's later forwards at once (layers/draft_chain.py)
+    chain = None
+
     def __init__(self, config: EngineConfig, draft: str, draft_config: ModelConfig,
                  num_blocks: int, max_model_len: int):
         cfg = config.replace(model=draft, num_kv_blocks=num_blocks, kv_cache_memory_bytes=None,
@@ -168,6 +171,8 @@ class DraftModelProposer:
                 token = top[j] if d.params.greedy else self._draw(d, logits[j : j + 1])
                 d.token_ids.append(token)
                 d.drafts.append(token)
+            if self.chain is not None and self.chain.run(live):  # the rest of the proposal, done
+                break
             # the next forward computes the last draft's K/V: one slot more, or the sequence stops
             live = [(d, k) for d, k in live
                     if len(d.drafts) < k and self.block_manager.allocate_slots(d, 1)]

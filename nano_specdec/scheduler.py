@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nano_specdec.proposers import Proposer, release_blocks
+from nano_specdec.stats import SpecDecodeStats
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
 
@@ -38,30 +39,6 @@ class SpecSchedulerOutput(SchedulerOutput):
 
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
-
-
-@dataclass
-class SpecDecodeStats:
-    """vLLM's spec_decode counters: drafted and accepted tokens, accepted count by draft position."""
-
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verifications: int = 0  # sequence-steps that verified drafts
-    accepted_by_position: list[int] = field(default_factory=list)
-
-    def add(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        self.num_verifications += 1
-        grow = num_drafts - len(self.accepted_by_position)
-        self.accepted_by_position += [0] * max(grow, 0)
-        for i in range(num_accepted):
-            self.accepted_by_position[i] += 1
-
-    @property
-    def mean_tokens_per_verification(self) -> float:
-        """τ: tokens emitted per verifying forward of a sequence (accepted drafts + 1)."""
-        return 1 + self.num_accepted_tokens / max(self.num_verifications, 1)
 
 
 class SpecScheduler(Scheduler):

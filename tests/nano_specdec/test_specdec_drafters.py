@@ -228,3 +228,35 @@ def test_graph_steps_hand_over_hidden_states_and_draft(cycle_target, method, mon
     if method[0] == "eagle":
         assert any(g.replays for g in runners[1].cudagraphs[0].graphs.values())
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model"])
+def test_draft_chain_gives_the_loops_drafts(cycle_target, trained_drafts, kind, monkeypatch):
+    """nano_specdec's draft_chain layer on a CPU stand-in for the graphs: a greedy proposal's k − 1 later
+    draft forwards replay one chained graph (argmax fed back on the device, EAGLE's f̂ too), reading
+    the drafts once; tokens, τ and the drafts' acceptance are the loop's, and every block is free after.
+    A sampled request, and a proposal cut short by max_tokens, take the loop."""
+    from nano_specdec.layers.draft_chain import install_draft_chain
+    from nano_vllm.layers.cudagraph import DecodeCudaGraphs, capture_cudagraphs
+
+    args = {**ARGS, "max_num_batched_tokens": 64}
+    prompts = random_prompts(14, [30, 7, 12])
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=9)]
+    eager = LLM(cycle_target, speculative_config=spec(kind, trained_drafts), **args)
+    want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: EagerReplay(body))
+    llm = LLM(cycle_target, speculative_config=spec(kind, trained_drafts), **args)
+    proposer = llm.engine.proposer
+    proposer.runner.cudagraphs = capture_cudagraphs(proposer.runner)
+    install_draft_chain(llm.engine)
+    assert proposer.chain.steps == K - 1
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats, ref = llm.engine.spec_decode_stats, eager.engine.spec_decode_stats
+    assert stats.accepted_by_position == ref.accepted_by_position and stats.num_draft_tokens == ref.num_draft_tokens
+    assert stats.mean_tokens_per_verification > 2.0
+    assert sum(g.replays for g in proposer.chain.graphs.values()) > 0
+    assert_all_free(llm)
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=3)
+    a = llm.generate(prompts[:1], sampled, use_tqdm=False)[0].token_ids
+    assert a == eager.generate(prompts[:1], sampled, use_tqdm=False)[0].token_ids
