@@ -136,19 +136,24 @@ class SpecModelRunner(ModelRunner):
             rows = torch.tensor([start for _, start in plain], device=logits.device)
             for (i, _), t in zip(plain, self.sampler.sample(logits[rows], st).tolist()):
                 emitted[i] = [t]
-        argmax = logits.argmax(-1)
+        greedy = [(i, start) for i, start in zip(picked, starts)
+                  if out.drafts[i] and out.seqs[i].sampling_params.greedy]
+        if greedy:  # every greedy chain at once, padded with -1 (never an argmax): one read-back
+            k = max(len(out.drafts[i]) for i, _ in greedy)
+            tokens = [out.drafts[i] + [-1] * (k - len(out.drafts[i])) for i, _ in greedy]
+            rows = [[s + min(j, len(out.drafts[i])) for j in range(k + 1)] for i, s in greedy]
+            argmax = logits.argmax(-1)[torch.tensor(rows, device=logits.device)]
+            n, nxt = verify_chains_greedy(torch.tensor(tokens, device=logits.device), argmax)
+            for (i, _), a, t in zip(greedy, *torch.stack([n, nxt]).tolist()):
+                emitted[i] = [*out.drafts[i][:a], t]
         for i, start in zip(picked, starts):
-            d = out.drafts[i]
-            if not d:
+            d, seq = out.drafts[i], out.seqs[i]
+            if not d or seq.sampling_params.greedy:
                 continue
-            seq, k = out.seqs[i], len(d)
-            tokens = torch.tensor([d], device=logits.device)
-            if seq.sampling_params.greedy:
-                n, nxt = verify_chains_greedy(tokens, argmax[None, start : start + k + 1])
-            else:
-                p = request_probs(logits[start : start + k + 1], seq.sampling_params)
-                q = out.draft_probs[i]
-                n, nxt = verify_chains(tokens, None if q is None else q[None].to(p), p[None],
-                                       self._generator(seq))
+            k, q = len(d), out.draft_probs[i]
+            p = request_probs(logits[start : start + k + 1], seq.sampling_params)
+            q = None if q is None else q[None].to(p)
+            drafts = torch.tensor([d], device=p.device)
+            n, nxt = verify_chains(drafts, q, p[None], self._generator(seq))
             emitted[i] = [*d[: int(n)], int(nxt)]
         return [emitted.get(i, []) for i in range(len(out.seqs))]
