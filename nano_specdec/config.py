@@ -47,7 +47,8 @@ class SpeculativeConfig:
     """method: "ngram" (prompt lookup), "draft_model", "medusa" or "eagle"; num_speculative_tokens: k,
     the drafts verified per step; model: the draft checkpoint (every method but ngram);
     prompt_lookup_max / _min: the n-gram lengths tried, longest first (ngram); num_steps, eagle_topk,
-    num_draft_tokens: EAGLE-2's tree (eagle; module docstring)."""
+    num_draft_tokens: EAGLE-2's tree (eagle; module docstring); disable_by_batch_size: vLLM's, a step
+    with more decoding sequences than this runs without drafts (None: never)."""
 
     method: str
     num_speculative_tokens: int
@@ -57,12 +58,15 @@ class SpeculativeConfig:
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; "
                              f"valid: {list(METHODS)}")
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.disable_by_batch_size is not None:
+            _positive("disable_by_batch_size", self.disable_by_batch_size)
         if self.method != "ngram" and not isinstance(self.model, str):
             raise ValueError(f"speculative_config: method {self.method!r} needs 'model', the "
                              f"draft's checkpoint directory, got {self.model!r}")

@@ -71,6 +71,7 @@ class SpecDecodeEngine(LLMEngine):
             self.model_runner.proposer = self.proposer
         self.scheduler.proposer = self.proposer
         self.scheduler.num_speculative_tokens = spec.num_speculative_tokens
+        self.scheduler.disable_by_batch_size = spec.disable_by_batch_size
         with config.layers_context():  # nano_specdec's performance layers (nano_specdec/layers)
             self.layers_applied += apply_layers("proposer", self)
 

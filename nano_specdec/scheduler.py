@@ -47,6 +47,7 @@ class SpecScheduler(Scheduler):
 
     proposer: Proposer | None = None
     num_speculative_tokens = 0
+    disable_by_batch_size: int | None = None  # more decodes in a step than this: no drafts (vLLM's)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -67,7 +68,7 @@ class SpecScheduler(Scheduler):
                 decodes.append(seq)
                 ks.append(room)
                 budget -= room
-        if not decodes:
+        if not decodes or len(decodes) > (self.disable_by_batch_size or len(decodes)):
             return out
         proposed, probs = self.proposer.propose(decodes, ks)
         by_seq = {id(s): (d, q) for s, d, q in zip(decodes, proposed, probs)}

@@ -218,6 +218,27 @@ def brute_force(ids: list[int], lo: int, hi: int, k: int) -> list[int]:
     return []
 
 
+def test_disable_by_batch_size_drafts_only_small_batches(target):
+    """vLLM's disable_by_batch_size: while more sequences decode together than it says, steps run
+    without drafts; once the batch shrinks to it, drafting resumes. Tokens are the plain engine's."""
+    prompts = random_prompts(15, [9, 14, 6])
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (40, 6, 8)]
+    config = {**spec_config("draft_model", target), "disable_by_batch_size": 1}
+    llm = LLM(target, speculative_config=config, **ARGS)
+    seen = []
+    propose = llm.engine.proposer.propose
+
+    def record(seqs, ks):
+        seen.append(len(seqs))
+        return propose(seqs, ks)
+
+    llm.engine.proposer.propose = record
+    same(llm.generate(prompts, params, use_tqdm=False), plain(target, prompts, params))
+    assert seen and set(seen) == {1}  # only the long request, once it decodes alone
+    assert llm.engine.num_draft_tokens > 0
+    assert_all_free(llm)
+
+
 # --------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("config, error, match", [
     ({"method": "eagle9", "num_speculative_tokens": 2}, ValueError, "unknown method"),
@@ -228,6 +249,8 @@ def brute_force(ids: list[int], lo: int, hi: int, k: int) -> list[int]:
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, TypeError, "lookahead"),
     ({"method": "ngram"}, TypeError, "num_speculative_tokens"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, ValueError,
+     "disable_by_batch_size"),
     ("ngram", TypeError, "must be a dict"),
 ])
 def test_bad_speculative_configs_fail_at_construction(target, config, error, match):
