@@ -13,6 +13,9 @@ input is missing is skipped, and the report says which bench to run for it:
   kv_cache.png         nano_quant.bench_kv: quantized KV cache vs 16 bits (kernel, engine, tokens per GiB)
   specdec_speedup.png  nano_specdec.bench: speedup over plain decode and τ vs batch size, per workload
 
+Into docs/img it keeps only the figures a page shows (`shown_figures`: an `img/NAME.png` in a Markdown file);
+the others are removed and named, so the folder holds no figure that no page shows.
+
     python -m shared.report                            # docs/results/*.json -> docs/img/*.png
     python -m shared.report --results DIR --out DIR
 
@@ -24,11 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_IMG = ROOT / "docs" / "img"  # the pages' figures: only those a page shows are kept there
+PAGE_FIGURE = re.compile(r"img/([A-Za-z0-9_.-]+\.png)")
 PLOT_HINT = 'shared.report draws with matplotlib, which is not installed: pip install -e ".[plot]"'
 # How to produce each kind of input, said when it is missing (copy the bench's JSON into docs/results/).
 SOURCES = {
@@ -548,9 +555,21 @@ FIGURES: dict[str, tuple[str, Callable[[list[Record], Path], list[Path]]]] = {
 }
 
 
+def shown_figures(root: Path = ROOT) -> set[str]:
+    """The names of the PNGs in docs/img that a page of the repository shows: every `img/NAME.png` in a
+    Markdown file outside hidden and output directories."""
+    names: set[str] = set()
+    for page in root.rglob("*.md"):
+        parts = page.relative_to(root).parts
+        if not any(p.startswith(".") or p in ("outputs", "node_modules") for p in parts[:-1]):
+            names.update(PAGE_FIGURE.findall(page.read_text(encoding="utf-8", errors="replace")))
+    return names
+
+
 def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]:
     """Draw every figure whose input is under `results` into `out`; returns one line per figure: what was
-    written, or why it was skipped (no such JSON; a JSON without the fields the figure reads)."""
+    written, or why it was skipped (no such JSON; a JSON without the fields the figure reads). Into
+    docs/img, only the figures a page shows are kept (`shown_figures`); the others are named and removed."""
     try:
         import matplotlib
     except ImportError as e:
@@ -574,7 +593,15 @@ def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]
         except (KeyError, TypeError, IndexError) as e:
             lines.append(f"skipped {name}: {', '.join(n for n, _ in records)} lack(s) the field {e} it reads")
             continue
-        lines += [f"wrote {p}" for p in paths] or [f"skipped {name}: its JSON holds no rows for it"]
+        kept = paths
+        if out.resolve() == DOCS_IMG:
+            shown = shown_figures()
+            kept = [p for p in paths if p.name in shown]
+            for p in set(paths) - set(kept):
+                p.unlink()
+                lines.append(f"not kept {p}: no page shows it")
+        lines += [f"wrote {p}" for p in kept] or \
+            ([] if paths else [f"skipped {name}: its JSON holds no rows for it"])
     return lines
 
 

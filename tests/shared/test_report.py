@@ -160,3 +160,23 @@ def test_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "shared.report", "--results", str(results), "--out",
                           str(tmp_path / "img")], capture_output=True, text=True, check=True).stdout
     assert "distserve_slo.png" in out and "skipped attention" in out
+
+
+def test_docs_img_holds_the_figures_the_pages_show():
+    """Every PNG in docs/img is shown by a page (a Markdown `img/NAME.png`), and every one a page shows
+    is there."""
+    shown = report.shown_figures()
+    on_disk = {p.name for p in report.DOCS_IMG.glob("*.png")}
+    assert not on_disk - shown, f"in docs/img, shown by no page: {sorted(on_disk - shown)}"
+    assert not shown - on_disk, f"shown by a page, missing from docs/img: {sorted(shown - on_disk)}"
+
+
+def test_into_docs_img_only_shown_figures_are_kept(tmp_path, monkeypatch):
+    """Drawn into the pages' folder, a figure no page shows is removed and named; elsewhere all stay."""
+    results = _write(tmp_path / "results", ALL)
+    monkeypatch.setattr(report, "DOCS_IMG", (tmp_path / "img").resolve())
+    monkeypatch.setattr(report, "shown_figures", lambda: {"distserve_slo.png"})
+    lines = report.render(results, tmp_path / "img", only=["distserve", "sglang"])
+    assert any(line.startswith("wrote") and line.endswith("distserve_slo.png") for line in lines), lines
+    assert any(line.startswith("not kept") and "sglang_hit_rate.png" in line for line in lines), lines
+    assert sorted(p.name for p in (tmp_path / "img").glob("*.png")) == ["distserve_slo.png"]
