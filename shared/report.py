@@ -49,7 +49,9 @@ SOURCES = {
 }
 IMPL_LABELS = {"ours": "nano_flashattn", "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN",
                "sdpa": "SDPA (default backend)"}
-MFU_KEYS = ("MFU % (measured peak)", "MFU % (datasheet peak)")  # shared.accounting.MFU_MEASURED / _DATASHEET
+# "MFU % (<peak> ...)": shared.accounting's MFU_MEASURED / MFU_DATASHEET ("measured peak", "datasheet peak")
+# and the labels the training benches write ("measured matmul", "datasheet")
+MFU_KEY = re.compile(r"MFU % \((measured|datasheet)\b[^)]*\)")
 Record = tuple[str, dict]  # (file name, parsed JSON)
 
 
@@ -322,17 +324,18 @@ def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
         rows, peak, prefix = rec.get("rows", []), _num(rec.get("peak_TFLOPs_for_MFU")), f"{Path(name).stem}:"
         measured = _num(rec.get("matmul_TFLOPs_measured"))
         default = "measured" if peak and measured and abs(peak - measured) < 1e-6 else "datasheet"
-    peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")),
-             "datasheet": _num(ceilings.get("datasheet_TFLOPs"))}
+    # the peaks as `Ceilings.as_dict()` names them, else as the training benches record them
+    peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")) or _num(rec.get("matmul_TFLOPs_measured"))
+             or _num(rec.get("matmul_TFLOPs")),
+             "datasheet": _num(ceilings.get("datasheet_TFLOPs")) or _num(rec.get("peak_TFLOPs_datasheet"))}
     for r in rows:
         gpus = f" ({r['GPUs']} GPU{'s' if r['GPUs'] != 1 else ''})" if "GPUs" in r else ""
         label = f"{prefix} {r.get('impl') or r.get('system')}{gpus}"
-        if any(k in r for k in MFU_KEYS):
-            for key in MFU_KEYS:
-                kind = key.split("(")[1].split()[0]
-                if _num(r.get(key)) is not None:
-                    out.append((label, r[key], f"{kind} {peaks[kind]:.0f} TFLOP/s" if peaks[kind] else kind))
-        elif _num(r.get("MFU %")) is not None:
+        keyed = [(key, m.group(1)) for key in r if (m := MFU_KEY.fullmatch(key))]
+        for key, kind in keyed:
+            if _num(r.get(key)) is not None:
+                out.append((label, r[key], f"{kind} {peaks[kind]:.0f} TFLOP/s" if peaks[kind] else kind))
+        if not keyed and _num(r.get("MFU %")) is not None:
             out.append((label, r["MFU %"], f"{default} {peak:.0f} TFLOP/s" if peak else default))
     return out
 

@@ -110,6 +110,12 @@ def test_the_mfu_bars_say_their_denominator():
     assert ("shared: qwen3-0.6b step, shared.model", 43.3, "measured 797 TFLOP/s") in bars
     assert {b[2] for b in report._mfu_bars("nano_zero.json", ZERO)} == {"measured", "datasheet"}
     assert report._scaling_bars("nano_zero.json", ZERO) == [("nano_zero: zero3", 92.0)]
+    # the labels nano_megatron's, nano_zero's and shared's benches write, with the peaks they record
+    one_gpu = {"bench": "nano_megatron", "matmul_TFLOPs_measured": 793.0, "peak_TFLOPs_datasheet": 989.0,
+               "rows": [{"system": "tp", "GPUs": 1, "MFU % (datasheet)": 50.7, "MFU % (measured matmul)": 63.2}]}
+    assert report._mfu_bars("nano_megatron_1gpu.json", one_gpu) == [
+        ("nano_megatron_1gpu: tp (1 GPU)", 50.7, "datasheet 989 TFLOP/s"),
+        ("nano_megatron_1gpu: tp (1 GPU)", 63.2, "measured 793 TFLOP/s")]
 
 
 def test_missing_inputs_are_skipped_and_named(tmp_path):
