@@ -165,7 +165,8 @@ class DraftModelProposer:
         while live:
             batch = [d for d, _ in live]
             logits = self._forward(batch)
-            top = logits.argmax(-1).tolist()  # the greedy requests' drafts, one read for the batch
+            # the greedy requests' drafts, one read for the batch (none when every request samples)
+            top = logits.argmax(-1).tolist() if any(d.params.greedy for d in batch) else []
             for j, d in enumerate(batch):
                 d.num_computed_tokens = d.num_tokens
                 token = top[j] if d.params.greedy else self._draw(d, logits[j : j + 1])

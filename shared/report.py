@@ -583,6 +583,7 @@ def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]
         raise ValueError(f"unknown figure(s) {unknown}; choose from {sorted(FIGURES)}")
     groups, lines = load_results(results)
     out.mkdir(parents=True, exist_ok=True)
+    shown = shown_figures() if out.resolve() == DOCS_IMG else None  # None: keep every figure drawn
     for name, (kind, draw) in FIGURES.items():
         if only and name not in only:
             continue
@@ -596,13 +597,10 @@ def render(results: Path, out: Path, only: list[str] | None = None) -> list[str]
         except (KeyError, TypeError, IndexError) as e:
             lines.append(f"skipped {name}: {', '.join(n for n, _ in records)} lack(s) the field {e} it reads")
             continue
-        kept = paths
-        if out.resolve() == DOCS_IMG:
-            shown = shown_figures()
-            kept = [p for p in paths if p.name in shown]
-            for p in set(paths) - set(kept):
-                p.unlink()
-                lines.append(f"not kept {p}: no page shows it")
+        kept = paths if shown is None else [p for p in paths if p.name in shown]
+        for p in set(paths) - set(kept):
+            p.unlink()
+            lines.append(f"not kept {p}: no page shows it")
         lines += [f"wrote {p}" for p in kept] or \
             ([] if paths else [f"skipped {name}: its JSON holds no rows for it"])
     return lines

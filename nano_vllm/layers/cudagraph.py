@@ -87,6 +87,19 @@ class _NoEvent:
     def synchronize(self) -> None: ...
 
 
+class EagerReplay:
+    """What a captured graph does on replay, for a runner without CUDA: its body run again on the static
+    buffers. The CPU tests capture with it (`DecodeCudaGraphs.capture` patched to return one), so every
+    piece of the graph paths but the capture itself runs; `replays` counts the replays."""
+
+    def __init__(self, body: Callable[[], None]):
+        self.body, self.replays = body, 0
+
+    def replay(self) -> None:
+        self.body()
+        self.replays += 1
+
+
 class DecodeCudaGraphs:
     """One graph per decode batch size, captured largest first in one memory pool; each writes its logits
     into the static `logits`."""

@@ -27,6 +27,7 @@ from test_specdec_engine import (  # noqa: F401  (run again here with Medusa and
 
 from nano_specdec import LLM, SpecDecodeEngine
 from nano_vllm import EngineConfig, SamplingParams
+from nano_vllm.layers.cudagraph import EagerReplay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,17 +183,6 @@ def test_a_draft_of_another_kind_or_shape_fails_at_construction(cycle_target, tr
     with pytest.raises(ValueError, match="hidden states of size 128, the target's are 64"):
         LLM(cycle_target, speculative_config={"method": "medusa", "num_speculative_tokens": 2,
                                               "model": str(other)}, **ARGS)
-
-
-class EagerReplay:
-    """A captured graph on a CPU: its body run again on the static buffers (test_cudagraph_logic.py's)."""
-
-    def __init__(self, body):
-        self.body, self.replays = body, 0
-
-    def replay(self) -> None:
-        self.body()
-        self.replays += 1
 
 
 def test_graph_steps_hand_over_hidden_states_and_draft(cycle_target, method, monkeypatch):

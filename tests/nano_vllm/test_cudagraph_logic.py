@@ -15,22 +15,12 @@ from nano_vllm import LLM, EngineConfig, SamplingParams
 from nano_vllm.config import REGISTRY
 from nano_vllm.layers.cudagraph import (
     DecodeCudaGraphs,
+    EagerReplay,
     MixedStepGraphs,
     capture_cudagraphs,
     cudagraph_batch_sizes,
     install_cudagraphs,
 )
-
-
-class EagerReplay:
-    """What a captured graph does on replay: run its body again on the static buffers."""
-
-    def __init__(self, body):
-        self.body, self.replays = body, 0
-
-    def replay(self) -> None:
-        self.body()
-        self.replays += 1
 
 
 def test_batch_size_ladder():

@@ -17,19 +17,12 @@ from nano_vllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from nano_vllm.bench.step_timing import PHASES, StepTimer
 from nano_vllm.block_manager import BlockManager
 from nano_vllm.config import engine_args_from
-from nano_vllm.layers.cudagraph import DecodeCudaGraphs, capture_cudagraphs
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, EagerReplay, capture_cudagraphs
 from nano_vllm.model_runner import ModelRunner
 from nano_vllm.scheduler import Scheduler
 from nano_vllm.sequence import Sequence
 
 SMALL = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64}
-
-
-class EagerReplay:
-    """A stand-in for a captured graph on a CPU: replaying runs its body again on the static buffers."""
-
-    def __init__(self, body):
-        self.replay = body
 
 
 class TaggedSequence(Sequence):
