@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import uuid
 import warnings
 from pathlib import Path
 
@@ -31,7 +30,9 @@ from nano_vllm.serve.engine_loop import EngineLoop
 from nano_vllm.serve.server import make_server
 
 ROOT = Path(__file__).resolve().parents[2]
-KEY = f"sk-nano-{uuid.uuid4().hex}"  # random, so finding it anywhere means it leaked
+# fixed, so that pytest-xdist workers collect the same parameters, and found nowhere else in the
+# repository, so finding it in any output means it leaked
+KEY = "sk-nano-3f9c2e7b1d8a4c6e9b0f5a2d7c1e8b4f"
 MODELS, COMPLETIONS, CHAT = "/v1/models", "/v1/completions", "/v1/chat/completions"
 ROUTES = [("GET", MODELS, None), ("POST", COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 2}),
           ("POST", CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})]
