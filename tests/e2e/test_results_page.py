@@ -108,3 +108,8 @@ def quotients(printed: list[str], extra: list[float] = ()) -> list[float]:
     xs = [float(n.replace(",", "")) for n in printed] + list(extra)
     xs += [x * 1000 for x in xs]
     return [a / b for a, b in permutations(xs, 2) if b]
+
+
+def test_the_page_stays_a_results_page():
+    """≤ 40 KiB: rejected experiments and dated repeats leave it (git history keeps them)."""
+    assert PAGE.stat().st_size <= 40 * 1024
