@@ -51,7 +51,7 @@ def _listening(port: int) -> bool:
 def served(qwen3_ckpt, tmp_path_factory):
     """(address, hook directory) of a server process on the tiny Qwen3 checkpoint: the fused sampling
     layer asked for (on a CPU it runs its torch reference, with the fused layer's seed fold), 8 connection
-    slots, a 20 s first-byte timeout and a 3 s stall limit."""
+    slots, an 8 s first-byte timeout and a 3 s stall limit."""
     tmp = tmp_path_factory.mktemp("served")
     hooks, log = tmp / "hooks", tmp / "server.log"
     hooks.mkdir()
@@ -59,7 +59,7 @@ def served(qwen3_ckpt, tmp_path_factory):
     args = [sys.executable, str(Path(__file__).with_name("serve_with_hooks.py")), str(hooks),
             f"model={qwen3_ckpt}", f"port={port}", "served_model_name=m", f"engine.max_model_len={MAX_MODEL_LEN}",
             "engine.max_num_seqs=16", "engine.fused_sampling=true", f"server.max_connections={MAX_CONNECTIONS}",
-            "server.first_byte_timeout_s=20", "server.health_stall_s=3", f"hydra.run.dir={tmp / 'run'}"]
+            "server.first_byte_timeout_s=8", "server.health_stall_s=3", f"hydra.run.dir={tmp / 'run'}"]
     with open(log, "w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
