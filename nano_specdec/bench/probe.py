@@ -62,6 +62,7 @@ class Probe:
     def reset(self) -> None:
         self.steps = self.proposals = 0
         self.propose_s = 0.0
+        self.kernels_built: int | None = None  # set by the bench's timed run
         self.decode_forwards = self.decode_tokens = self.verifications = 0
         self.drafted_by_position: list[int] = []
         self.accepted_by_position: list[int] = []
@@ -102,6 +103,7 @@ class Probe:
             "ms/step": 1e3 * seconds / max(self.steps, 1),
             "draft ms/step": 1e3 * self.propose_s / max(self.steps, 1),
             "draft % of time": 100 * self.propose_s / seconds if seconds > 0 else None,
+            "kernels built while timed": self.kernels_built,
             "_acceptance_by_position": [a / d if d else None for a, d in
                                         zip(self.accepted_by_position, self.drafted_by_position)],
             "_drafted_by_position": list(self.drafted_by_position),
