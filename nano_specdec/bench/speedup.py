@@ -27,8 +27,14 @@ from nano_specdec.memory import memory_record, memory_summary
 from nano_vllm.config import EngineConfig, engine_args_from
 from nano_vllm.engine import LLM as PlainLLM
 from nano_vllm.sampling_params import SamplingParams
-from shared.bench import (KernelCompiles, measure_ceilings, print_table, release_memory,
-                          report_oversubscription, write_json)
+from shared.bench import (
+    KernelCompiles,
+    measure_ceilings,
+    print_table,
+    release_memory,
+    report_oversubscription,
+    write_json,
+)
 from shared.config import resolve_model_config
 from shared.hydra_utils import hydra_run_dir
 
