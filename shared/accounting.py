@@ -266,7 +266,7 @@ def datasheet_for(device_name: str) -> tuple[float, float] | None:
 @dataclass(frozen=True)
 class Ceilings:
     """The limits a bench's numbers are fractions of: the measured device copy (bytes read + written per
-    second, 1 GiB on CUDA) and bf16 matmul (8192³ on CUDA), taken once per process by
+    second, 1 GiB on CUDA), a read-only stream (bytes read per second) and bf16 matmul (8192³ on CUDA), taken once per process by
     `shared.bench.measure_ceilings`, next to the datasheet values (None for a device DATASHEETS does not
     list). Measure at process start, before an engine takes the memory."""
 
@@ -275,11 +275,19 @@ class Ceilings:
     matmul_flops_per_s: float
     datasheet_bytes_per_s: float | None = None
     datasheet_flops_per_s: float | None = None
+    # a kernel that only reads (shared.bench.measure_read_bandwidth): the ceiling of read-bound work
+    read_bytes_per_s: float | None = None
+
+    @property
+    def stream_bytes_per_s(self) -> float:
+        """The bandwidth read-bound work is held to: the read-only stream where measured, else the copy."""
+        return self.read_bytes_per_s or self.copy_bytes_per_s
 
     def as_dict(self) -> dict:
         """The JSON record every bench writes under "ceilings" (units in the names)."""
         gb, tf = 1e9, 1e12
         return {"device": self.device, "copy_GBps": self.copy_bytes_per_s / gb,
+                "read_GBps": self.read_bytes_per_s / gb if self.read_bytes_per_s else None,
                 "matmul_TFLOPs": self.matmul_flops_per_s / tf,
                 "datasheet_GBps": self.datasheet_bytes_per_s / gb if self.datasheet_bytes_per_s else None,
                 "datasheet_TFLOPs": self.datasheet_flops_per_s / tf if self.datasheet_flops_per_s else None}
@@ -301,8 +309,10 @@ class Ceilings:
         sheet = (f"; datasheet {format_rate(self.datasheet_bytes_per_s, 'B/s')}, "
                  f"{format_rate(self.datasheet_flops_per_s, 'FLOP/s')} bf16 dense"
                  if self.datasheet_flops_per_s else "; no datasheet values for this device")
+        read = (f", read-only stream {format_rate(self.read_bytes_per_s, 'B/s')}"
+                if self.read_bytes_per_s else "")
         return (f"ceilings on {self.device}: measured copy {format_rate(self.copy_bytes_per_s, 'B/s')} "
-                f"(read + write), matmul {format_rate(self.matmul_flops_per_s, 'FLOP/s')}{sheet}")
+                f"(read + write){read}, matmul {format_rate(self.matmul_flops_per_s, 'FLOP/s')}{sheet}")
 
 
 def _fmt_bytes(n: float) -> str:

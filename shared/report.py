@@ -242,9 +242,10 @@ def fig_vllm(records: list[Record], out: Path) -> list[Path]:
         ax.set_xticks(range(len(names)), [textwrap.fill(n, 18) for n in names], fontsize=8)
         ax.set_ylabel("output tokens/s")
         w = rec.get("workload") or {}
-        copy = _num(rec.get("copy_GBps"))
+        copy, read = _num(rec.get("copy_GBps")), _num(rec.get("roofline_GBps"))
         n = w.get("num_seqs", "?")
-        bound = f"; roofline at {copy:,.0f} GB/s copy" if copy else ""
+        bound = (f"; roofline at {read:,.0f} GB/s read-only stream" if read else
+                 f"; roofline at {copy:,.0f} GB/s copy" if copy else "")
         requests = f"{n} request{'' if n == 1 else 's'}"
         ax.set_title(f"{rec.get('model')}, {requests}{bound}\n{_where(rec)}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)

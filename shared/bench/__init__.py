@@ -225,6 +225,25 @@ def measure_copy_bandwidth(device: str | torch.device, nbytes: int | None = None
     return 2 * nbytes / seconds
 
 
+def measure_read_bandwidth(device: str | torch.device, nbytes: int | None = None) -> float:
+    """Bytes/s of a kernel that only reads (a stream of 32-bit words summed in registers, one word written
+    per program), as a decode step reads its weights and K/V: the ceiling of read-bound work, which a
+    copy (a write per read) understates. CUDA: a Triton kernel over 1 GiB; elsewhere `torch.sum` over
+    64 MiB."""
+    dev = torch.device(device)
+    nbytes = nbytes or (1 << 30 if dev.type == "cuda" else 64 << 20)
+    if dev.type != "cuda":
+        words = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+        seconds = benchmark(torch.sum, words, device=dev, flush_l2=False, warmup=3, repeats=10)
+        return words.numel() * 4 / seconds
+    words = torch.ones(nbytes // 4, dtype=torch.int32, device=dev)
+    from shared.kernels.read_stream import read_stream
+    programs = 4 * torch.cuda.get_device_properties(dev).multi_processor_count
+    out = torch.empty(programs, dtype=torch.int32, device=dev)
+    seconds = benchmark(read_stream, words, out, device=dev, flush_l2=False, warmup=3, repeats=10)
+    return words.numel() * 4 / seconds
+
+
 def measure_matmul_flops(
     device: str | torch.device, n: int | None = None, dtype: torch.dtype | None = None
 ) -> float:
@@ -244,7 +263,8 @@ _CEILINGS: dict[str, Ceilings] = {}
 
 
 def measure_ceilings(device: str | torch.device = "cuda", refresh: bool = False) -> Ceilings:
-    """This process's `shared.accounting.Ceilings` for `device`: the copy bandwidth and the matmul peak,
+    """This process's `shared.accounting.Ceilings` for `device`: the copy and read-only bandwidths and the
+    matmul peak,
     measured on the first call, the same object afterwards (every number of a run is a fraction of the same
     measurement) unless `refresh`. Call it at process start, before an engine takes the memory."""
     dev = torch.device(device)
@@ -255,7 +275,7 @@ def measure_ceilings(device: str | torch.device = "cuda", refresh: bool = False)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         sheet = datasheet_for(name) if dev.type == "cuda" else None
         _CEILINGS[key] = Ceilings(name, measure_copy_bandwidth(dev), measure_matmul_flops(dev),
-                                  *(sheet or (None, None)))
+                                  *(sheet or (None, None)), measure_read_bandwidth(dev))
     return _CEILINGS[key]
 
 

@@ -193,8 +193,8 @@ def test_ceilings_label_mfu_and_mbu_against_both_peaks():
     assert c.mfu(345.1e12) == pytest.approx({MFU_MEASURED: 43.3, MFU_DATASHEET: 34.89}, abs=0.01)
     assert c.mbu(4.058e12) == pytest.approx({MBU_MEASURED: 95.71, MBU_DATASHEET: 84.54}, abs=0.01)
     d = c.as_dict()
-    assert d == pytest.approx({"device": "NVIDIA H200", "copy_GBps": 4240, "matmul_TFLOPs": 797,
-                               "datasheet_GBps": 4800, "datasheet_TFLOPs": 989})
+    assert d == pytest.approx({"device": "NVIDIA H200", "copy_GBps": 4240, "read_GBps": None,
+                               "matmul_TFLOPs": 797, "datasheet_GBps": 4800, "datasheet_TFLOPs": 989})
     assert c.describe() == ("ceilings on NVIDIA H200: measured copy 4.24 TB/s (read + write), matmul 797 "
                             "TFLOP/s; datasheet 4.8 TB/s, 989 TFLOP/s bf16 dense")
     cpu = Ceilings("cpu", 2.51e10, 4.3e10)  # a CPU's matmul reads in GFLOP/s, not "0.0 TFLOP/s"
@@ -218,11 +218,15 @@ def test_ceilings_are_measured_once_per_process(monkeypatch):
     monkeypatch.setattr(shared.bench, "_CEILINGS", {})
     monkeypatch.setattr(shared.bench, "measure_copy_bandwidth", lambda dev: calls.append("copy") or 2e10)
     monkeypatch.setattr(shared.bench, "measure_matmul_flops", lambda dev: calls.append("mm") or 3e11)
+    monkeypatch.setattr(shared.bench, "measure_read_bandwidth", lambda dev: calls.append("read") or 1.2e10)
     first = shared.bench.measure_ceilings("cpu")
-    assert first is shared.bench.measure_ceilings("cpu") and calls == ["copy", "mm"]
-    assert (first.copy_bytes_per_s, first.matmul_flops_per_s) == (2e10, 3e11)
+    assert first is shared.bench.measure_ceilings("cpu") and calls == ["copy", "mm", "read"]
+    assert (first.copy_bytes_per_s, first.matmul_flops_per_s, first.read_bytes_per_s) == (2e10, 3e11, 1.2e10)
     assert first.datasheet_flops_per_s is None
-    assert shared.bench.measure_ceilings("cpu", refresh=True) is not first and len(calls) == 4
+    assert first.as_dict()["read_GBps"] == 12.0 and "read-only stream 12 GB/s" in first.describe()
+    # read-bound work is held to the read-only stream where it is measured
+    assert first.stream_bytes_per_s == 1.2e10 and Ceilings("cpu", 2e10, 3e11).stream_bytes_per_s == 2e10
+    assert shared.bench.measure_ceilings("cpu", refresh=True) is not first and len(calls) == 6
 
 
 def test_ceilings_measure_through_shared_bench_on_cpu(monkeypatch):
@@ -230,7 +234,7 @@ def test_ceilings_measure_through_shared_bench_on_cpu(monkeypatch):
 
     monkeypatch.setattr(shared.bench, "_CEILINGS", {})
     c = shared.bench.measure_ceilings("cpu")
-    assert c.device == "cpu" and c.copy_bytes_per_s > 0 and c.matmul_flops_per_s > 0
+    assert c.device == "cpu" and c.copy_bytes_per_s > 0 and c.matmul_flops_per_s > 0 and c.read_bytes_per_s > 0
 
 
 def test_cli_prints_the_decode_bytes():

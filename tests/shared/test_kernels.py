@@ -357,3 +357,14 @@ def test_inference_path_equals_autograd_path():
         slow = fn(inp.clone().requires_grad_(True))
         assert slow.requires_grad and not fast.requires_grad, i
         assert fast.shape == slow.shape and torch.equal(fast, slow.detach()), i
+
+
+def test_read_stream_reads_every_word_once():
+    """shared.bench's read-only ceiling kernel: each program's strided share summed, all words once."""
+    from shared.kernels.read_stream import read_stream
+
+    g = torch.Generator().manual_seed(0)
+    for n, programs in [(1, 3), (4096, 1), (3 * 4096 + 17, 2), (10_000, 5)]:
+        words = torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g).to(DEV)
+        out = read_stream(words, torch.empty(programs, dtype=torch.int32, device=DEV))
+        assert int(out.sum()) == int(words.sum())
