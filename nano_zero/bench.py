@@ -170,6 +170,9 @@ def bench_one(name: str, model_config, cfg: TrainConfig, device: torch.device, w
            "ms/step": seconds * 1e3}
     for label, flops in (peaks or {}).items():
         row[f"MFU % ({label})"] = 100 * flops_per_token(model_config, cfg.seq_len) * tokens / seconds / (flops * world)
+    if "datasheet" in (peaks or {}):  # the attention FLOPs a causal kernel does: half of PaLM's count
+        row["MFU % (datasheet, causal attention halved)"] = 100 * flops_per_token(
+            model_config, cfg.seq_len, causal_halved=True) * tokens / seconds / (peaks["datasheet"] * world)
     row |= {"peak GiB/GPU": peak,
             "model states GiB (formula)": _formula_bytes(name, psi, world, cfg.torch_dtype) / 2**30,
             "loss": result.loss}

@@ -61,16 +61,17 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     return param_count(cfg, include_embedding=cfg.tie_word_embeddings)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal_halved: bool = False) -> int:
     """Training FLOPs per token: 6N + 12·L·d·S, d = heads × head_dim, S = sequence length.
 
     12·L·d·S counts QKᵀ and AV (2·2·d·S per token forward, ×3 with backward) without the causal
-    halving, as PaLM's MFU does, so numbers compare with published MFUs.
+    halving, as PaLM's MFU does, so numbers compare with published MFUs. `causal_halved`: 6·L·d·S, the
+    attention FLOPs a causal kernel actually does (the benches print both MFUs, labelled).
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     d = cfg.num_attention_heads * cfg.head_dim
-    return 6 * matmul_param_count(cfg) + 12 * cfg.num_hidden_layers * d * seq_len
+    return 6 * matmul_param_count(cfg) + (6 if causal_halved else 12) * cfg.num_hidden_layers * d * seq_len
 
 
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> int:

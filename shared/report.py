@@ -335,7 +335,9 @@ def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
         keyed = [(key, m.group(1)) for key in r if (m := MFU_KEY.fullmatch(key))]
         for key, kind in keyed:
             if _num(r.get(key)) is not None:
-                out.append((label, r[key], f"{kind} {peaks[kind]:.0f} TFLOP/s" if peaks[kind] else kind))
+                what = f"{kind} {peaks[kind]:.0f} TFLOP/s" if peaks[kind] else kind
+                halved = ", causal attention halved" if "halved" in key else ""  # its own bars
+                out.append((label, r[key], what + halved))
         if not keyed and _num(r.get("MFU %")) is not None:
             out.append((label, r["MFU %"], f"{default} {peak:.0f} TFLOP/s" if peak else default))
     return out
