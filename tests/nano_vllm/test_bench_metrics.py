@@ -72,18 +72,23 @@ def test_workload_fits_the_model_and_says_so():
 @pytest.mark.slow
 def test_bench_runs_a_preset_as_given(tmp_path):
     """`model=llama-100m workload=batch1` (a 2048-position, 4096-token model; the workload draws ids up to
-    10,000) runs: max_model_len is the model's, the ids are folded and the output says so. Outputs cut to
-    8 tokens and no warm-up keep it small on a CPU."""
+    10,000) runs: max_model_len is the model's, the ids are folded and the output says so; `repeats=3` keeps
+    every run. Outputs cut to 8 tokens and no warm-up keep it small on a CPU."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "nano_vllm.bench", "model=llama-100m", "workload=batch1", "quick=false",
            "warmup=false", "progress=false", "workload.min_output_len=8", "workload.max_output_len=8",
-           f"hydra.run.dir={tmp_path}"]
+           "repeats=3", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "folded into the model's vocabulary of 4096" in proc.stdout
     record = json.loads((tmp_path / "bench.json").read_text())
-    assert record["rows"][0]["output tokens"] == 8 and record["workload_notes"]
+    row = record["rows"][0]
+    assert row["output tokens"] == 8 and record["workload_notes"]
+    # repeats=3: every run kept, the row's figure their median, its range beside it
+    runs = row["_runs_tok_per_s"]
+    assert row["runs"] == len(runs) == 3 and row["min tok/s"] <= row["output tok/s"] <= row["max tok/s"]
+    assert row["output tok/s"] == sorted(runs)[1] and "3 runs: output tok/s median" in proc.stdout
 
 
 @pytest.mark.slow
