@@ -72,6 +72,12 @@ def _no_compiled_row(op: str, e: Exception) -> None:
     print(f"{op}: no {COMPILED} row ({type(e).__name__}: {str(e)[:200]})", flush=True)
 
 
+def _add_norm(x, r, w, eps, norm):
+    """(norm(x + r), x + r): the two tensors a fused add + RMSNorm returns, the sum the next residual."""
+    s = x + r
+    return norm(s, w, eps), s
+
+
 def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list[dict]:
     from shared.kernels import rms_norm
 
@@ -80,7 +86,7 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> 
     w = 1 + 0.1 * torch.randn(h, device=dev, dtype=dtype)
     peer = hasattr(F, "rms_norm")  # torch >= 2.4; fused on CUDA in recent releases
     norm_c = _compiled(_eager_rms_norm) if compiled else None
-    add_norm_c = _compiled(lambda x, r, w: _eager_rms_norm(x + r, w, eps)) if compiled else None
+    add_norm_c = _compiled(lambda x, r, w: _add_norm(x, r, w, eps, _eager_rms_norm)) if compiled else None
 
     impls = {"torch eager": lambda: _eager_rms_norm(x, w, eps), ours: lambda: rms_norm(x, w, eps)}
     if peer:
@@ -89,12 +95,13 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> 
         impls[COMPILED] = lambda: norm_c(x, w, eps)
     rows = _rows_for("rms_norm fwd", impls, 2 * t * h * e + h * e, copy_bw, **timing)
 
+    # every peer returns what ours does: the normalised output and the new residual x + r
     impls = {
-        "torch eager": lambda: _eager_rms_norm(x + r, w, eps),
+        "torch eager": lambda: _add_norm(x, r, w, eps, _eager_rms_norm),
         ours: lambda: rms_norm(x, w, eps, residual=r),
     }
     if peer:
-        impls["F.rms_norm"] = lambda: F.rms_norm(x + r, (h,), w, eps)
+        impls["F.rms_norm"] = lambda: _add_norm(x, r, w, eps, lambda s, w, eps: F.rms_norm(s, (h,), w, eps))
     if compiled:
         impls[COMPILED] = lambda: add_norm_c(x, r, w)
     rows += _rows_for("add+rms_norm fwd", impls, 4 * t * h * e + h * e, copy_bw, **timing)
