@@ -38,8 +38,9 @@ class DraftChain:
         self.lens = StaticBuffer.full(runner, (steps, self.max_bs), torch.int32, 1)
         self.drafts = torch.zeros(steps, self.max_bs, dtype=torch.long, device=runner.device)
         self.eagle = getattr(proposer, "draft", None)  # EAGLE's layer: f̂ is the next row's feature
-        self.graphs = {bs: self.decode.capture(functools.partial(self._body, bs))
-                       for bs in sorted(self.decode.graphs, reverse=True)}
+        with torch.inference_mode():  # the runner's buffers are inference tensors: written in place here
+            self.graphs = {bs: self.decode.capture(functools.partial(self._body, bs))
+                           for bs in sorted(self.decode.graphs, reverse=True)}
 
     def _body(self, bs: int) -> None:
         ids, positions, slots = self.decode.tokens.device[:, :bs]
