@@ -52,15 +52,20 @@ class CostSeq:
 
 
 def make_runner(base: EngineConfig, model: Any, max_batch: int, per_seq: int,
-                max_model_len: int) -> ModelRunner:
+                max_model_len: int, rows_per_seq: int = 1) -> ModelRunner:
     """nano_vllm's runner of `model` (a preset, a checkpoint directory, or a dict of ModelConfig fields:
-    random weights of that shape) with a KV pool of `max_batch` sequences of `per_seq` blocks."""
+    random weights of that shape) with a KV pool of `max_batch` sequences of `per_seq` blocks. A verifying
+    runner (`rows_per_seq` = k + 1) captures graphs of k + 1 tokens a sequence at each decode batch size
+    and keeps k + 1 logits rows a sequence, as nano_specdec's runner does: without them a verify step
+    would be padded to the smallest prefill graph, or run eagerly, and cost what no engine pays."""
     mcfg = resolve_model_config(dict(model) if not isinstance(model, str) else model)
     # a dict is a shape: random weights, which nano_vllm builds for any preset name
     name = model if isinstance(model, str) else next(iter(PRESETS))
     cfg = base.replace(model=name, num_kv_blocks=max_batch * per_seq, kv_cache_memory_bytes=None,
                        max_num_seqs=max_batch, max_model_len=max_model_len)
-    return ModelRunner(cfg, mcfg, max_model_len)
+    cls = ModelRunner if rows_per_seq == 1 else type(
+        "VerifyingRunner", (ModelRunner,), {"sample_rows_per_seq": rows_per_seq})
+    return cls(cfg, mcfg, max_model_len)
 
 
 def step_seconds(runner: ModelRunner, batch: int, context: int, new: int, per_seq: int,
@@ -87,7 +92,7 @@ def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_siz
     max_model_len = per_seq * bs
     rows = [{"batch": b} for b in batch_sizes]
     base = base.replace(max_num_batched_tokens=max(base.max_num_batched_tokens, max_b * (k + 1)))
-    runner = make_runner(base, target, max_b, per_seq, max_model_len)
+    runner = make_runner(base, target, max_b, per_seq, max_model_len, rows_per_seq=k + 1)
     for row in rows:
         b = row["batch"]
         row["decode ms"] = 1e3 * step_seconds(runner, b, context, 1, per_seq, device)

@@ -152,3 +152,16 @@ def test_kv_cache_memory_bytes_holds_the_drafts_pool_too():
     assert target.block_bytes == draft.block_bytes  # the same model twice; after sizing, its own block
     assert target.num_blocks == draft.num_blocks == budget // (2 * target.block_bytes)
     assert llm.engine.model_runner.draft_bytes == (weight_bytes(draft.model), draft.block_bytes)
+
+
+def test_cost_runner_verifies_like_the_engine():
+    """The cost side's target runner keeps k + 1 logits rows a sequence and graph sizes of k + 1 tokens a
+    decode batch (as SpecModelRunner does): a verify step is not padded to a prefill graph or run eagerly."""
+    from nano_specdec.bench.cost import make_runner
+    from nano_vllm.config import EngineConfig
+    from nano_vllm.layers.cudagraph import mixed_sizes
+
+    runner = make_runner(EngineConfig(model="tiny", device="cpu"), "tiny", 4, 4, 64, rows_per_seq=5)
+    assert runner.sample_rows_per_seq == 5
+    assert {5, 10, 20} <= set(mixed_sizes(runner.config, runner.sample_rows_per_seq))
+    assert getattr(make_runner(EngineConfig(model="tiny", device="cpu"), "tiny", 4, 4, 64), "sample_rows_per_seq", 1) == 1
