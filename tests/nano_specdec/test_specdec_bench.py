@@ -161,7 +161,8 @@ def test_cost_runner_verifies_like_the_engine():
     from nano_vllm.config import EngineConfig
     from nano_vllm.layers.cudagraph import mixed_sizes
 
-    runner = make_runner(EngineConfig(model="tiny", device="cpu"), "tiny", 4, 4, 64, rows_per_seq=5)
+    base = EngineConfig(model="tiny", device="cpu")
+    runner = make_runner(base, "tiny", 4, 4, 64, rows_per_seq=5)
     assert runner.sample_rows_per_seq == 5
     assert {5, 10, 20} <= set(mixed_sizes(runner.config, runner.sample_rows_per_seq))
-    assert getattr(make_runner(EngineConfig(model="tiny", device="cpu"), "tiny", 4, 4, 64), "sample_rows_per_seq", 1) == 1
+    assert getattr(make_runner(base, "tiny", 4, 4, 64), "sample_rows_per_seq", 1) == 1
