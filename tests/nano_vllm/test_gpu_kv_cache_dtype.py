@@ -46,6 +46,23 @@ def _first_differences(outs: list[list[int]], scored) -> list[str]:
     return said
 
 
+def _first_difference_gaps(outs: list[list[int]], scored) -> list[float]:
+    """Per sequence that differs: the reference's log-probability of its token minus that of ours, at the
+    first position they differ (inf where ours is not among the reference's top 5)."""
+    gaps = []
+    for tokens, ref in zip(outs, scored):
+        want = ref.outputs[0].token_ids
+        first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+        if first is not None:
+            top = ref.outputs[0].logprobs[first]
+            ours = top[tokens[first]].logprob if tokens[first] in top else float("-inf")
+            gaps.append(top[want[first]].logprob - ours)
+    return gaps
+
+
+NEAR_TIE = 0.1  # nats: an E4M3 round trip moves K/V by up to 2^-4 relative, the logits by a few hundredths
+
+
 def test_fp8_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch):
     prompts = random_prompts(5, [7, 40, 100, 150])
     llm = LLM(qwen3_ckpt, kv_cache_dtype="fp8", **ENGINE)
@@ -60,8 +77,12 @@ def test_fp8_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch):
     ref_outs = [o.outputs[0].token_ids for o in scored]
     for out, want in zip(outs, ref_outs):
         assert out[0] == want[0]
-    agree = sum(a == b for out, want in zip(outs, ref_outs) for a, b in zip(out, want))
-    assert agree >= 0.9 * TOKENS * len(prompts), (agree, _first_differences(outs, scored))
+    # Greedy decoding of a random model meets near-ties (logits nearly flat), and one flipped near-tie
+    # changes the rest of its sequence: so each sequence must agree with the reference up to its first
+    # difference, and that difference must be a near-tie of the reference (its token and ours within
+    # NEAR_TIE nats). On an H100 (2026-12-07) the two differences were gaps of 0.016 and 0.008 nats.
+    gaps = _first_difference_gaps(outs, scored)
+    assert all(g <= NEAR_TIE for g in gaps), (gaps, _first_differences(outs, scored))
     for engine in (llm.engine, ref.engine):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
