@@ -154,18 +154,23 @@ class DecodeBytes:
 
 
 def decode_bytes(cfg: ModelConfig, context_lens: Sequence[int] | int, dtype_bytes: int = 2,
-                 kv_dtype_bytes: int | None = None) -> DecodeBytes:
+                 kv_dtype_bytes: float | None = None, weight_bytes: float | None = None) -> DecodeBytes:
     """Bytes read by one decode step of len(context_lens) sequences, each attending context_lens[i] keys
     (its cached tokens plus the new one): weights once for the whole batch (matmul_param_count: the LM
     head is the tied table, or its own matrix while the untied table is only gathered from), one embedding
-    row per sequence, and 2 · L · Hkv · head_dim bytes of K/V per key (kv_cache_bytes)."""
+    row per sequence, and 2 · L · Hkv · head_dim bytes of K/V per key (kv_cache_bytes). A quantized model
+    or cache reads what it stores: `weight_bytes`, the matmul weights' bytes (packed codes, scales and
+    zeros), and `kv_dtype_bytes`, bytes per cached element (fractional for KIVI's codes and scales)."""
     keys = _keys(context_lens)
-    if dtype_bytes <= 0 or (kv_dtype_bytes is not None and kv_dtype_bytes <= 0):
-        raise ValueError(f"dtype_bytes and kv_dtype_bytes must be > 0, got {dtype_bytes}, {kv_dtype_bytes}")
+    if dtype_bytes <= 0 or (kv_dtype_bytes is not None and kv_dtype_bytes <= 0) or \
+            (weight_bytes is not None and weight_bytes <= 0):
+        raise ValueError(f"dtype_bytes, kv_dtype_bytes and weight_bytes must be > 0, got {dtype_bytes}, "
+                         f"{kv_dtype_bytes}, {weight_bytes}")
     kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
-    return DecodeBytes(weights=matmul_param_count(cfg) * dtype_bytes,
+    per_key = kv_cache_bytes(cfg, 1, 1, 1)  # elements of K and V per key
+    return DecodeBytes(weights=matmul_param_count(cfg) * dtype_bytes if weight_bytes is None else weight_bytes,
                        embedding_rows=len(keys) * cfg.hidden_size * dtype_bytes,
-                       kv=kv_cache_bytes(cfg, sum(keys), 1, kv_bytes))
+                       kv=round(per_key * sum(keys) * kv_bytes))
 
 
 def forward_flops(cfg: ModelConfig, new_tokens: int, cached_tokens: int = 0, logits: int = 1) -> int:
@@ -189,14 +194,14 @@ def decode_flops(cfg: ModelConfig, context_lens: Sequence[int] | int) -> int:
 
 
 def decode_roofline(cfg: ModelConfig, context_lens: Sequence[int] | int, bandwidth: float, peak_flops: float,
-                    dtype_bytes: int = 2) -> dict:
+                    dtype_bytes: int = 2, **stored: float | None) -> dict:
     """Upper bound on decode tokens/s: a step of B sequences takes at least max(decode_bytes / bandwidth,
     decode_flops / peak_flops) seconds and yields B tokens. `bandwidth` in bytes/s (the measured copy
     bandwidth: the practical ceiling), `peak_flops` in FLOP/s."""
     if bandwidth <= 0 or peak_flops <= 0:
         raise ValueError(f"bandwidth and peak_flops must be > 0, got {bandwidth}, {peak_flops}")
     keys = _keys(context_lens)
-    read = decode_bytes(cfg, keys, dtype_bytes)
+    read = decode_bytes(cfg, keys, dtype_bytes, **stored)  # kv_dtype_bytes, weight_bytes: as stored
     memory_s, compute_s = read.total / bandwidth, decode_flops(cfg, keys) / peak_flops
     step_s = max(memory_s, compute_s)
     return {"bytes_per_step": read.total, "weight_bytes": read.weights, "kv_bytes": read.kv,
@@ -205,7 +210,7 @@ def decode_roofline(cfg: ModelConfig, context_lens: Sequence[int] | int, bandwid
 
 
 def serving_roofline(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int],
-                     dtype_bytes: int, bandwidth: float, peak_flops: float) -> dict:
+                     dtype_bytes: int, bandwidth: float, peak_flops: float, **stored: float | None) -> dict:
     """Lower-bound seconds for an offline workload: every prefill at `peak_flops` (forward_flops, one
     sampled row each), then every decode step at max(bytes / bandwidth, FLOPs / peak) with all requests
     decoding together — step t (t ≥ 1; the prefill yields the first token) serves each request with more
@@ -220,7 +225,7 @@ def serving_roofline(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: 
     steps = max(output_lens, default=0)
     for t in range(1, steps):
         step = decode_roofline(cfg, [p + t for p, o in zip(prompt_lens, output_lens) if o > t], bandwidth,
-                               peak_flops, dtype_bytes)
+                               peak_flops, dtype_bytes, **stored)
         decode_s += step["step_s"]
         memory_bound_steps += step["bound"] == "memory"
     total, out = prefill_s + decode_s, sum(output_lens)

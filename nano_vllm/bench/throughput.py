@@ -164,6 +164,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
                       "quantization_config": qcfg.to_dict() if qcfg is not None else None,
                       "weights_GiB": weight_bytes(runner.model) / 2**30, "kv_blocks": runner.num_blocks,
                       "kv_cache_GiB": runner.num_blocks * runner.block_bytes * runner.tp_size / 2**30}
+    row["_stored"] = stored_bytes(llm)
     row["_timeline"] = {"summary": timeline, "window": timer.timeline.window(int(cfg.timeline_steps))}
     profile_steps = cfg.get("profile_steps")
     if profile_steps is None:  # on for batch-1 workloads (where a step is a few hundred kernels), on CUDA
@@ -190,6 +191,23 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
               f"{max(runs):,.1f} ({100 * (max(runs) - min(runs)) / row['output tok/s']:.1f}% of the median)",
               flush=True)
     return row, llm
+
+
+def stored_bytes(llm: LLM) -> dict:
+    """What a decode step of this engine reads where it differs from 16 bits, for the roofline
+    (shared.accounting.decode_bytes): a quantized model's matmul weights as stored (codes, scales, zeros;
+    the untied input-embedding table, of which a step reads one row a sequence, left out), and a
+    quantized KV cache's bytes per element (a block's bytes over its elements)."""
+    runner, config, out = llm.engine.model_runner, llm.engine.config, {}
+    mcfg = runner.model_config
+    if config.quantization is not None:
+        table = runner.model.model.embed_tokens.weight
+        untied = 0 if mcfg.tie_word_embeddings else table.numel() * table.element_size()
+        out["weight_bytes"] = (weight_bytes(runner.model) - untied) * runner.tp_size
+    if config.kv_cache_dtype not in (None, "auto"):
+        elements = runner.block_size * 2 * mcfg.num_hidden_layers * runner.num_kv_heads * mcfg.head_dim
+        out["kv_dtype_bytes"] = runner.block_bytes / elements
+    return out
 
 
 def run_transformers(cfg: DictConfig, reqs: list[Request], device: str, dtype: torch.dtype) -> dict:
@@ -304,6 +322,7 @@ def run(cfg: DictConfig) -> dict:
     bandwidth, peak = ceilings.stream_bytes_per_s, ceilings.matmul_flops_per_s
     row, llm = run_ours(cfg, reqs)
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
+    stored = row.pop("_stored")  # a quantized model's or cache's bytes: what its decode steps read
     kernel_profile = row.pop("_kernel_profile", None)
     dtype = llm.engine.config.torch_dtype
     llm.shutdown()  # tensor-parallel workers too
@@ -311,7 +330,8 @@ def run(cfg: DictConfig) -> dict:
     release_memory()
     prompt_lens = [len(r.prompt) for r in reqs]
     out_lens = [r.sampling_params.max_tokens for r in reqs]
-    bound = serving_roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak)
+    bound = serving_roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak, **stored)
+    bound["roofline_reads"] = stored or "16-bit weights and K/V"
     row["% of roofline"] = 100 * row["output tok/s"] / bound["roofline_tok_per_s"]
     rows = [row]
     if cfg.serving_rate is not None:  # open-loop serving on a fresh engine: TTFT / TPOT under load

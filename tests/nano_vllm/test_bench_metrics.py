@@ -134,3 +134,18 @@ def test_engine_open_loop():
     assert all(m.ttft > 0 and m.latency >= m.ttft for m in metrics)
     with pytest.raises(ValueError, match="rate"):
         poisson_arrivals(3, rate=0)
+
+
+def test_the_roofline_reads_a_quantized_models_and_caches_bytes():
+    """nano_vllm.bench's roofline counts what a quantized engine stores: W4's packed weights with their
+    scales (not bf16's bytes, which put W4 runs above 100% of the roofline) and FP8's one-byte K/V."""
+    from nano_vllm import LLM
+    from nano_vllm.bench.throughput import stored_bytes
+    from shared.accounting import matmul_param_count
+
+    args = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "num_kv_blocks": 16}
+    assert stored_bytes(LLM("tiny", **args)) == {}  # 16 bits: the default count
+    llm = LLM("tiny", quantization="rtn-w4", kv_cache_dtype="fp8", **args)
+    stored = stored_bytes(llm)
+    full = matmul_param_count(llm.engine.model_runner.model_config) * 4  # fp32
+    assert 0 < stored["weight_bytes"] < full / 2 and stored["kv_dtype_bytes"] == 1

@@ -242,3 +242,13 @@ def test_cli_prints_the_decode_bytes():
                           "640"], capture_output=True, text=True, check=True).stdout
     assert "decode step reads       14.06 GiB at batch 1" in out
     assert "the input-embedding table is not read" in out
+
+
+def test_decode_bytes_count_what_a_quantized_model_and_cache_store():
+    cfg = ModelConfig.from_name("llama3-8b")
+    full = decode_bytes(cfg, [1024])
+    q = decode_bytes(cfg, [1024], weight_bytes=full.weights * 0.265, kv_dtype_bytes=1)
+    assert q.weights == full.weights * 0.265 and q.kv == full.kv // 2 and q.embedding_rows == full.embedding_rows
+    assert decode_bytes(cfg, [1024], kv_dtype_bytes=0.375).kv == round(full.kv * 0.375 / 2)
+    with pytest.raises(ValueError, match="weight_bytes"):
+        decode_bytes(cfg, [8], weight_bytes=0)
