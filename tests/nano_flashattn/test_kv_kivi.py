@@ -360,12 +360,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from nano_flashattn import kv_kivi
 
-bits, d, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-G, BS, BD = 32, 32, max(16, 1 << (d - 1).bit_length())
-block_n, warps, stages = kv_kivi.kivi_decode_config(d, getattr(torch, dtype), torch.device("cuda"), bits)
-ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
-
-
 def build(kernel, pointers, ints, consts, **options):
     sig = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     if "qk_scale" in sig:
@@ -375,47 +369,61 @@ def build(kernel, pointers, ints, consts, **options):
 
 
 strides = lambda *names: [f"stride_{n}" for n in names]
-store = dict(HEAD_DIM=d, BLOCK_D=BD, G=G, BS=BS, BITS=bits)
-codes = {"KW": "*i32", "KS": "*fp16", "KZ": "*fp16"}
-build(kv_kivi._key_groups, {"K": f"*{ty}", **codes, "Tail": f"*{ty}", "slot_mapping": "*i64",
-      "tail_of_block": "*i32"}, strides("kt", "kh", "wb", "wr", "wh", "sb", "sg", "sh", "te", "tr", "th"),
-      store, num_warps=4)
-build(kv_kivi._store_values, {"K": f"*{ty}", "V": f"*{ty}", "VW": "*i32", "VS": "*fp16", "VZ": "*fp16",
-      "Tail": f"*{ty}", "slot_mapping": "*i64", "tail_of_block": "*i32"},
-      ["num_tokens", *strides("kt", "kh", "vt", "vh", "wb", "wt", "wh", "sb", "st", "sh", "te", "tr", "th")],
-      store, num_warps=4)
-build(kv_kivi._kivi_decode_split_kernel,
-      {"Q": f"*{ty}", **codes, "VW": "*i32", "VS": "*fp16", "VZ": "*fp16", "Tail": f"*{ty}", "Out": "*fp32",
-       "LSE": "*fp32", "cache_seqlens": "*i32", "block_table": "*i32", "tail_of_block": "*i32",
-       "WinK": f"*{ty}", "WinV": f"*{ty}", "win_entry": "*i32", "win_start": "*i32"},
-      ["residual", "ring_rows", "stride_we", "stride_wr", "stride_wh", "seqlen_q", "group", "qk_scale",
-       "window_right",
-       *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
-                "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
-      dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
-           DOT_PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=True), num_warps=warps,
-      num_stages=stages)
+for config in sys.argv[1:]:  # "bits,head_dim,dtype", each compiled in turn, its ptxas log after its name
+  bits, d, dtype = int(config.split(",")[0]), int(config.split(",")[1]), config.split(",")[2]
+  print("config", config, flush=True)
+  G, BS, BD = 32, 32, max(16, 1 << (d - 1).bit_length())
+  block_n, warps, stages = kv_kivi.kivi_decode_config(d, getattr(torch, dtype), torch.device("cuda"), bits)
+  ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+  store = dict(HEAD_DIM=d, BLOCK_D=BD, G=G, BS=BS, BITS=bits)
+  codes = {"KW": "*i32", "KS": "*fp16", "KZ": "*fp16"}
+  build(kv_kivi._key_groups, {"K": f"*{ty}", **codes, "Tail": f"*{ty}", "slot_mapping": "*i64",
+        "tail_of_block": "*i32"}, strides("kt", "kh", "wb", "wr", "wh", "sb", "sg", "sh", "te", "tr", "th"),
+        store, num_warps=4)
+  build(kv_kivi._store_values, {"K": f"*{ty}", "V": f"*{ty}", "VW": "*i32", "VS": "*fp16", "VZ": "*fp16",
+        "Tail": f"*{ty}", "slot_mapping": "*i64", "tail_of_block": "*i32"},
+        ["num_tokens", *strides("kt", "kh", "vt", "vh", "wb", "wt", "wh", "sb", "st", "sh", "te", "tr", "th")],
+        store, num_warps=4)
+  build(kv_kivi._kivi_decode_split_kernel,
+        {"Q": f"*{ty}", **codes, "VW": "*i32", "VS": "*fp16", "VZ": "*fp16", "Tail": f"*{ty}", "Out": "*fp32",
+         "LSE": "*fp32", "cache_seqlens": "*i32", "block_table": "*i32", "tail_of_block": "*i32",
+         "WinK": f"*{ty}", "WinV": f"*{ty}", "win_entry": "*i32", "win_start": "*i32"},
+        ["residual", "ring_rows", "stride_we", "stride_wr", "stride_wh", "seqlen_q", "group", "qk_scale",
+         "window_right",
+         *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
+                  "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
+        dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
+             DOT_PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=True), num_warps=warps,
+        num_stages=stages)
 print("compiled")
 """
 
 
+SM90_CONFIGS = [(2, 128, "bfloat16"), (4, 128, "bfloat16"), (4, 64, "float16"), (2, 256, "bfloat16"),
+                (4, 128, "float32")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bits, d, dtype", [(2, 128, "bfloat16"), (4, 128, "bfloat16"), (4, 64, "float16"),
-                                            (2, 256, "bfloat16"), (4, 128, "float32")])
-def test_kernels_compile_for_sm90_without_spills(bits, d, dtype, tmp_path):
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
     """The three kernels compiled for sm_90 with the installed Triton, no GPU needed, at
     `kivi_decode_config`'s tiles: a Triton construct the interpreter takes and the compiler does not
     fails here, and ptxas must not spill (a dequantized fp32 tile is register-hungry) — except the decode
     kernel's 2-bit hd 128 tile, which spills and was measured faster than the tiles that do not
-    (`kivi_decode_config`). In a process of its own: this one imported Triton under TRITON_INTERPRET=1."""
+    (`kivi_decode_config`). Every config in one process of its own: this one imported Triton under
+    TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _COMPILE, str(bits), str(d), dtype], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, *(",".join(map(str, c)) for c in SM90_CONFIGS)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
-    spills = [line for line in done.stdout.splitlines() if "spill" in line and " 0 bytes spill" not in line]
-    assert len(spills) == ((bits, d, dtype) == (2, 128, "bfloat16")), done.stdout[-3000:]
+    logs = done.stdout.split("config ")[1:]  # one per config, in order
+    assert [log.split()[0] for log in logs] == [",".join(map(str, c)) for c in SM90_CONFIGS]
+    for config, log in zip(SM90_CONFIGS, logs):
+        reports = [line for line in log.splitlines() if "spill" in line]
+        assert len(reports) == 3, (config, log[-3000:])  # ptxas's line for each of the three kernels
+        spills = [line for line in reports if " 0 bytes spill" not in line]
+        assert len(spills) == (config == (2, 128, "bfloat16")), (config, log[-3000:])
 
 
 # ----------------------------------------------------------------------------------------- GPU
