@@ -90,9 +90,12 @@ class _NoEvent:
 class EagerReplay:
     """What a captured graph does on replay, for a runner without CUDA: its body run again on the static
     buffers. The CPU tests capture with it (`DecodeCudaGraphs.capture` patched to return one), so every
-    piece of the graph paths but the capture itself runs; `replays` counts the replays."""
+    piece of the graph paths but the capture itself runs: the body runs once when "captured", as the
+    capture's warm-up does (in the caller's autograd mode: writing an inference tensor in place outside
+    inference mode fails here as it does on a GPU); `replays` counts the replays."""
 
     def __init__(self, body: Callable[[], None]):
+        body()
         self.body, self.replays = body, 0
 
     def replay(self) -> None:
