@@ -165,6 +165,8 @@ class DraftModelProposer:
         while live:
             batch = [d for d, _ in live]
             logits = self._forward(batch)
+            if self.chain is not None and self.chain.run(live, logits):  # the whole proposal, done
+                break
             # the greedy requests' drafts, one read for the batch (none when every request samples)
             top = logits.argmax(-1).tolist() if any(d.params.greedy for d in batch) else []
             for j, d in enumerate(batch):
@@ -172,8 +174,6 @@ class DraftModelProposer:
                 token = top[j] if d.params.greedy else self._draw(d, logits[j : j + 1])
                 d.token_ids.append(token)
                 d.drafts.append(token)
-            if self.chain is not None and self.chain.run(live):  # the rest of the proposal, done
-                break
             # the next forward computes the last draft's K/V: one slot more, or the sequence stops
             live = [(d, k) for d, k in live
                     if len(d.drafts) < k and self.block_manager.allocate_slots(d, 1)]

@@ -5,8 +5,9 @@ prepared on the host and read back, since its token is the next forward's input.
 also catches up on the tokens accepted since the last proposal) the other k − 1 are one-token decodes of
 every sequence. `DraftChain` captures them, per decode batch size, as one graph over the draft runner's
 decode-graph buffers (nano_vllm/layers/cudagraph.py), in which each forward's argmax is written into the
-next forward's input on the device — and, for EAGLE, its f̂ into the next row's feature. The host
-reserves the slots of all k − 1 positions first and reads the k − 1 drafts back once.
+next forward's input on the device — and, for EAGLE, its f̂ into the next row's feature. The first
+forward's argmax (the first drafts) is not read back either: it goes into the chain's input on the device.
+The host reserves the slots of all k − 1 positions first and reads all k drafts back once.
 
 It takes a proposal whose sequences are all greedy and all get the full k, at most max_num_seqs of them;
 any other takes the paper path's loop (same drafts). Delete this file and every proposal takes the loop.
@@ -54,29 +55,31 @@ class DraftChain:
             self.drafts[j, :bs] = self.decode.logits[:bs].argmax(-1)
             ids.copy_(self.drafts[j, :bs])
 
-    def run(self, live: list) -> bool:
-        """The rest of a proposal whose first forward ran (each sequence's first draft appended and not
-        yet computed); False, changing nothing, where the chain does not take it."""
+    def run(self, live: list, logits: torch.Tensor) -> bool:
+        """The proposal whose first forward gave `logits` (a row per sequence, no draft appended yet): its
+        argmax, the first drafts, stays on the device and feeds the chain, and all k drafts are read back
+        at once; False, changing nothing, where the chain does not take it."""
         batch, steps = [d for d, _ in live], self.steps
         if not batch or len(batch) > self.max_bs or any(
-                not d.params.greedy or k - len(d.drafts) != steps for d, k in live):
+                not d.params.greedy or k - len(d.drafts) != steps + 1 for d, k in live):
             return False
         bm = self.proposer.block_manager
-        for d in batch:  # placeholders for the drafts to come, so the block manager reserves their slots
-            d.token_ids += [0] * (steps - 1)
+        for d in batch:  # placeholders for the k drafts, so the block manager reserves their slots
+            d.num_computed_tokens = d.num_tokens
+            d.token_ids += [0] * steps
         reserved = [bm.allocate_slots(d, steps) for d in batch]
         if not all(reserved):  # (blocks reserved past a sequence's tokens go back at its next sync)
             for d in batch:
-                del d.token_ids[len(d.token_ids) - steps + 1 :]
+                del d.token_ids[len(d.token_ids) - steps :]
             return False
+        first = logits.argmax(-1)
         bs = min(s for s in self.graphs if s >= len(batch))
         self.decode.host_free.synchronize()
         ids, where, lens = self.decode.tokens.host.numpy(), self.where.host.numpy(), self.lens.host.numpy()
         ids[0, len(batch) : bs], where[0, :, len(batch) : bs] = 0, 0  # padding rows: one key, scratch slot
         where[1, :, len(batch) : bs], lens[:, len(batch) : bs] = self.proposer.runner.scratch_slot, 1
         for i, d in enumerate(batch):
-            start = d.num_computed_tokens  # the first draft's position
-            ids[0, i] = d.token_ids[start]
+            start = d.num_computed_tokens  # the first draft's position (its token: `first`, below)
             for j in range(steps):
                 p = start + j
                 where[0, j, i], where[1, j, i] = p, d.block_table[p // self.page] * self.page + p % self.page
@@ -85,6 +88,7 @@ class DraftChain:
         tables = [d.block_table for d in batch] + [[0]] * (bs - len(batch))
         fill_block_tables(self.decode.block_tables.host[:bs, :width].numpy(), tables)
         self.decode.tokens.upload(0, slice(bs))
+        self.decode.tokens.device[0, : len(batch)] = first  # after the upload, in stream order
         self.where.upload(slice(None), slice(None), slice(bs))
         self.lens.upload(slice(None), slice(bs))
         self.decode.block_tables.upload(slice(bs), slice(width))
@@ -93,8 +97,9 @@ class DraftChain:
             self.eagle.features = self.proposer.buf
         with self.proposer.runner.config.layers_context():
             self.graphs[bs].replay()
-        for d, more in zip(batch, self.drafts[:, : len(batch)].T.tolist()):  # the one read-back
-            del d.token_ids[len(d.token_ids) - steps + 1 :]
+        drafts = torch.cat([first[None], self.drafts[:, : len(batch)]]).T.tolist()  # the one read-back
+        for d, more in zip(batch, drafts):
+            del d.token_ids[len(d.token_ids) - steps :]
             d.token_ids += more
             d.drafts += more
             d.num_computed_tokens = d.num_tokens - 1
