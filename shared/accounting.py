@@ -196,8 +196,9 @@ def decode_flops(cfg: ModelConfig, context_lens: Sequence[int] | int) -> int:
 def decode_roofline(cfg: ModelConfig, context_lens: Sequence[int] | int, bandwidth: float, peak_flops: float,
                     dtype_bytes: int = 2, **stored: float | None) -> dict:
     """Upper bound on decode tokens/s: a step of B sequences takes at least max(decode_bytes / bandwidth,
-    decode_flops / peak_flops) seconds and yields B tokens. `bandwidth` in bytes/s (the measured copy
-    bandwidth: the practical ceiling), `peak_flops` in FLOP/s."""
+    decode_flops / peak_flops) seconds and yields B tokens. `bandwidth` in bytes/s (the measured read-only
+    stream, `Ceilings.stream_bytes_per_s`: a decode step only reads), `peak_flops` in FLOP/s; `stored`:
+    decode_bytes' `weight_bytes` and `kv_dtype_bytes` of a quantized model or cache."""
     if bandwidth <= 0 or peak_flops <= 0:
         raise ValueError(f"bandwidth and peak_flops must be > 0, got {bandwidth}, {peak_flops}")
     keys = _keys(context_lens)

@@ -58,7 +58,7 @@ class DraftChain:
     def run(self, live: list, logits: torch.Tensor) -> bool:
         """The proposal whose first forward gave `logits` (a row per sequence, no draft appended yet): its
         argmax, the first drafts, stays on the device and feeds the chain, and all k drafts are read back
-        at once; False, changing nothing, where the chain does not take it."""
+        at once; False where the chain does not take it, leaving the sequences as the loop expects them."""
         batch, steps = [d for d, _ in live], self.steps
         if not batch or len(batch) > self.max_bs or any(
                 not d.params.greedy or k - len(d.drafts) != steps + 1 for d, k in live):

@@ -32,32 +32,19 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def _first_differences(outs: list[list[int]], scored) -> list[str]:
-    """Where each sequence first differs from the reference, and the reference's log-probability gap
-    between its token and ours there (a near-tie or not)."""
-    said = []
+def _first_differences(outs: list[list[int]], scored) -> list[tuple[int, float]]:
+    """Per sequence that differs from the reference: the first position it differs at, and the
+    reference's log-probability of its token there minus that of ours (a near-tie or not; inf where ours
+    is not among the reference's top 5)."""
+    found = []
     for tokens, ref in zip(outs, scored):
         want = ref.outputs[0].token_ids
         first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
         if first is not None:
             top = ref.outputs[0].logprobs[first]
             ours = top[tokens[first]].logprob if tokens[first] in top else float("-inf")
-            said.append(f"token {first}: gap {top[want[first]].logprob - ours:.3f} nats")
-    return said
-
-
-def _first_difference_gaps(outs: list[list[int]], scored) -> list[float]:
-    """Per sequence that differs: the reference's log-probability of its token minus that of ours, at the
-    first position they differ (inf where ours is not among the reference's top 5)."""
-    gaps = []
-    for tokens, ref in zip(outs, scored):
-        want = ref.outputs[0].token_ids
-        first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
-        if first is not None:
-            top = ref.outputs[0].logprobs[first]
-            ours = top[tokens[first]].logprob if tokens[first] in top else float("-inf")
-            gaps.append(top[want[first]].logprob - ours)
-    return gaps
+            found.append((first, top[want[first]].logprob - ours))
+    return found
 
 
 NEAR_TIE = 0.1  # nats: an E4M3 round trip moves K/V by up to 2^-4 relative, the logits by a few hundredths
@@ -81,8 +68,8 @@ def test_fp8_engine_agrees_with_its_reference(qwen3_ckpt, monkeypatch):
     # changes the rest of its sequence: so each sequence must agree with the reference up to its first
     # difference, and that difference must be a near-tie of the reference (its token and ours within
     # NEAR_TIE nats). On an H100 (2026-12-07) the two differences were gaps of 0.016 and 0.008 nats.
-    gaps = _first_difference_gaps(outs, scored)
-    assert all(g <= NEAR_TIE for g in gaps), (gaps, _first_differences(outs, scored))
+    differences = _first_differences(outs, scored)  # (position, gap) per sequence that differs
+    assert all(gap <= NEAR_TIE for _, gap in differences), differences
     for engine in (llm.engine, ref.engine):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
