@@ -9,17 +9,21 @@ random weights quantized once:
 | system | what runs | peer |
 |---|---|---|
 | `bf16` | `x @ Wᵀ`, cuBLAS | — |
-| `w4a16` | ours: what `linear.awq_gemm` dispatches for this M (GEMV, GEMM, dequantize + cuBLAS) | `tinygemm` |
-| `w4a16 gemv` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / M ≤ 64) | `tinygemm` |
+| `w4a16` | ours: what `linear.awq_gemm` dispatches for this M (GEMV, GEMM, dequantize + cuBLAS) | W4 peers |
+| `w4a16 gemv` / `w4a16 mma` | each small-M W4A16 kernel forced (M ≤ 8 / M ≤ 64) | W4 peers |
 | `tinygemm` | `torch.ops.aten._weight_int4pack_mm` (gpt-fast's int4 kernel), same INT4 weights | |
+| `gemlite w4a16` | gemlite's A16W4 Triton layer, same INT4 weights, its autotuning on (`peer_ms`) | |
+| `torchao int4` | torchao `Int4WeightOnlyConfig` (tinygemm layout) under `torch.compile` (`peer_ms`) | |
 | `w8a8` | ours: SmoothQuant's INT8 GEMM, scales in the epilogue (inputs quantized) | `int_mm+scale` |
-| `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | `int_mm+scale` |
+| `w8a8 linear` | ours: per-token quantization kernel + the GEMM (what `W8A8Linear` runs) | the INT8 peers |
 | `int_mm` / `int_mm+scale` | `torch._int_mm` (cuBLAS INT8, int32 out) / then the scales in eager torch | |
+| `torchao int8` | torchao `Int8DynamicActivationInt8WeightConfig` under `torch.compile` (`peer_ms`, M > 16) | |
 | `fp8` | ours: the same GEMM on float8 e4m3 | `scaled_mm` |
 | `scaled_mm` | `torch._scaled_mm`, row-wise scales, bf16 out (cuBLASLt FP8) | |
 
 Rows report GPU time (CUDA events, L2 flushed), TFLOP/s (2·M·N·K), TB/s (operand bytes read + output
-written), the ratio to bf16 and to the peer, and the relative error against an fp32 evaluation of the same
+written), the ratio to bf16 and to the fastest of the row's peers measured (named in `peer`; "W4 peers":
+tinygemm, gemlite, torchao; torchao and gemlite only where installed, at the M of `peer_ms`), and the relative error against an fp32 evaluation of the same
 quantized operands (a fast wrong kernel shows here). The physical limits (bf16 matmul 8192³, device copy)
 are measured in the same process. Without CUDA a tiny smoke run on the torch references says so.
 `performance_layers=false` runs the paper path's torch references in the dispatched rows and leaves out the
@@ -33,6 +37,7 @@ import itertools
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import hydra
 import torch
@@ -58,9 +63,11 @@ from .perplexity import config_record
 from .quant import dequantize_rowwise, pack_awq, quantize_groupwise, quantize_rowwise
 
 GROUP = 128
-PEERS = {"w4a16": "tinygemm", "w4a16 gemv": "tinygemm", "w4a16 mma": "tinygemm", "w4a16 gemv repacked": "tinygemm",
-         "w4a16 mma repacked": "tinygemm",
-         "w8a8": "int_mm+scale", "w8a8 linear": "int_mm+scale", "fp8": "scaled_mm"}
+W4_PEERS = ("tinygemm", "gemlite w4a16", "torchao int4")
+# each row's peers: the ratio is to the fastest of them measured in the same run (named in the row)
+PEERS = {"w4a16": W4_PEERS, "w4a16 gemv": W4_PEERS, "w4a16 mma": W4_PEERS, "w4a16 gemv repacked": W4_PEERS,
+         "w4a16 mma repacked": W4_PEERS, "w8a8": ("int_mm+scale",),
+         "w8a8 linear": ("int_mm+scale", "torchao int8"), "fp8": ("scaled_mm",)}
 
 
 def layer(name: str) -> ModuleType | None:
@@ -94,11 +101,61 @@ def weights(k: int, n: int, device: torch.device) -> dict:
         ops["int4pack"] = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
         sz = torch.stack([scales.float(), (8 - zeros).float() * scales.float()], -1)
         ops["scales_and_zeros"] = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+        ops["groupwise"] = (q, scales, zeros)  # the same grid for gemlite (W = (q - z)·Δ, HQQ's convention)
     return ops
 
 
-def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
-    """name -> (callable, bytes moved, fp32 reference of what it computes)."""
+def _torchao_linear(w: torch.Tensor, kind: str) -> Any:
+    """`w` as a torchao-quantized nn.Linear under torch.compile, as torchao's docs run it: "int8" (dynamic
+    per-token INT8 activations, per-channel INT8 weights) or "int4" (weight-only, groups of GROUP, the
+    tinygemm tile layout: torchao's other INT4 layouts need the mslk / fbgemm kernels, not installed)."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, quantize_
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    config = (Int8DynamicActivationInt8WeightConfig() if kind == "int8" else
+              Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="tile_packed_to_4d"))
+    quantize_(lin, config)
+    return torch.compile(lin, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def _gemlite_linear(ops: dict) -> Any:
+    """The same INT4 weights as gemlite's A16W4 layer (its Triton GEMV / GEMM), with its autotuning on at
+    every M (`set_autotune("max")`, `set_autotune_setting(lambda M: M)`, as its README says for peak speed)."""
+    import gemlite
+
+    gemlite.set_autotune("max")
+    gemlite.set_autotune_setting(lambda m: m)
+    q, scales, zeros = ops["groupwise"]
+    return gemlite.helper.A16Wn(device=str(q.device), dtype=torch.bfloat16).from_weights(
+        q.to(torch.uint8), scales.to(torch.bfloat16), zeros.to(torch.bfloat16), W_nbits=4, group_size=GROUP)
+
+
+def peer_systems(ops: dict, x: torch.Tensor, found: dict, ref4: torch.Tensor, ref8: torch.Tensor,
+                 w4_bytes: int) -> None:
+    """torchao's and gemlite's layers, where installed (CUDA): built once per weight, compiled per M."""
+    m, k = x.shape
+    n, out = ops["w"].shape[0], x.shape[0] * ops["w"].shape[0] * 2
+    for name, build, nbytes, ref, ms in (
+            ("torchao int8", lambda: _torchao_linear(ops["w"], "int8"), n * k + m * k * 3 + out, ref8, (17, None)),
+            ("torchao int4", lambda: _torchao_linear(ops["w"], "int4"), w4_bytes + m * k * 2 + out, ref4, (1, None)),
+            ("gemlite w4a16", lambda: _gemlite_linear(ops), w4_bytes + m * k * 2 + out, ref4, (1, None))):
+        if m < ms[0]:  # torchao's INT8 runs torch._int_mm, which needs M > 16
+            continue
+        if name not in ops:
+            try:
+                ops[name] = build()
+            except Exception as e:  # not installed, or no kernel for this GPU: no row, and say why
+                print(f"note: no {name} rows ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+                ops[name] = None
+        if ops[name] is not None:
+            found[name] = (functools.partial(ops[name], x), nbytes, ref)
+
+
+def systems(ops: dict, x: torch.Tensor, peers: bool = False) -> dict[str, tuple]:
+    """name -> (callable, bytes moved, fp32 reference of what it computes); `peers`: torchao's and gemlite's
+    layers too."""
     m, k = x.shape
     n = ops["w"].shape[0]
     (qa, sa), (qa8, sa8) = quantize_rowwise(x, "int8"), quantize_rowwise(x, "fp8")
@@ -145,6 +202,8 @@ def systems(ops: dict, x: torch.Tensor) -> dict[str, tuple]:
         found["scaled_mm"] = (lambda: torch._scaled_mm(qa8, w8t, scale_a=sa8[:, None], scale_b=sw8[None, :],
                                                        out_dtype=torch.bfloat16),
                               n * k + m * k + out, ref_fp8)
+        if peers:
+            peer_systems(ops, x, found, ref4, ref8, w4_bytes)
     return found
 
 
@@ -154,13 +213,15 @@ def _w8a8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor) -> torch.T
 
 
 def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, warmup: int,
-              repeats: int, only: list[str] | None = None) -> list[dict]:
-    """One table's rows: every system of `systems` (those in `only` and bf16, when `only` is given)."""
+              repeats: int, only: list[str] | None = None, peer_ms: list[int] = ()) -> list[dict]:
+    """One table's rows: every system of `systems` (those in `only` and bf16, when `only` is given); the
+    installed libraries' layers (torchao, gemlite) at the M of `peer_ms`."""
     ops = weights(k, n, device)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        found = {s: job for s, job in systems(ops, x).items() if only is None or s in only or s == "bf16"}
+        found = {s: job for s, job in systems(ops, x, m in peer_ms).items()
+                 if only is None or s in only or s == "bf16"}
         times = {}
         for system, (fn, nbytes, ref) in list(found.items()):
             try:
@@ -176,8 +237,9 @@ def run_shape(name: str, k: int, n: int, ms: list[int], device: torch.device, wa
                          "TFLOP/s": 2 * m * n * k / t / 1e12, "TB/s": nbytes / t / 1e12, "rel err": err})
         for row in rows[-len(found):]:
             row["vs bf16"] = times["bf16"] / times[row["system"]]
-            peer = PEERS.get(row["system"])
-            row["vs peer"] = times[peer] / times[row["system"]] if peer in times else None
+            peers = [p for p in PEERS.get(row["system"], ()) if p in times]
+            peer = min(peers, key=times.get) if peers else None  # the fastest peer of this run
+            row["peer"], row["vs peer"] = peer, times[peer] / times[row["system"]] if peer else None
         del x, found
     del ops
     release_memory()
@@ -312,7 +374,7 @@ def run(cfg: DictConfig) -> dict:
             k, n = shapes[name]
             only = cfg.get("systems")
             shape_rows = run_shape(name, k, n, ms, device, int(cfg.warmup), int(cfg.repeats),
-                                   None if only is None else list(only))
+                                   None if only is None else list(only), [int(m) for m in cfg.get("peer_ms") or ()])
             print_table(shape_rows, title=f"{model} {name}: K={k}, N={n}, bf16 activations, INT4 groups of "
                                           f"{GROUP}")
             rows += shape_rows

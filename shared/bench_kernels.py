@@ -72,6 +72,23 @@ def _no_compiled_row(op: str, e: Exception) -> None:
     print(f"{op}: no {COMPILED} row ({type(e).__name__}: {str(e)[:200]})", flush=True)
 
 
+LIGER = "liger-kernel"  # the peer's row: LinkedIn's Triton kernels (RMSNorm, fused add + RMSNorm, RoPE, SwiGLU)
+
+
+def _liger(dev: torch.device) -> Any:
+    """liger_kernel.ops on CUDA when installed (`pip install liger-kernel`), else None: its rows are left out."""
+    if dev.type != "cuda":
+        return None
+    try:
+        import liger_kernel.ops.fused_add_rms_norm
+        import liger_kernel.ops.rms_norm
+        import liger_kernel.ops.rope
+        import liger_kernel.ops.swiglu
+    except ImportError:
+        return None
+    return liger_kernel.ops
+
+
 def _add_norm(x, r, w, eps, norm):
     """(norm(x + r), x + r): the two tensors a fused add + RMSNorm returns, the sum the next residual."""
     s = x + r
@@ -93,6 +110,9 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> 
         impls["F.rms_norm"] = lambda: F.rms_norm(x, (h,), w, eps)
     if compiled:
         impls[COMPILED] = lambda: norm_c(x, w, eps)
+    liger = _liger(dev)
+    if liger is not None:  # Llama's casting (fp32 normalisation, cast, then × weight), as ours; not in place
+        impls[LIGER] = lambda: liger.rms_norm.LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
     rows = _rows_for("rms_norm fwd", impls, 2 * t * h * e + h * e, copy_bw, **timing)
 
     # every peer returns what ours does: the normalised output and the new residual x + r
@@ -104,6 +124,8 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> 
         impls["F.rms_norm"] = lambda: _add_norm(x, r, w, eps, lambda s, w, eps: F.rms_norm(s, (h,), w, eps))
     if compiled:
         impls[COMPILED] = lambda: add_norm_c(x, r, w)
+    if liger is not None:  # returns (norm(x + r), x + r), as ours
+        impls[LIGER] = lambda: liger.fused_add_rms_norm.LigerFusedAddRMSNormFunction.apply(x, r, w, eps)
     rows += _rows_for("add+rms_norm fwd", impls, 4 * t * h * e + h * e, copy_bw, **timing)
 
     xg, wg = x.requires_grad_(), w.requires_grad_()
@@ -119,6 +141,9 @@ def _bench_rms_norm(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> 
             _no_compiled_row("rms_norm bwd", err)
         else:
             impls[COMPILED] = lambda: torch.autograd.grad(y_c, (xg, wg), dy, retain_graph=True)
+    if liger is not None:
+        y_l = liger.rms_norm.LigerRMSNormFunction.apply(xg, wg, eps, 0.0, "llama", False)
+        impls[LIGER] = lambda: torch.autograd.grad(y_l, (xg, wg), dy, retain_graph=True)
     return rows + _rows_for("rms_norm bwd", impls, 3 * t * h * e + 2 * h * e, copy_bw, **timing)
 
 
@@ -135,7 +160,19 @@ def _bench_rope(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list
         rope_c = _compiled(_eager_rope)
         impls[COMPILED] = lambda: rope_c(q, cos_full, sin_full)
     nbytes = 2 * q.numel() * q.element_size() + 2 * cos.numel() * 4
-    return _rows_for(f"rope (head_dim {d})", impls, nbytes, copy_bw, **timing)
+    rows = _rows_for(f"rope (head_dim {d})", impls, nbytes, copy_bw, **timing)
+    liger = _liger(dev)
+    if liger is None:
+        return rows
+    # liger rotates q and k in one call, (batch, heads, seq, d): the same op on q and a k of a quarter of
+    # the heads (GQA 4:1), against ours called on each
+    k = torch.randn(t, max(1, h // d // 4), d, device=dev, dtype=dtype)
+    ql, kl = (z.transpose(0, 1)[None] for z in (q.clone(), k.clone()))
+    impls = {"torch eager": lambda: (_eager_rope(q, cos_full, sin_full), _eager_rope(k, cos_full, sin_full)),
+             ours: lambda: (apply_rope(q, cos, sin), apply_rope(k, cos, sin)),
+             LIGER: lambda: liger.rope.LigerRopeFunction.apply(ql, kl, cos[None], sin[None], None, 1, d)}
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.numel() * 4
+    return rows + _rows_for(f"rope q and k (head_dim {d})", impls, nbytes, copy_bw, **timing)
 
 
 def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing, compiled=False) -> list[dict]:
@@ -147,6 +184,9 @@ def _bench_silu_and_mul(t, h, dtype, dev, ours, copy_bw, timing, compiled=False)
     if compiled:
         silu_c = _compiled(lambda g, u: F.silu(g) * u)
         impls[COMPILED] = lambda: silu_c(g, u)
+    liger = _liger(dev)
+    if liger is not None:
+        impls[LIGER] = lambda: liger.swiglu.LigerSiLUMulFunction.apply(g, u)
     return _rows_for(
         f"silu_and_mul ({inter} wide)", impls, 3 * g.numel() * g.element_size(), copy_bw, **timing
     )

@@ -38,6 +38,7 @@ import contextlib
 import gc
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -226,9 +227,21 @@ def headlines(rows: list[dict]) -> list[str]:
     return out
 
 
+def spread(runs: list[dict]) -> dict:
+    """The median programs/s of repeated timed runs and their range (nothing to add for one run)."""
+    if len(runs) < 2:
+        return {}
+    rates = [r["programs/s"] for r in runs]
+    return {"programs/s": statistics.median(rates), "min programs/s": min(rates), "max programs/s": max(rates),
+            "runs": len(runs), "runs programs/s": rates}
+
+
 def run(cfg: DictConfig) -> dict:
     quick = (not torch.cuda.is_available()) if cfg.quick is None else bool(cfg.quick)
     model = "tiny" if quick and not Path(str(cfg.model)).is_dir() else str(cfg.model)  # quick: any preset
+    repeats = int(cfg.get("repeats") or 1)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     engine_args = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if v is not None}
     if cfg.get("performance_layers") is not None:  # false: every engine on the paper path alone
         engine_args["performance_layers"] = bool(cfg.performance_layers)
@@ -257,7 +270,8 @@ def run(cfg: DictConfig) -> dict:
             # need is compiled before the timed run. One program would not do: its steps are small and
             # replay CUDA graphs, so the workload's multi-sequence eager steps would compile while timed.
             run_programs(engine, programs)
-            by_workload[name].append({"workload": name, "system": system, **run_programs(engine, programs, book)})
+            runs = [run_programs(engine, programs, book) for _ in range(repeats)]
+            by_workload[name].append({"workload": name, "system": system, **runs[0], **spread(runs)})
         del engine, book
         release_memory()  # this engine's KV cache goes before the next one sizes its own from free memory
     rows, json_rows = [], []
@@ -274,8 +288,12 @@ def run(cfg: DictConfig) -> dict:
         layers["nano_sglang JSON"] = engine.layers_applied
         n = max(2, cfg.json_programs // (8 if quick else 1))
         run_json(engine, 2, True)  # warm-up: FSM compile and token masks
-        json_rows = [run_json(engine, n, False), run_json(engine, n, True)]
-        json_rows[1]["speedup"] = json_rows[1]["programs/s"] / json_rows[0]["programs/s"]
+        pairs = [(run_json(engine, n, False), run_json(engine, n, True)) for _ in range(repeats)]  # alternated
+        json_rows = [{**pairs[0][i], **spread([p[i] for p in pairs])} for i in (0, 1)]
+        speedups = [on["programs/s"] / off["programs/s"] for off, on in pairs]
+        json_rows[1]["speedup"] = statistics.median(speedups)
+        if repeats > 1:
+            json_rows[1]["min speedup"], json_rows[1]["max speedup"] = min(speedups), max(speedups)
     if rows:
         key = "bookkeeping ms by method"
         print_table([{k: v for k, v in r.items() if k != key} for r in rows],

@@ -25,6 +25,7 @@ device idle time per step (`timeline` in bench.json, drawn by `python -m shared.
 
     python -m nano_vllm.bench                              # GPU: the workload above
     python -m nano_vllm.bench peer=transformers            # + transformers continuous batching, same run
+    python -m nano_vllm.bench model=llama3-8b workload=batch1 peer=compiled   # + gpt-fast's compiled decode
     python -m nano_vllm.bench model=llama3-8b workload=batch1   # batch-1 decode, % of memory bandwidth
     python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
     python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
@@ -157,6 +158,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
            "preemptions": llm.engine.scheduler.num_preemptions,
            "kernels built while timed": len(compiles.names) if compiles.available else None}
     row["_layers_applied"] = list(layers)
+    row["_tokens"] = list(outs[0].token_ids) if len(outs) == 1 else None  # for the batch-1 peer's comparison
     row["_kernel_variants"] = compiles.reprs  # full signatures, for bench.json (not printed: "_" prefix)
     runner = llm.engine.model_runner  # what the weights take and what §5's sizing left to KV blocks
     qcfg = getattr(runner.model, "quantization_config", None)
@@ -305,8 +307,9 @@ def run(cfg: DictConfig) -> dict:
         return record
     if quick:  # QUICK replaces the defaults, what was given on the command line still wins
         OmegaConf.set_struct(cfg, False)
+        one = {"workload": {"num_seqs": 1}} if int(cfg.workload.num_seqs) == 1 else {}  # batch 1 stays batch 1
         cfg = OmegaConf.merge(cfg, {k: v for k, v in QUICK.items() if k != "model"},
-                              {"model": QUICK["model"]} if cfg.model == "qwen3-0.6b" else {}, _command_line())
+                              {"model": QUICK["model"]} if cfg.model == "qwen3-0.6b" else {}, one, _command_line())
         print("note: quick run (no GPU, or quick=true): the tiny model and a few short requests instead of the "
               "published workload (256 requests, Qwen3-0.6B shape, 133,966 output tokens); numbers from this run "
               "say nothing about GPU throughput", flush=True)
@@ -324,6 +327,7 @@ def run(cfg: DictConfig) -> dict:
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
     stored = row.pop("_stored")  # a quantized model's or cache's bytes: what its decode steps read
     kernel_profile = row.pop("_kernel_profile", None)
+    our_tokens = row.pop("_tokens")
     dtype = llm.engine.config.torch_dtype
     llm.shutdown()  # tensor-parallel workers too
     del llm
@@ -353,8 +357,27 @@ def run(cfg: DictConfig) -> dict:
         rows.append(peer)
         for r in rows:
             r["vs transformers"] = r["output tok/s"] / peer["output tok/s"]
+    elif cfg.peer == "compiled":  # gpt-fast's compiled decode of the same model: the batch-1 peer
+        from nano_vllm.bench.compiled_decode import run_compiled_decode
+
+        if len(reqs) != 1:
+            raise ValueError(f"peer=compiled decodes one request (workload=batch1); this workload has {len(reqs)}")
+        sp = reqs[0].sampling_params
+        peer = run_compiled_decode(mcfg, list(reqs[0].prompt), int(sp.max_tokens), device, dtype,
+                                   str(cfg.get("peer_compile_mode") or "max-autotune"), int(cfg.engine.seed or 0))
+        theirs = peer.pop("_tokens")
+        same = next((i for i, (a, b) in enumerate(zip(theirs, our_tokens or [], strict=False)) if a != b),
+                    min(len(theirs), len(our_tokens or [])))
+        print(f"greedy tokens: the compiled peer and nano_vllm agree on the first {same} of {len(theirs)} "
+              f"(bf16: a near-tie may part them)" if sp.temperature == 0 else "", flush=True)
+        peer["tokens equal to ours before the first difference"] = same
+        peer["% of roofline"] = 100 * peer["output tok/s"] / bound["roofline_tok_per_s"]
+        rows.append(peer)
+        for r in rows:
+            r["vs compiled"] = r["output tok/s"] / peer["output tok/s"]
+        release_memory()
     elif cfg.peer is not None:
-        raise ValueError(f"peer must be null or 'transformers', got {cfg.peer!r}")
+        raise ValueError(f"peer must be null, 'transformers' or 'compiled', got {cfg.peer!r}")
     record = {"bench": "nano_vllm", "model": str(cfg.model), "device": device, "dtype": str(dtype).removeprefix("torch."),
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": ceilings.copy_bytes_per_s / 1e9,

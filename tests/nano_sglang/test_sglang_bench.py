@@ -34,6 +34,11 @@ def test_bench_passes_performance_layers_to_every_engine(tmp_path, monkeypatch):
     cfg = OmegaConf.load(__import__("nano_sglang.configs", fromlist=["x"]).__path__[0] + "/bench.yaml")
     assert cfg.performance_layers is True and cfg.engine.async_scheduling is False
     cfg.quick, cfg.workloads, cfg.json_programs, cfg.performance_layers = True, [], 2, False
+    cfg.repeats = 2  # the JSON off / on pairs twice: the median and the range
     record = run(cfg)
     assert built == [False] and record["engine"]["performance_layers"] is False
     assert record["layers_applied"] == {"nano_sglang JSON": []}
+    off, on = record["json"]
+    assert off["runs"] == on["runs"] == 2 and len(on["runs programs/s"]) == 2
+    assert on["min speedup"] <= on["speedup"] <= on["max speedup"]
+    assert off["min programs/s"] <= off["programs/s"] <= off["max programs/s"]

@@ -55,6 +55,40 @@ def test_bench_cli_quick_with_transformers_peer(tmp_path):
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
 
 
+def test_compiled_decode_peer_is_greedy_decoding_of_the_same_model():
+    """gpt-fast's decode (static cache, SDPA under a position mask) over shared.model's weights gives the
+    recompute-everything oracle's tokens, Qwen3's q/k norms and GQA included (fp32, a CPU: no compile)."""
+    import dataclasses
+
+    import torch
+
+    from nano_vllm.bench.compiled_decode import run_compiled_decode
+    from shared.model import build_model, greedy_generate
+
+    cfg = dataclasses.replace(ModelConfig.from_name("tiny"), qk_norm=True)
+    prompt = [int(t) for t in torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(3))]
+    row = run_compiled_decode(cfg, prompt, 10, "cpu", torch.float32, seed=5)
+    assert row["_tokens"] == greedy_generate(build_model(cfg, "cpu", torch.float32, seed=5), prompt, 10)
+    assert row["output tokens"] == 10 and row["output tok/s"] > 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        run_compiled_decode(cfg, prompt, 0, "cpu", torch.float32)
+
+
+@pytest.mark.slow
+def test_bench_cli_batch1_with_compiled_peer(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "nano_vllm.bench", "quick=true", "workload=batch1", "peer=compiled",
+           "progress=false", "workload.max_input_len=32", "workload.min_output_len=12",
+           "workload.max_output_len=12", "warmup=false", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ours, peer = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert peer["system"].startswith("torch.compile decode") and peer["output tokens"] == ours["output tokens"] == 12
+    assert peer["tokens equal to ours before the first difference"] == 12  # fp32 on a CPU: the same tokens
+    assert "vs compiled" in ours
+
+
 def test_workload_fits_the_model_and_says_so():
     """The published draws as they are where the model takes them; ids past the vocabulary folded into it
     and requests longer than max_model_len cut, each with a note, where it does not."""
