@@ -30,6 +30,7 @@ device idle time per step (`timeline` in bench.json, drawn by `python -m shared.
     python -m nano_vllm.bench serving_rate=20              # + open-loop serving at 20 req/s: TTFT / TPOT
     python -m nano_vllm.bench engine.async_scheduling=false   # one layer off (each engine.* layer key)
     python -m nano_vllm.bench performance_layers=false     # the paper path alone
+    python -m nano_vllm.bench workload=batch1 pdl=false    # every kernel without programmatic dependent launch
     python -m nano_vllm.bench gemv=true                    # the decode GEMV vs cuBLAS and torch.compile
     python -m nano_vllm.bench fused_decode_sweep=true      # the fused decoder layer's kernels over tile configs
     python -m nano_vllm.bench quick=true                   # a CPU-sized smoke run (automatic without CUDA)
@@ -276,6 +277,18 @@ def print_kernel_profile(p: dict) -> None:
     print_table(p["gaps"], title="largest bubbles between kernels (per step)")
 
 
+def disable_pdl() -> None:
+    """nano_flashattn's "pdl" layer off (its `disable()`): every kernel launches without programmatic
+    dependent launch; says so when the layer is not there (a fork deleted it: nothing to turn off)."""
+    try:
+        from nano_flashattn.layers import pdl
+    except ImportError:
+        print("note: pdl=false: nano_flashattn's pdl layer is not installed; nothing to turn off", flush=True)
+        return
+    pdl.disable()
+    print("note: pdl=false: programmatic dependent launch off for every kernel", flush=True)
+
+
 def sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -323,6 +336,8 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(note, flush=True)
     bandwidth, peak = ceilings.stream_bytes_per_s, ceilings.matmul_flops_per_s
+    if cfg.get("pdl") is False:  # what programmatic dependent launch buys: every kernel launched without it
+        disable_pdl()
     row, llm = run_ours(cfg, reqs)
     timeline, memory, layers = row.pop("_timeline"), row.pop("_memory"), row.pop("_layers_applied")
     stored = row.pop("_stored")  # a quantized model's or cache's bytes: what its decode steps read
@@ -382,7 +397,7 @@ def run(cfg: DictConfig) -> dict:
               "quick": quick, "workload": OmegaConf.to_container(cfg.workload), "engine":
               OmegaConf.to_container(cfg.engine), "ceilings": ceilings.as_dict(), "copy_GBps": ceilings.copy_bytes_per_s / 1e9,
               "roofline_GBps": bandwidth / 1e9,
-              "matmul_TFLOPs": peak / 1e12, "layers_applied": layers,
+              "matmul_TFLOPs": peak / 1e12, "layers_applied": layers, "pdl": cfg.get("pdl"),
               "performance_layers": dict.fromkeys(layers, True),  # what shared.report labels a figure with
               **bound, "rows": rows, "serving": serving, "timeline": timeline, "memory": memory,
               "workload_notes": notes, "prompt_tokens": sum(prompt_lens), "oversubscription": oversubscribed,
