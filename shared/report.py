@@ -246,7 +246,7 @@ def fig_vllm(records: list[Record], out: Path) -> list[Path]:
         n = w.get("num_seqs", "?")
         bound = (f"; roofline at {read:,.0f} GB/s read-only stream" if read else
                  f"; roofline at {copy:,.0f} GB/s copy" if copy else "")
-        requests = f"{n} request{'' if n == 1 else 's'}"
+        requests = f"{n} request{'' if n == 1 else 's'}" + (", pdl off" if rec.get("pdl") is False else "")
         ax.set_title(f"{rec.get('model')}, {requests}{bound}\n{_where(rec)}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     _title(fig, "nano_vllm offline throughput against its roofline (bytes actually read)", {})
@@ -392,6 +392,8 @@ def fig_sglang(records: list[Record], out: Path) -> list[Path]:
     paths = []
     for name, rec in records:
         rows = rec["rows"]
+        if not rows:  # a JSON-decoding-only run (workloads=[]): no hit rates to draw
+            continue
         workloads = list(dict.fromkeys(r["workload"] for r in rows))
         systems = list(dict.fromkeys(r["system"] for r in rows))
         width = 0.8 / len(systems)
@@ -511,6 +513,8 @@ def fig_specdec(records: list[Record], out: Path) -> list[Path]:
     paths = []
     for name, rec in records:
         rows = rec["rows"]
+        if not rows:  # a JSON-decoding-only run (workloads=[]): no hit rates to draw
+            continue
         workloads = list(dict.fromkeys(r["workload"] for r in rows))
         methods = list(dict.fromkeys(r["method"] for r in rows))
         series = list(dict.fromkeys((r["method"], r["temperature"]) for r in rows))

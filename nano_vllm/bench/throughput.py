@@ -352,6 +352,11 @@ def run(cfg: DictConfig) -> dict:
     bound = serving_roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, bandwidth, peak, **stored)
     bound["roofline_reads"] = stored or "16-bit weights and K/V"
     row["% of roofline"] = 100 * row["output tok/s"] / bound["roofline_tok_per_s"]
+    if ceilings.datasheet_bytes_per_s:  # the same bound at the card's datasheet bandwidth (the datasheet floor)
+        sheet = serving_roofline(mcfg, prompt_lens, out_lens, dtype.itemsize, ceilings.datasheet_bytes_per_s,
+                                 peak, **stored)
+        bound["datasheet_roofline_tok_per_s"] = sheet["roofline_tok_per_s"]
+        row["% of datasheet floor"] = 100 * row["output tok/s"] / sheet["roofline_tok_per_s"]
     rows = [row]
     if cfg.serving_rate is not None:  # open-loop serving on a fresh engine: TTFT / TPOT under load
         llm = make_llm(cfg)
@@ -387,6 +392,8 @@ def run(cfg: DictConfig) -> dict:
               f"(bf16: a near-tie may part them)" if sp.temperature == 0 else "", flush=True)
         peer["tokens equal to ours before the first difference"] = same
         peer["% of roofline"] = 100 * peer["output tok/s"] / bound["roofline_tok_per_s"]
+        if "datasheet_roofline_tok_per_s" in bound:
+            peer["% of datasheet floor"] = 100 * peer["output tok/s"] / bound["datasheet_roofline_tok_per_s"]
         rows.append(peer)
         for r in rows:
             r["vs compiled"] = r["output tok/s"] / peer["output tok/s"]

@@ -131,6 +131,14 @@ def test_missing_inputs_are_skipped_and_named(tmp_path):
     assert not (tmp_path / "img" / "vllm_roofline.png").exists()
 
 
+def test_a_json_decoding_only_sglang_run_draws_no_hit_rates(tmp_path):
+    """`workloads=[]` writes no workload rows: that file gets no figure, the others theirs."""
+    only_json = {**SGLANG, "rows": [], "json": [{"system": "nano_sglang JSON, jump-forward on", "programs/s": 1.0}]}
+    results = _write(tmp_path / "results", {"nano_sglang.json": SGLANG, "nano_sglang_json.json": only_json})
+    lines = report.render(results, tmp_path / "img", only=["sglang"])
+    assert [p.name for p in (tmp_path / "img").glob("*.png")] == ["sglang_hit_rate_nano_sglang.png"], lines
+
+
 def test_only_draws_the_named_figures(tmp_path):
     results = _write(tmp_path / "results", ALL)
     lines = report.render(results, tmp_path / "img", only=["distserve"])
