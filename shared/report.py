@@ -90,7 +90,10 @@ def load_results(results: Path) -> tuple[dict[str, list[Record]], list[str]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         kind = kind_of(record)
-        if kind is None:
+        transcribed = isinstance(record, dict) and "transcribed" in str(record.get("source", ""))
+        if transcribed:  # the page's rule: a figure, like a number, comes from a JSON a bench wrote
+            notes.append(f"ignored {path.name}: transcribed from a printed table, not written by a bench")
+        elif kind is None:
             notes.append(f"ignored {path.name}: no figure reads this record")
         else:
             groups[kind].append((path.name, record))
@@ -108,6 +111,13 @@ def _where(record: dict) -> str:
     gpu = record.get("gpu") or env.get("device") or record.get("device")
     date = str(record.get("date") or env.get("date") or "")[:10]
     return ", ".join(str(x) for x in (gpu, date) if x)
+
+
+def _card(record: dict) -> str:
+    """'H100 2026-12-07': the card's model and the date of a record, for a bar label among other cards."""
+    gpu = str(record.get("gpu") or (record.get("env") or {}).get("device") or "")
+    card = next((c for c in ("H100", "H200", "A100") if c in gpu), gpu)
+    return " ".join(x for x in (card, str(record.get("date") or "")[:10]) if x)
 
 
 def _fmt(v: float) -> str:
@@ -329,9 +339,11 @@ def _mfu_bars(name: str, rec: dict) -> list[tuple[str, float, str]]:
     peaks = {"measured": _num(ceilings.get("matmul_TFLOPs")) or _num(rec.get("matmul_TFLOPs_measured"))
              or _num(rec.get("matmul_TFLOPs")),
              "datasheet": _num(ceilings.get("datasheet_TFLOPs")) or _num(rec.get("peak_TFLOPs_datasheet"))}
+    card = _card(rec)
     for r in rows:
-        gpus = f" ({r['GPUs']} GPU{'s' if r['GPUs'] != 1 else ''})" if "GPUs" in r else ""
-        label = f"{prefix} {r.get('impl') or r.get('system')}{gpus}"
+        gpus = f"{r['GPUs']} GPU{'s' if r['GPUs'] != 1 else ''}" if "GPUs" in r else ""
+        where = ", ".join(x for x in (gpus, card) if x)
+        label = f"{prefix} {r.get('impl') or r.get('system')}" + (f" ({where})" if where else "")
         keyed = [(key, m.group(1)) for key in r if (m := MFU_KEY.fullmatch(key))]
         for key, kind in keyed:
             if _num(r.get(key)) is not None:
@@ -362,12 +374,13 @@ def fig_training(records: list[Record], out: Path) -> list[Path]:
         raise KeyError("MFU % / scaling efficiency")
     panels = [p for p in (("MFU %", mfu), ("scaling efficiency %", scaling)) if p[1]]
     height = 0.45 * max(len(mfu), len(scaling)) + 2
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + (4.5 if len(panels) == 1 else 0), height),
+                             squeeze=False)
     for ax, (xlabel, bars) in zip(axes[0], panels):
         kinds = list(dict.fromkeys(b[2] for b in bars)) if xlabel == "MFU %" else []
         colors = [f"C{kinds.index(b[2])}" if kinds else "C2" for b in bars]
         ax.barh(range(len(bars)), [b[1] for b in bars], color=colors)
-        ax.set_xlim(0, 1.6 * max(b[1] for b in bars) if kinds else 115)  # room for the legend / 100% line
+        ax.set_xlim(0, 2.0 * max(b[1] for b in bars) if kinds else 115)  # room for the legend / 100% line
         ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
         ax.invert_yaxis()
         for i, b in enumerate(bars):
@@ -381,7 +394,7 @@ def fig_training(records: list[Record], out: Path) -> list[Path]:
             ax.axvline(100, ls=":", c="grey")
         ax.set_xlabel(xlabel)
         ax.grid(axis="x", alpha=0.3)
-    _title(fig, "Training: MFU (6N + 12·L·d·S FLOPs per token) and multi-GPU scaling", records[0][1])
+    _title(fig, "Training: MFU (6N + 12·L·d·S FLOPs per token), scaling; card and date in each label", {})
     return [_save(fig, out / "mfu_scaling.png")]
 
 

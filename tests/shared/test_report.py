@@ -139,6 +139,15 @@ def test_a_json_decoding_only_sglang_run_draws_no_hit_rates(tmp_path):
     assert [p.name for p in (tmp_path / "img").glob("*.png")] == ["sglang_hit_rate_nano_sglang.png"], lines
 
 
+def test_transcribed_json_draws_nothing(tmp_path):
+    """A JSON transcribed from a printed table (`source` says so) is ignored, and the notes say why."""
+    transcribed = {**SGLANG, "source": "transcribed from the tables the bench printed"}
+    results = _write(tmp_path / "results", {"nano_sglang.json": transcribed})
+    lines = report.render(results, tmp_path / "img", only=["sglang"])
+    assert any("ignored nano_sglang.json: transcribed" in line for line in lines), lines
+    assert not list((tmp_path / "img").glob("*.png"))
+
+
 def test_only_draws_the_named_figures(tmp_path):
     results = _write(tmp_path / "results", ALL)
     lines = report.render(results, tmp_path / "img", only=["distserve"])
