@@ -46,7 +46,7 @@ def configs(k: int, head_dim: int | None) -> list[fd.TileConfig]:
     """The grid: rows a program, the whole row or half of it a tile, 4 or 8 warps."""
     whole = 1 << (k - 1).bit_length()
     out = []
-    for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), (whole, whole // 2), (4, 8)):
+    for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16, 32), (whole, whole // 2), (4, 8)):
         if head_dim is not None and head_dim % block_n:
             continue
         if block_n * block_k > 32768 or block_k < 256:  # 64 KiB of bf16 a tile at most

@@ -75,15 +75,18 @@ def test_compiled_decode_peer_is_greedy_decoding_of_the_same_model():
 
 
 @pytest.mark.slow
-def test_bench_cli_batch1_with_compiled_peer(tmp_path):
+def test_bench_cli_batch1_with_compiled_peer_and_pdl_off(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "nano_vllm.bench", "quick=true", "workload=batch1", "peer=compiled",
            "progress=false", "workload.max_input_len=32", "workload.min_output_len=12",
-           "workload.max_output_len=12", "warmup=false", f"hydra.run.dir={tmp_path}"]
+           "workload.max_output_len=12", "warmup=false", "pdl=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ours, peer = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert "pdl=false: programmatic dependent launch off" in proc.stdout  # the A/B switch, recorded below
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["pdl"] is False
+    ours, peer = record["rows"]
     assert peer["system"].startswith("torch.compile decode") and peer["output tokens"] == ours["output tokens"] == 12
     assert peer["tokens equal to ours before the first difference"] == 12  # fp32 on a CPU: the same tokens
     assert "vs compiled" in ours
