@@ -11,12 +11,16 @@ at `cost_context` tokens of context per sequence, for every batch size:
 * the verify step: k + 1 tokens per sequence in one forward, the logits of every row (what
   nano_specdec's runner computes); the verification rule itself (an argmax or a residual draw) is not
   counted;
-* the draft step: one token per sequence through the draft's shape (a draft model runs k of them).
+* the draft step: one token per sequence through the draft's shape (a draft model runs k of them);
+* EAGLE's draft step: one token per sequence through one decoder layer of the target's shape and the
+  target's LM head (EAGLE §3: the draft is one layer on the target's features, with the target's frozen
+  embedding and head), timed as a one-layer model of the target's shape with a tied head; its FC (2h → h,
+  ~4% of the step's bytes at the llama3-8b shape) is not counted. A chain runs k of them.
 
 `projection(...)` turns those costs and a τ measured by the bench into the speedup they imply for the
 large target: τ · t_decode / (f · t_verify + (1 − f) · t_decode + t_draft), with f the measured share of
 decode forwards that verified drafts (prompt lookup proposes none where it finds no match), and t_draft
-k draft steps for a draft model, the measured host time of prompt lookup for `ngram`. It is a projection — the τ comes from the bench's own
+k draft steps for a draft model or EAGLE, the measured host time of prompt lookup for `ngram`. It is a projection — the τ comes from the bench's own
 target and draft, not from an 8B pair — and is labelled so wherever it is printed or recorded.
 
 Times are device times (`shared.bench.benchmark`: CUDA events; the host's work is not counted) on a GPU
@@ -84,9 +88,19 @@ def step_seconds(runner: ModelRunner, batch: int, context: int, new: int, per_se
     return benchmark(forward, device=device, warmup=3, repeats=10)
 
 
+def eagle_shape(target: Any) -> dict:
+    """EAGLE's draft at `target`'s shape, as ModelConfig fields: one decoder layer, the head tied to the
+    embedding (the target's, read once a step)."""
+    mcfg = resolve_model_config(dict(target) if not isinstance(target, str) else target)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "attention_bias", "qk_norm")
+    return {**{f: getattr(mcfg, f) for f in fields}, "num_hidden_layers": 1, "tie_word_embeddings": True}
+
+
 def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_sizes: list[int],
-                  context: int, device: str) -> list[dict]:
-    """Per batch size: decode, verify (k + 1 tokens) and draft step times in ms (module docstring)."""
+                  context: int, device: str, eagle: bool = False) -> list[dict]:
+    """Per batch size: decode, verify (k + 1 tokens) and draft step times in ms, and with `eagle` EAGLE's
+    draft step at the target's shape (module docstring)."""
     max_b, bs = max(batch_sizes), base.block_size
     per_seq = math.ceil((context + k + 1) / bs)
     max_model_len = per_seq * bs
@@ -105,6 +119,13 @@ def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_siz
     for row in rows:
         row["draft step ms"] = 1e3 * step_seconds(runner, row["batch"], context, 1, per_seq, device)
         row["draft / decode"] = row["draft step ms"] / row["decode ms"]
+    if eagle:
+        del runner
+        release_memory()
+        runner = make_runner(base, eagle_shape(target), max_b, per_seq, max_model_len)
+        for row in rows:
+            row["eagle step ms"] = 1e3 * step_seconds(runner, row["batch"], context, 1, per_seq, device)
+            row["eagle / decode"] = row["eagle step ms"] / row["decode ms"]
     return rows
 
 
@@ -121,6 +142,8 @@ def projection(costs: list[dict], rows: list[dict], k: int) -> list[dict]:
             draft_ms = r["draft ms/step"]
         elif r["method"] == "draft_model":
             draft_ms = k * c["draft step ms"]
+        elif r["method"] == "eagle" and "eagle step ms" in c:  # a chain: k steps of the one layer
+            draft_ms = k * c["eagle step ms"]
         else:
             continue
         f = (r.get("verified %") or 0.0) / 100

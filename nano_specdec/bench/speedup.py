@@ -213,7 +213,7 @@ def run(cfg: DictConfig) -> dict:
         draft = cfg.cost_draft if isinstance(cfg.cost_draft, str) else \
             OmegaConf.to_container(cfg.cost_draft, resolve=True)
         costs = measure_costs(base, str(cfg.cost_model), draft, k, [int(b) for b in cfg.batch_sizes],
-                              int(cfg.cost_context), device)
+                              int(cfg.cost_context), device, eagle="eagle" in specs)
         projected = projection(costs, rows, k)
     record = {"bench": "nano_specdec", "model": str(cfg.model), "device": device, "dtype": dtype,
               "quick": quick, "num_speculative_tokens": k, "speculative_configs": specs,

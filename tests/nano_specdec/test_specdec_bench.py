@@ -79,6 +79,24 @@ def test_quick_bench_with_costs_writes_its_json_and_figure(tmp_path):
     assert written == [f"wrote {png}"] and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_eagle_cost_is_one_target_layer_and_its_head_chained_k_times():
+    """EAGLE's draft at the target's shape (one decoder layer, the tied head) is timed beside the others,
+    and a chain of k of its steps is what the projection charges an EAGLE row."""
+    from nano_specdec.bench.cost import eagle_shape, measure_costs, projection
+    from nano_vllm.config import EngineConfig
+
+    shape = eagle_shape("llama3-8b")
+    assert shape["num_hidden_layers"] == 1 and shape["tie_word_embeddings"]
+    assert (shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]) == (4096, 14336, 128256)
+    base = EngineConfig(model="tiny", device="cpu", dtype="float32", enforce_eager=True)
+    costs = measure_costs(base, "tiny", "tiny", 2, [1], 8, "cpu", eagle=True)
+    assert costs[0]["eagle step ms"] > 0 and costs[0]["eagle / decode"] > 0
+    row = {"method": "eagle", "workload": "code", "batch": 1, "temperature": 0.0, "tau": 2.5, "verified %": 100.0}
+    (proj,) = projection(costs, [row], 2)
+    assert proj["draft ms"] == 2 * costs[0]["eagle step ms"]
+    assert proj["step ms"] == proj["draft ms"] + costs[0]["verify ms (3 tokens)"]
+
+
 def test_workloads_come_from_held_out_files_and_say_when_they_repeat():
     enc = get_tokenizer()
 
