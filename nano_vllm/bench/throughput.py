@@ -336,6 +336,8 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(note, flush=True)
     bandwidth, peak = ceilings.stream_bytes_per_s, ceilings.matmul_flops_per_s
+    if cfg.peer == "compiled" and len(reqs) != 1:  # before the engine runs, not after
+        raise ValueError(f"peer=compiled decodes one request (workload=batch1); this workload has {len(reqs)}")
     if cfg.get("pdl") is False:  # what programmatic dependent launch buys: every kernel launched without it
         disable_pdl()
     row, llm = run_ours(cfg, reqs)
@@ -380,16 +382,15 @@ def run(cfg: DictConfig) -> dict:
     elif cfg.peer == "compiled":  # gpt-fast's compiled decode of the same model: the batch-1 peer
         from nano_vllm.bench.compiled_decode import run_compiled_decode
 
-        if len(reqs) != 1:
-            raise ValueError(f"peer=compiled decodes one request (workload=batch1); this workload has {len(reqs)}")
         sp = reqs[0].sampling_params
         peer = run_compiled_decode(mcfg, list(reqs[0].prompt), int(sp.max_tokens), device, dtype,
                                    str(cfg.get("peer_compile_mode") or "max-autotune"), int(cfg.engine.seed or 0))
         theirs = peer.pop("_tokens")
         same = next((i for i, (a, b) in enumerate(zip(theirs, our_tokens or [], strict=False)) if a != b),
                     min(len(theirs), len(our_tokens or [])))
-        print(f"greedy tokens: the compiled peer and nano_vllm agree on the first {same} of {len(theirs)} "
-              f"(bf16: a near-tie may part them)" if sp.temperature == 0 else "", flush=True)
+        if sp.temperature == 0:
+            print(f"greedy tokens: the compiled peer and nano_vllm agree on the first {same} of {len(theirs)} "
+                  "(bf16: a near-tie may part them)", flush=True)
         peer["tokens equal to ours before the first difference"] = same
         peer["% of roofline"] = 100 * peer["output tok/s"] / bound["roofline_tok_per_s"]
         if "datasheet_roofline_tok_per_s" in bound:

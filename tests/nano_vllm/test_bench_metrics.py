@@ -90,6 +90,12 @@ def test_bench_cli_batch1_with_compiled_peer_and_pdl_off(tmp_path):
     assert peer["system"].startswith("torch.compile decode") and peer["output tokens"] == ours["output tokens"] == 12
     assert peer["tokens equal to ours before the first difference"] == 12  # fp32 on a CPU: the same tokens
     assert "vs compiled" in ours
+    # a workload of several requests: named before any engine is built
+    bad = subprocess.run([sys.executable, "-m", "nano_vllm.bench", "quick=true", "peer=compiled", "progress=false",
+                          f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "peer=compiled decodes one request" in bad.stderr + bad.stdout
+    assert "layers applied" not in bad.stdout
 
 
 def test_workload_fits_the_model_and_says_so():
