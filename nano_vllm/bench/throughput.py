@@ -177,7 +177,7 @@ def run_ours(cfg: DictConfig, reqs: list[Request]) -> tuple[dict, LLM]:
     row["ms/step"] = 1e3 * seconds / steps
     row["host ms/step"] = 1e3 * (phases["schedule"] + phases["postprocess"] + phases["prepare"]) / steps
     row["device idle ms/step"] = timeline["device_idle_ms_per_step"]
-    repeats = int(cfg.get("repeats") or 1)
+    repeats = int(cfg.get("repeats") if cfg.get("repeats") is not None else 1)
     if repeats > 1:  # the spread, not the best run: the row gives the median and the range of all runs
         runs = [row["output tok/s"]]
         for _ in range(repeats - 1):
@@ -336,6 +336,8 @@ def run(cfg: DictConfig) -> dict:
     for note in notes:
         print(note, flush=True)
     bandwidth, peak = ceilings.stream_bytes_per_s, ceilings.matmul_flops_per_s
+    if cfg.get("repeats") is not None and int(cfg.repeats) < 1:
+        raise ValueError(f"repeats must be >= 1 (timed runs of the workload), got {cfg.repeats}")
     if cfg.peer == "compiled" and len(reqs) != 1:  # before the engine runs, not after
         raise ValueError(f"peer=compiled decodes one request (workload=batch1); this workload has {len(reqs)}")
     if cfg.get("pdl") is False:  # what programmatic dependent launch buys: every kernel launched without it

@@ -96,6 +96,10 @@ def test_bench_cli_batch1_with_compiled_peer_and_pdl_off(tmp_path):
                          text=True, timeout=300)
     assert bad.returncode != 0 and "peer=compiled decodes one request" in bad.stderr + bad.stdout
     assert "layers applied" not in bad.stdout
+    bad = subprocess.run([sys.executable, "-m", "nano_vllm.bench", "quick=true", "repeats=0", "progress=false",
+                          f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "repeats must be >= 1" in bad.stderr + bad.stdout
 
 
 def test_workload_fits_the_model_and_says_so():
