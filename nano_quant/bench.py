@@ -137,18 +137,20 @@ def peer_systems(ops: dict, x: torch.Tensor, found: dict, ref4: torch.Tensor, re
                  w4_bytes: int) -> None:
     """torchao's and gemlite's layers, where installed (CUDA): built once per weight, compiled per M."""
     m, k = x.shape
-    n, out = ops["w"].shape[0], x.shape[0] * ops["w"].shape[0] * 2
-    for name, build, nbytes, ref, ms in (
-            ("torchao int8", lambda: _torchao_linear(ops["w"], "int8"), n * k + m * k * 3 + out, ref8, (17, None)),
-            ("torchao int4", lambda: _torchao_linear(ops["w"], "int4"), w4_bytes + m * k * 2 + out, ref4, (1, None)),
-            ("gemlite w4a16", lambda: _gemlite_linear(ops), w4_bytes + m * k * 2 + out, ref4, (1, None))):
-        if m < ms[0]:  # torchao's INT8 runs torch._int_mm, which needs M > 16
+    n = ops["w"].shape[0]
+    out = m * n * 2
+    for name, build, nbytes, ref, min_m in (  # torchao's INT8 runs torch._int_mm, which needs M > 16
+            ("torchao int8", lambda: _torchao_linear(ops["w"], "int8"), n * k + m * k * 3 + out, ref8, 17),
+            ("torchao int4", lambda: _torchao_linear(ops["w"], "int4"), w4_bytes + m * k * 2 + out, ref4, 1),
+            ("gemlite w4a16", lambda: _gemlite_linear(ops), w4_bytes + m * k * 2 + out, ref4, 1)):
+        if m < min_m:
             continue
         if name not in ops:
             try:
                 ops[name] = build()
             except Exception as e:  # not installed, or no kernel for this GPU: no row, and say why
-                print(f"note: no {name} rows ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+                print(f"note: no {name} rows ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})",
+                      flush=True)
                 ops[name] = None
         if ops[name] is not None:
             found[name] = (functools.partial(ops[name], x), nbytes, ref)

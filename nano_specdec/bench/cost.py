@@ -29,6 +29,7 @@ and wall times on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -92,9 +93,8 @@ def eagle_shape(target: Any) -> dict:
     """EAGLE's draft at `target`'s shape, as ModelConfig fields: one decoder layer, the head tied to the
     embedding (the target's, read once a step)."""
     mcfg = resolve_model_config(dict(target) if not isinstance(target, str) else target)
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "attention_bias", "qk_norm")
-    return {**{f: getattr(mcfg, f) for f in fields}, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    fields = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "extra"}
+    return {**fields, "num_hidden_layers": 1, "tie_word_embeddings": True}
 
 
 def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_sizes: list[int],

@@ -18,14 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nano_vllm.bench.throughput import sync
+from shared.kernels import apply_rope_torch
 from shared.model import CausalLM, build_model, rope_inv_freq
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half RoPE (RoFormer eq. 34) of x (B, S, H, D) with cos / sin (S, D/2), in fp32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(x.dtype)
 
 
 class StaticDecoder(nn.Module):
@@ -61,7 +56,7 @@ class StaticDecoder(nn.Module):
             if a.q_norm is not None:
                 q = F.rms_norm(q, (d,), a.q_norm.weight, eps)
                 k = F.rms_norm(k, (d,), a.k_norm.weight, eps)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = apply_rope_torch(q, cos[None], sin[None]), apply_rope_torch(k, cos[None], sin[None])
             k_cache.index_copy_(2, positions, k.transpose(1, 2))
             v_cache.index_copy_(2, positions, v.transpose(1, 2))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask,
@@ -105,17 +100,12 @@ def run_compiled_decode(model_config: Any, prompt: list[int], max_tokens: int, d
 
     t0 = time.perf_counter()
     generate()  # compile (and autotune) outside the timing, every step shape included
-    _sync(device)
+    sync()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokens = generate()
-    _sync(device)
+    sync()
     seconds = time.perf_counter() - t0
     return {"system": f"torch.compile decode ({mode}, gpt-fast)", "requests": 1, "output tokens": len(tokens),
             "seconds": seconds, "output tok/s": len(tokens) / seconds, "steps": len(tokens),
             "ms/step": 1e3 * seconds / len(tokens), "compile s": compile_s, "_tokens": tokens}
-
-
-def _sync(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
