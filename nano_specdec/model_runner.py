@@ -138,12 +138,14 @@ class SpecModelRunner(ModelRunner):
                 emitted[i] = [t]
         greedy = [(i, start) for i, start in zip(picked, starts)
                   if out.drafts[i] and out.seqs[i].sampling_params.greedy]
-        if greedy:  # every greedy chain at once, padded with -1 (never an argmax): one read-back
+        if greedy:  # every greedy chain at once, padded with -1 (never an argmax): one read-back of the
+            # rows' argmax, then the rule on the host — a few ints, where on the device its handful of
+            # small kernels and two host-to-device copies would each cost more than the comparison
             k = max(len(out.drafts[i]) for i, _ in greedy)
             tokens = [out.drafts[i] + [-1] * (k - len(out.drafts[i])) for i, _ in greedy]
             rows = [[s + min(j, len(out.drafts[i])) for j in range(k + 1)] for i, s in greedy]
-            argmax = logits.argmax(-1)[torch.tensor(rows, device=logits.device)]
-            n, nxt = verify_chains_greedy(torch.tensor(tokens, device=logits.device), argmax)
+            argmax = logits.argmax(-1).cpu()[torch.tensor(rows)]
+            n, nxt = verify_chains_greedy(torch.tensor(tokens), argmax)
             for (i, _), a, t in zip(greedy, *torch.stack([n, nxt]).tolist()):
                 emitted[i] = [*out.drafts[i][:a], t]
         for i, start in zip(picked, starts):
