@@ -173,11 +173,61 @@ def _store_silu_and_mul(acc, rows_out, cols_out, ok, OUT, HALF: tl.constexpr, N_
 
 
 @triton.jit
+def _rnd(v, DT: tl.constexpr):
+    """v rounded to the activation dtype and widened back (how a stored tensor would read)."""
+    return v.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _pair_halves(p):
+    """The two bf16 values of an int32 pair as fp32 (bit operations only, as `_load_x8`)."""
+    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_rstd(X, R, K, eps, X_PAIRS: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr):
+    """1 / rms of the row x (+ r, rounded: the residual stream as shared.kernels' RMSNorm adds it), over its K
+    values, in fp32 — each program computes it itself (the row is a few KiB, in L2): no norm launch."""
+    BLOCK: tl.constexpr = 1024
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    if X_PAIRS:  # int32 pairs of bf16
+        for j0 in range(0, K // 2, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            lo, hi = _pair_halves(tl.load(X + j, mask=j < K // 2, other=0))
+            if HAS_RES:
+                rlo, rhi = _pair_halves(tl.load(R + j, mask=j < K // 2, other=0))
+                lo, hi = _rnd(lo + rlo, DT), _rnd(hi + rhi, DT)
+            ss += lo * lo + hi * hi
+    else:
+        for j0 in range(0, K, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            v = tl.load(X + j, mask=j < K, other=0.0).to(tl.float32)
+            if HAS_RES:
+                v = _rnd(v + tl.load(R + j, mask=j < K, other=0.0).to(tl.float32), DT)
+            ss += v * v
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _prologue_x(x, r, w, rstd, DT: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr):
+    """One x value as the GEMV multiplies it: the stream x + r rounded (HAS_RES), then RMSNorm'd as
+    shared.kernels rounds it — x·rstd to the activation dtype, × weight, rounded again (NORM)."""
+    if HAS_RES:
+        x = _rnd(x + r, DT)
+    if NORM:
+        x = _rnd(w * _rnd(x * rstd, DT), DT)
+    return x
+
+
+@triton.jit
 def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GROUPS, groups_per_split,
+                              NW, R, ADD_H, ADD_R, eps,
                               GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GPS: tl.constexpr,
                               WPG: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN: tl.constexpr,
                               X_PAIRS: tl.constexpr, EXACT: tl.constexpr, SPLIT: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                              HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                              NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                              ADD: tl.constexpr = 0):
     """One row of x. Tile axes (output column n, group g of the step, word w of the group): a step reads GPS
     whole groups of BLOCK_N columns (WPG: the group's GROUP_SIZE / 8 words, padded to a power of two), and
     each thread holds several columns at the same word positions, so x's eight values per word are loaded
@@ -188,8 +238,17 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     those magics (2^16, 2^12, 2^8, 2^4) small, (2^(23 − b) + q)·x accumulates in fp32 with FMAs and Σ 2^(23−b)·x
     comes off once per word; only the 2^16 nibbles take their magic off per weight, which keeps the running sum
     below 2^13·|x|: ~1e-5 relative error before the fp16 / bf16 output's rounding (EXACT, for fp32 x: every
-    magic off per weight). Then acc += s·part + (−z·s)·Σx."""
+    magic off per weight). Then acc += s·part + (−z·s)·Σx.
+
+    Neighbours fused in (the fused decoder layer's W4A16 steps, nano_vllm/layers/fused_decode.py): NORM — x is
+    RMSNorm(x (+ R, HAS_RES)) with weight NW, each program computing the row's 1/rms itself and normalising the
+    x values it multiplies; ADD — the output rounded, plus ADD_H (ADD = 1) or the stream ADD_H + ADD_R rounded
+    (ADD = 2), rounded: an o_proj that returns the new residual stream (one slice of K, no bias)."""
     pdl_prologue(PDL, RELEASE=False)  # launch overlap with the previous kernel (shared.kernels)
+    DT: tl.constexpr = tl.bfloat16 if X_PAIRS else X.dtype.element_ty
+    rstd = 0.0
+    if NORM:
+        rstd = _row_rstd(X, R, KP * 8, eps, X_PAIRS, HAS_RES, DT)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = _tile_columns(pid_n, N, BLOCK_N, SILU)
     rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None]  # columns past N re-read N - 1, never stored
@@ -212,6 +271,19 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
             s = tl.load(S + rows * GROUPS + grp, mask=grp < g_hi, other=0.0).to(tl.float32)
             zs = tl.load(ZS + rows * GROUPS + grp, mask=grp < g_hi, other=0.0)
         x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(X, grp * (GROUP_SIZE // 2) + pair, ok, X_PAIRS, EVEN)
+        if NORM:  # per word position, shared by the BLOCK_N columns
+            r0, r1, r2, r3, r4, r5, r6, r7 = x0, x1, x2, x3, x4, x5, x6, x7
+            if HAS_RES:
+                r0, r1, r2, r3, r4, r5, r6, r7 = _load_x8(R, grp * (GROUP_SIZE // 2) + pair, ok, X_PAIRS, EVEN)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _load_x8(NW, grp * (GROUP_SIZE // 2) + pair, ok, X_PAIRS, EVEN)
+            x0 = _prologue_x(x0, r0, w0, rstd, DT, HAS_RES, NORM)
+            x1 = _prologue_x(x1, r1, w1, rstd, DT, HAS_RES, NORM)
+            x2 = _prologue_x(x2, r2, w2, rstd, DT, HAS_RES, NORM)
+            x3 = _prologue_x(x3, r3, w3, rstd, DT, HAS_RES, NORM)
+            x4 = _prologue_x(x4, r4, w4, rstd, DT, HAS_RES, NORM)
+            x5 = _prologue_x(x5, r5, w5, rstd, DT, HAS_RES, NORM)
+            x6 = _prologue_x(x6, r6, w6, rstd, DT, HAS_RES, NORM)
+            x7 = _prologue_x(x7, r7, w7, rstd, DT, HAS_RES, NORM)
         lo = (w << 7) | 0x7F800000  # nibbles 0-3 at bits 7, 11, 15, 19 (bits shifted into the exponent: ORed away)
         hi = (w.to(tl.uint32, bitcast=True) >> 9).to(tl.int32, bitcast=True) | 0x7F800000  # nibbles 4-7
         part = _nibble_at(lo, 19, EXACT) * x3  # smallest magics first: the running sum grows last
@@ -231,6 +303,13 @@ def _awq_gemv_repacked_kernel(X, QW, S, ZS, OUT, PART, TICKETS, BIAS, N, KP, GRO
     if SILU:  # one slice, no bias (checked on the host)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         _store_silu_and_mul(y[None, :], 0, cols[None, :], (cols < N // 2)[None, :], OUT, BLOCK_N // 2, N // 2)
+    elif ADD:  # one slice, no bias (checked on the host): round(y) + the stream, rounded
+        ok = rn < N
+        h = tl.load(ADD_H + rn, mask=ok, other=0.0).to(tl.float32)
+        if ADD == 2:
+            h = _rnd(h + tl.load(ADD_R + rn, mask=ok, other=0.0).to(tl.float32), OUT.dtype.element_ty)
+        y = _rnd(y, OUT.dtype.element_ty) + h
+        tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=ok)
     else:
         split_k_epilogue(y, rn, rn < N, OUT, PART, TICKETS, pid_n, pid_k, N, N, BIAS, SPLIT, HAS_BIAS)
 
@@ -261,11 +340,19 @@ def awq_gemv_repacked_config(n: int, k: int, group_size: int, num_sms: int) -> d
 
 def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t: torch.Tensor,
                              zeros_t: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                             config: dict | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+                             config: dict | None = None, silu_and_mul: bool = False,
+                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                             residual: torch.Tensor | None = None,
+                             add: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x (1, K) @ Ŵ (K, N) (+ bias) over `repack_for_gemv`'s layout (AWQ §4's memory-bound decoding): each
     program streams BLOCK_N columns' K-contiguous packed words, GPS groups a step, scale and zero once per word.
     silu_and_mul: Ŵ is a fused gate_up (gate the first N / 2 columns, up the rest); returns SwiGLU's
-    silu(gate)·up, (1, N / 2), from the kernel's epilogue (`_store_silu_and_mul`; one slice of K, no bias)."""
+    silu(gate)·up, (1, N / 2), from the kernel's epilogue (`_store_silu_and_mul`; one slice of K, no bias).
+
+    The fused decoder layer's neighbours (each as shared.kernels / the paper path rounds it): norm_weight —
+    x is first RMSNorm'd (weight norm_weight, eps), and with `residual` (1, K) the row normalised is the stream
+    x + residual; add = (h, r) — returns round(x Ŵ) + h, or + round(h + r) when r is given: an o_proj that
+    adds the residual stream (h, r (1, N); one slice of K, no bias)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"awq_gemv_repacked: x must be (1, K), got {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -284,21 +371,60 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     if split < 1:
         raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1, got {split}")
     split = _check_silu_and_mul("awq_gemv_repacked", silu_and_mul, n, cfg["BLOCK_N"], bias, split)
+    rows = _check_neighbours(x, n, norm_weight, residual, add, bias, silu_and_mul)
+    split = 1 if add is not None else split
     per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
     out = torch.empty(1, n // 2 if silu_and_mul else n, device=x.device, dtype=x.dtype)
     grid = (cdiv(out.shape[1], cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]), cdiv(groups, per))
     partial, tickets = _split_k_buffers(out, grid[1], grid[0])
     wpg = next_pow2(group_size // 8)
     pairs = x.dtype == torch.bfloat16
-    x = x.clone() if pairs and x.storage_offset() % 2 else x  # an int32 view needs an even offset
+
+    def as_read(t: torch.Tensor) -> torch.Tensor:  # bf16 rows as int32 pairs: an even offset, contiguous
+        t = t.reshape(1, -1)
+        t = t.clone() if pairs and (t.storage_offset() % 2 or t.stride(-1) != 1) else t
+        return t.view(torch.int32) if pairs else t
+
+    xr = as_read(x)
+    nw = as_read(norm_weight) if norm_weight is not None else xr
+    res = as_read(residual) if residual is not None else xr
+    add_h, add_r = (rows[0], rows[1] if rows[1] is not None else rows[0]) if add is not None else (out, out)
     stages = cfg.setdefault("num_stages", 1)
     _awq_gemv_repacked_kernel[grid](
-        x.view(torch.int32) if pairs else x, qweight_t, scales_t, zeros_t, out, partial, tickets,
-        out if bias is None else bias, n, kp, groups, per, GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
+        xr, qweight_t, scales_t, zeros_t, out, partial, tickets,
+        out if bias is None else bias, n, kp, groups, per, nw, res, add_h, add_r, float(eps),
+        GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
         NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
         EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
-        **pdl_args(x.device), **cfg)
+        NORM=norm_weight is not None, HAS_RES=residual is not None,
+        ADD=0 if add is None else 1 if add[1] is None else 2, **pdl_args(x.device), **cfg)
     return out
+
+
+def _check_neighbours(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+                      add: tuple | None, bias: torch.Tensor | None, silu_and_mul: bool) -> tuple:
+    """The fused neighbours' tensors checked against x (1, K) and N; returns add's (h, r) as contiguous
+    (N,) rows (or (None, None))."""
+    k = x.shape[1]
+
+    def row(name: str, t: torch.Tensor, size: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor) or t.numel() != size or t.dtype != x.dtype or t.device != x.device:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"awq_gemv_repacked: {name} must be {size} values of x's dtype {x.dtype} on its "
+                             f"device, got {got}")
+        return t.reshape(-1).contiguous()
+
+    if norm_weight is not None:
+        row("norm_weight", norm_weight, k)
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("awq_gemv_repacked: residual is the stream a norm_weight normalises: give both")
+        row("residual", residual, k)
+    if add is None:
+        return None, None
+    if silu_and_mul or bias is not None or not isinstance(add, tuple) or len(add) != 2:
+        raise ValueError("awq_gemv_repacked: add is an (h, r or None) pair, without bias or silu_and_mul")
+    return row("add's h", add[0], n), None if add[1] is None else row("add's r", add[1], n)
 
 
 def _check_silu_and_mul(name: str, silu_and_mul: bool, n: int, block_n: int, bias: torch.Tensor | None,

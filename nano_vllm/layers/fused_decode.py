@@ -548,6 +548,8 @@ class FusedDecoderLayer(DecoderLayer):
                 or not isinstance(paged, PagedAttention) or paged.kv_cache.dtype != h.dtype
                 or not runs_kernels(h)):
             return super().forward(h, residual, cos, sin, ctx)
+        if getattr(self, "w4", False):
+            return self._forward_w4(h, residual, cos, sin, ctx)
         x = h.reshape(-1)
         r = residual.reshape(-1) if residual is not None else None
         i = attn.layer_idx
@@ -568,6 +570,31 @@ class FusedDecoderLayer(DecoderLayer):
         # (h, residual) as the paper path's layers return them: the next RMSNorm adds the two
         return down(act, self.mlp.down_proj.weight).view(h.shape), stream.view(h.shape)
 
+    def _forward_w4(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step over nano_quant's repacked W4A16 projections, six kernels: the W4 GEMV with the
+        add + RMSNorm prologue (QKV), `rope_and_store` (layers/fused.py), (b), the W4 GEMV with the residual
+        epilogue (o_proj), with the RMSNorm prologue and SwiGLU epilogue (gate/up), and the plain one (down)."""
+        from nano_quant.layers.repacked import awq_gemv_repacked_triton  # a W4A16 model: nano_quant is there
+        from nano_vllm.layers.fused import rope_and_store  # stacked the projections: it is there
+
+        def w4(layer: nn.Module, x: torch.Tensor, **neighbours: Any) -> torch.Tensor:
+            return awq_gemv_repacked_triton(x, layer.qweight_t, layer.scales_t, layer.zeros_t, layer.group_size,
+                                            **neighbours)
+
+        attn, paged = self.self_attn, self.self_attn.attn_fn
+        x = h.reshape(1, -1)
+        r = residual.reshape(1, -1) if residual is not None else None
+        norm, post, d, i = self.input_layernorm, self.post_attention_layernorm, attn.head_dim, attn.layer_idx
+        qkv = w4(attn.qkv_proj, x, norm_weight=norm.weight, eps=norm.eps, residual=r)
+        q, k, v = (t.view(1, 1, -1, d) for t in qkv.split(attn.qkv_sizes, dim=-1))
+        caches = paged.kv_cache[0, i], paged.kv_cache[1, i]
+        q, _ = rope_and_store(q, k, v, cos.reshape(1, 1, -1), sin.reshape(1, 1, -1), *caches, ctx.slot_mapping)
+        o = decode_attention(q.view(-1, d), *caches, ctx.block_tables[0], ctx.context_lens, self.workspace)
+        stream = w4(attn.o_proj, o.reshape(1, -1), add=(x, r))
+        act = w4(self.mlp.gate_up_proj, stream, norm_weight=post.weight, eps=post.eps, silu_and_mul=True)
+        return w4(self.mlp.down_proj, act).view(h.shape), stream.view(h.shape)
+
 
 def fusable(layer: nn.Module) -> bool:
     """A decoder layer whose projections the "fused" layer stacked, unquantized (16-bit; fp32 for the CPU
@@ -579,6 +606,17 @@ def fusable(layer: nn.Module) -> bool:
             and d >= 16 and not d & (d - 1)
             and all(m.weight.dtype in (torch.float16, torch.bfloat16, torch.float32) for m in linears)
             and all(m.bias is None for m in linears[1:]))
+
+
+def fusable_w4(layer: nn.Module) -> bool:
+    """A decoder layer whose stacked projections are nano_quant's repacked W4A16 layers (`qweight_t`: the
+    K-contiguous copy), no bias, no q/k norm (`rope_and_store` rotates without one)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "gate_up_proj", None), mlp.down_proj]
+    d = attn.head_dim
+    return (isinstance(layer, DecoderLayer) and all(getattr(m, "qweight_t", None) is not None for m in linears)
+            and all(getattr(m, "bias", None) is None for m in linears) and attn.q_norm is None
+            and d >= 16 and not d & (d - 1))
 
 
 def kernel_bytes(model: nn.Module) -> dict[str, int]:
@@ -597,18 +635,23 @@ def kernel_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def apply_fused_decode(runner: Any) -> None:
-    """The "runner" hook: every fusable decoder layer becomes a FusedDecoderLayer sharing one workspace."""
-    layers = [m for m in runner.model.model.layers if fusable(m)]
+    """The "runner" hook: every fusable decoder layer becomes a FusedDecoderLayer sharing one workspace. W4A16
+    layers (`fusable_w4`) only where `fused_decode=True` asks: their speed against the unfused W4 step is not
+    yet measured on a GPU."""
+    w4 = runner.config.fused_decode is True
+    layers = [m for m in runner.model.model.layers if fusable(m) or (w4 and fusable_w4(m))]
     if not layers:
         return
-    n = max(m.self_attn.qkv_proj.weight.shape[0] for m in layers)
+    n = max(sum(m.self_attn.qkv_sizes) for m in layers)
     attn = layers[0].self_attn
     heads_q, heads_kv = (size // attn.head_dim for size in attn.qkv_sizes[:2])
     workspace = Workspace(n, n // attn.head_dim, runner.device, heads_kv, heads_q // heads_kv, attn.head_dim)
     for m in layers:
+        m.w4 = not fusable(m)
         m.__class__ = FusedDecoderLayer
         m.workspace = workspace
-    runner.model.kernel_bytes = kernel_bytes(runner.model)
+    if not any(m.w4 for m in layers):  # the bench's per-kernel bytes: the 16-bit kernels' names
+        runner.model.kernel_bytes = kernel_bytes(runner.model)
 
 
 def _applies(runner: Any) -> bool:

@@ -58,6 +58,8 @@ def main() -> None:
     bf16 = "*bf16"
     decode_pointers = {"Q": bf16, "K": bf16, "V": bf16, "Out": "*fp32", "LSE": "*fp32",
                        "cache_seqlens": "*i32", "block_table": "*i32"}
+    w4 = {"X": "*i32", "QW": "*i32", "S": bf16, "ZS": "*fp32", "OUT": bf16, "PART": "*fp32", "TICKETS": "*i32",
+          "BIAS": bf16, "NW": "*i32", "R": "*i32", "ADD_H": bf16, "ADD_R": bf16}
     kernels = [
         ("Flash-Decoding split", pdl._pdl_split_kernel, decode_pointers,
          {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": 128, "PAGED": True, "PAGE_SIZE": 16,
@@ -86,11 +88,13 @@ def main() -> None:
           "BIAS": bf16},
          {"GROUP_SIZE": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "K_TILES": 1, "OFFSET": 0.0,
           "PTX": True, "NUM_STAGES": 3, "SPLIT": True, "HAS_BIAS": False, "SILU": False}, False),
-        ("W4 GEMV", repacked._awq_gemv_repacked_kernel,
-         {"X": "*i32", "QW": "*i32", "S": bf16, "ZS": "*fp32", "OUT": bf16, "PART": "*fp32", "TICKETS": "*i32",
-          "BIAS": bf16},
+        ("W4 GEMV", repacked._awq_gemv_repacked_kernel, w4,
          {"GROUP_SIZE": 128, "BLOCK_N": 32, "GPS": 2, "WPG": 16, "NUM_STAGES": 1, "EVEN": True, "X_PAIRS": True,
           "EXACT": False, "SPLIT": True, "HAS_BIAS": False, "SILU": False}, False),
+        ("W4 GEMV, add + RMSNorm before, + stream after", repacked._awq_gemv_repacked_kernel, w4,
+         {"GROUP_SIZE": 128, "BLOCK_N": 16, "GPS": 4, "WPG": 16, "NUM_STAGES": 4, "EVEN": True, "X_PAIRS": True,
+          "EXACT": False, "SPLIT": False, "HAS_BIAS": False, "SILU": False, "NORM": True, "HAS_RES": True,
+          "ADD": 2}, False),
     ]
     for name, fn, pointers, consts, release_early in kernels:
         stages = consts.get("NUM_STAGES", 1)

@@ -268,3 +268,69 @@ def test_forward_silu_and_mul_falls_back_on_cpu():
     model = repacked.use_repacked_gemv(torch.nn.Sequential(layer))
     x = torch.randn(3, 64)
     torch.testing.assert_close(model[0].forward_silu_and_mul(x), silu_and_mul(*model[0](x).chunk(2, dim=-1)))
+
+
+def _round(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """v rounded to dtype as the kernels round it here: Triton's interpreter converts fp32 to bf16 by
+    truncation (a GPU rounds to nearest even, as torch does); fp16 it rounds as torch does."""
+    if dtype == torch.bfloat16:
+        return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return v.to(dtype)
+
+
+def _norm_reference(x, r, w, eps):
+    """shared.kernels' add + RMSNorm in x's dtype: the stream x + r rounded, x·rstd rounded, × w rounded."""
+    h = x if r is None else _round(x.float() + r.float(), x.dtype)
+    rstd = torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps)
+    return _round(w.float() * _round(h.float() * rstd, x.dtype).float(), x.dtype)
+
+
+@pytest.mark.parametrize("dtype,cfg,res", [
+    (torch.bfloat16, (4, 4, 2), True),    # bf16 rows as int32 pairs, split-K: every slice normalises its x
+    (torch.bfloat16, (8, 2, 1), False),   # the norm alone
+    (torch.float16, (4, 1, 1), True),     # fp16 rows read as they are
+    (torch.float16, (2, 4, 1), False)])   # 6 groups, 4 a step: the last step masked
+def test_norm_prologue(poisoned, dtype, cfg, res):  # noqa: F811
+    """norm_weight (and residual): the kernel multiplies RMSNorm(x (+ residual)) — the fused decoder layer's
+    QKV and gate_up prologue — within the tolerance rule of the same GEMV of the reference's normalised row
+    (bf16 under the interpreter: its output truncated, not rounded, so one more bf16 ulp of the output)."""
+    torch.manual_seed(7)
+    k, n, group_size = 384, 24, 64
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=False), group_size)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
+    x, r = (torch.randn(1, k) * 3).to(dtype), (torch.randn(1, k) if res else torch.zeros(1, k)).to(dtype)
+    w = (1 + 0.1 * torch.randn(k)).to(dtype)
+    xn = _norm_reference(x, r if res else None, w, 1e-5)
+    exact = xn.double() @ awq_dequantize_torch(layer.qweight, layer.qzeros, layer.scales, group_size).double()
+    low = awq_gemm_torch(xn, layer.qweight, layer.qzeros, layer.scales, group_size, None)
+    config = {"BLOCK_N": cfg[0], "GPS": cfg[1], "SPLIT_K": cfg[2], "num_warps": 4, "num_stages": 2}
+    ours = repacked.awq_gemv_repacked_triton(x, *packed, group_size, config=config, norm_weight=w, eps=1e-5,
+                                             residual=r if res else None)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+    assert ours.dtype == dtype and within_fa_rule(ours, exact, low, eps=ulp)
+
+
+@pytest.mark.parametrize("dtype,two", [(torch.bfloat16, True), (torch.float16, False)])
+def test_add_epilogue(poisoned, dtype, two):  # noqa: F811
+    """add=(h, r): round(x Ŵ) + the stream round(h + r) (or + h), rounded — the o_proj that returns the new
+    residual stream; equal to the plain GEMV's output added as the paper path adds two tensors (the GEMV's sums
+    are exact: x holds multiples of 1/64), and bad neighbours are refused by name."""
+    torch.manual_seed(3)
+    k, n, group_size = 256, 40, 64
+    layer = WQLinear_GEMM.from_linear(torch.nn.Linear(k, n, bias=False), group_size)
+    packed = repacked.repack_for_gemv(layer.qweight, layer.qzeros, layer.scales, group_size)
+    x = (torch.randint(-8, 8, (1, k)) / 64).to(dtype)
+    h, r = torch.randn(1, n).to(dtype), torch.randn(1, n).to(dtype)
+    config = {"BLOCK_N": 8, "GPS": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}  # add forces one slice
+    ours = repacked.awq_gemv_repacked_triton(x, *packed, group_size, config=config, add=(h, r if two else None))
+    plain = repacked.awq_gemv_repacked_triton(x, *packed, group_size, config={**config, "SPLIT_K": 1})
+    stream = _round(h.float() + r.float(), dtype) if two else h
+    torch.testing.assert_close(ours, _round(plain.float() + stream.float(), dtype), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="add"):
+        repacked.awq_gemv_repacked_triton(x, *packed, group_size, torch.zeros(n, dtype=dtype), add=(h, None))
+    with pytest.raises(ValueError, match="add's h"):
+        repacked.awq_gemv_repacked_triton(x, *packed, group_size, add=(h[:, :3], None))
+    with pytest.raises(ValueError, match="residual"):
+        repacked.awq_gemv_repacked_triton(x, *packed, group_size, residual=x)
+    with pytest.raises(ValueError, match="norm_weight"):
+        repacked.awq_gemv_repacked_triton(x, *packed, group_size, norm_weight=x.float())

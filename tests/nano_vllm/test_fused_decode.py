@@ -151,3 +151,41 @@ def test_fused_decode_steps_equal_the_paper_path_layer_by_layer(family, request,
     assert len(ours) == len(ref) == 4 * 2  # 4 decode steps (the first token comes from the prefill) x 2 layers
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_w4a16_decode_steps_equal_the_unfused_w4_layers(tmp_path):
+    """W4A16 (rtn-w4, group 32, a Llama-style tiny model; nano_quant's repacked layers, which the engine swaps
+    in on CUDA and this test swaps in on the CPU): with fused_decode=True a one-row step takes the six W4
+    kernels (the GEMV's add + RMSNorm prologue and residual epilogue, rope_and_store, the fused attention) and
+    every layer's residual stream equals the unfused W4 layers' (fp32: to 1e-5 of the stream's largest value,
+    the W4 kernel summing in another order than dequantize-then-matmul), tokens too; with fused_decode=None
+    (the default) W4 layers stay unfused."""
+    from quant_checkpoints import tiny_config, trained_like
+
+    from nano_quant import quantize_model, save_quantized
+    from nano_quant.layers.repacked import use_repacked_gemv
+
+    cfg = tiny_config(qk_norm=False)
+    model = trained_like(cfg)
+    quantize_model(model, "rtn-w4", progress=False, group_size=32)
+    ckpt = save_quantized(model, tmp_path / "w4", dtype=None)
+    prompt = random_prompts(3, [11])[0]
+    common = {"device": "cpu", "max_num_seqs": 1, "fused_projections": True, "enable_prefix_caching": False}
+
+    def w4_llm(fused: bool | None) -> LLM:
+        llm = LLM(ckpt, fused_decode=fused, **common)
+        use_repacked_gemv(llm.engine.model_runner.model)  # what module_swap does on CUDA
+        fd.apply_fused_decode(llm.engine.model_runner)  # again, now that the layers are the repacked ones
+        return llm
+
+    ref_tokens, ref = _streams(w4_llm(False), prompt, 5)
+    default = w4_llm(None).engine.model_runner.model.model.layers
+    assert not any(isinstance(m, fd.FusedDecoderLayer) for m in default)
+    llm = w4_llm(True)
+    layers = llm.engine.model_runner.model.model.layers
+    assert all(isinstance(m, fd.FusedDecoderLayer) and m.w4 for m in layers)
+    tokens, ours = _streams(llm, prompt, 5)
+    assert tokens == ref_tokens
+    assert len(ours) == len(ref) == 4 * 2
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
