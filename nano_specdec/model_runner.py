@@ -138,8 +138,8 @@ class SpecModelRunner(ModelRunner):
                 emitted[i] = [t]
         greedy = [(i, start) for i, start in zip(picked, starts)
                   if out.drafts[i] and out.seqs[i].sampling_params.greedy]
-        if greedy:  # every greedy chain at once, padded with -1 (never an argmax): one read-back of the
-            # rows' argmax, then the rule on the host — a few ints, where on the device its handful of
+        if greedy:  # every greedy chain at once, padded with -1 (never an argmax): one read-back
+            # of the rows' argmax, then the rule on the host — a few ints, where on the device its
             # small kernels and two host-to-device copies would each cost more than the comparison
             k = max(len(out.drafts[i]) for i, _ in greedy)
             tokens = [out.drafts[i] + [-1] * (k - len(out.drafts[i])) for i, _ in greedy]

@@ -40,6 +40,13 @@ Applies on CUDA (`EngineConfig.fused_decode`, None: on where it applies) to one-
 one device; every other step runs the paper path's layer (the GEMV layer, cuBLAS). Under
 TRITON_INTERPRET=1 the same kernels run on a CPU (tests compare each fused op with its torch
 definition, `reference_*`, and a fused step with the paper path's, layer by layer).
+
+**W4A16.** With `fused_decode=True` (asked for: not yet timed against the unfused W4 step on a GPU), a
+layer whose stacked projections are nano_quant's repacked W4A16 layers takes six kernels a one-row step:
+nano_quant's W4 GEMV with the add + RMSNorm prologue (QKV), layers/fused.py's `rope_and_store`, (b), the W4
+GEMV with the residual-stream epilogue (o_proj), with the RMSNorm prologue and its SwiGLU epilogue (gate/up),
+and the plain W4 GEMV (down) — against nine in the unfused W4 step (no Qwen3 q/k norm: `rope_and_store`
+rotates without it).
 """
 
 from __future__ import annotations

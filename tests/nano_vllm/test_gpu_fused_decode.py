@@ -120,3 +120,25 @@ def test_fused_steps_equal_the_unfused_layer_by_layer_fp32(family, request):
     assert tokens == ref_tokens and len(ours) == len(ref) > 0
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_with_the_fused_w4a16_layer_gives_the_same_tokens(tmp_path):
+    """W4A16 (rtn-w4, group 32, a Llama-style model; the engine swaps in nano_quant's repacked layers on CUDA):
+    fused_decode=True takes the six W4 kernels, and bf16 tokens equal the unfused W4 engine's (CUDA graphs and
+    every other layer on in both) until a near-tie, if any."""
+    from quant_checkpoints import tiny_config, trained_like
+
+    from nano_quant import quantize_model, save_quantized
+
+    model = trained_like(tiny_config(qk_norm=False))
+    quantize_model(model, "rtn-w4", progress=False, group_size=32)
+    ckpt = save_quantized(model, tmp_path / "w4", dtype=None)
+    prompts = random_prompts(8, [9])
+    common = {"dtype": "bfloat16", "num_kv_blocks": 256, "max_num_seqs": 1}
+    ref = LLM(ckpt, fused_decode=False, **common).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5), use_tqdm=False)
+    llm = LLM(ckpt, fused_decode=True, **common)
+    assert all(isinstance(m, fd.FusedDecoderLayer) and m.w4 for m in llm.engine.model_runner.model.model.layers)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert _equal_up_to_near_ties(out, ref, margin=0.05) <= 1
