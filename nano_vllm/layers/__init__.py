@@ -7,7 +7,7 @@ this order, each inside a guard: delete one and the rest runs).
 | `cudagraph` | "graphs" | CUDA, unless `enforce_eager` | `enforce_eager`, `mixed_cudagraph_sizes` |
 | `fused` | "runner" | CUDA | `fused_projections` |
 | `gemv` | "runner" | CUDA, one-row steps | `gemv_max_tokens` (0: off) |
-| `fused_decode` | "runner" | CUDA, one device, one-row decode steps of a 16-bit model | `fused_decode` |
+| `fused_decode` | "runner" | CUDA, one device, one-row decode steps of a 16-bit model (and of W4A16 where True) | `fused_decode` |
 | `fused_sampling` | "runner" | CUDA | `fused_sampling` |
 | `overlap` | "runner", "engine" | CUDA, one device, nano_vllm's runner / scheduler | `async_scheduling` |
 | `warmup` | "engine" | CUDA | — |
