@@ -526,7 +526,7 @@ def fig_specdec(records: list[Record], out: Path) -> list[Path]:
     paths = []
     for name, rec in records:
         rows = rec["rows"]
-        if not rows:  # a JSON-decoding-only run (workloads=[]): no hit rates to draw
+        if not rows:  # a run with no workload rows: nothing to draw
             continue
         workloads = list(dict.fromkeys(r["workload"] for r in rows))
         methods = list(dict.fromkeys(r["method"] for r in rows))

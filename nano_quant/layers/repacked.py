@@ -130,17 +130,23 @@ def _load(ptr, ok, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _pair_halves(p):
+    """The two bf16 values of an int32 pair as fp32 (bit operations only: a half is the top half
+    of the fp32 bit pattern)."""
+    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_x8(X, p, ok, X_PAIRS: tl.constexpr, EVEN: tl.constexpr):
     """The x of the nibbles t = 0..7 of words 4u + c, as fp32 tensors shaped like `p` = 16u + c, their first
     pairs: nibbles i and 4 + i are the pair x[2p + 8i], x[2p + 8i + 1]. X_PAIRS: bf16 read as int32 pairs, whose
     halves are the top halves of the fp32 bit patterns (one shift or one AND, no conversion)."""
     if X_PAIRS:
-        p0, p1 = _load(X + p, ok, EVEN), _load(X + p + 4, ok, EVEN)
-        p2, p3 = _load(X + p + 8, ok, EVEN), _load(X + p + 12, ok, EVEN)
-        return ((p0 << 16).to(tl.float32, bitcast=True), (p1 << 16).to(tl.float32, bitcast=True),
-                (p2 << 16).to(tl.float32, bitcast=True), (p3 << 16).to(tl.float32, bitcast=True),
-                (p0 & -65536).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
-                (p2 & -65536).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
+        x0, x4 = _pair_halves(_load(X + p, ok, EVEN))
+        x1, x5 = _pair_halves(_load(X + p + 4, ok, EVEN))
+        x2, x6 = _pair_halves(_load(X + p + 8, ok, EVEN))
+        x3, x7 = _pair_halves(_load(X + p + 12, ok, EVEN))
+        return x0, x1, x2, x3, x4, x5, x6, x7
     ptr = X + 2 * p
     return (_load(ptr, ok, EVEN).to(tl.float32), _load(ptr + 8, ok, EVEN).to(tl.float32),
             _load(ptr + 16, ok, EVEN).to(tl.float32), _load(ptr + 24, ok, EVEN).to(tl.float32),
@@ -176,12 +182,6 @@ def _store_silu_and_mul(acc, rows_out, cols_out, ok, OUT, HALF: tl.constexpr, N_
 def _rnd(v, DT: tl.constexpr):
     """v rounded to the activation dtype and widened back (how a stored tensor would read)."""
     return v.to(DT).to(tl.float32)
-
-
-@triton.jit
-def _pair_halves(p):
-    """The two bf16 values of an int32 pair as fp32 (bit operations only, as `_load_x8`)."""
-    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -371,8 +371,8 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     if split < 1:
         raise ValueError(f"awq_gemv_repacked: SPLIT_K must be >= 1, got {split}")
     split = _check_silu_and_mul("awq_gemv_repacked", silu_and_mul, n, cfg["BLOCK_N"], bias, split)
-    rows = _check_neighbours(x, n, norm_weight, residual, add, bias, silu_and_mul)
-    split = 1 if add is not None else split
+    _check_neighbours(x, n, norm_weight, residual, add, bias, silu_and_mul)
+    split = 1 if add is not None else split  # only a program holding all of K has the sum to add to
     per = cdiv(cdiv(groups, split), gps) * gps  # groups a program sums: whole steps
     out = torch.empty(1, n // 2 if silu_and_mul else n, device=x.device, dtype=x.dtype)
     grid = (cdiv(out.shape[1], cfg["BLOCK_N"] // 2 if silu_and_mul else cfg["BLOCK_N"]), cdiv(groups, per))
@@ -388,11 +388,12 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
     xr = as_read(x)
     nw = as_read(norm_weight) if norm_weight is not None else xr
     res = as_read(residual) if residual is not None else xr
-    add_h, add_r = (rows[0], rows[1] if rows[1] is not None else rows[0]) if add is not None else (out, out)
+    add_h, add_r = (add[0], add[0] if add[1] is None else add[1]) if add is not None else (out, out)
     stages = cfg.setdefault("num_stages", 1)
     _awq_gemv_repacked_kernel[grid](
         xr, qweight_t, scales_t, zeros_t, out, partial, tickets,
-        out if bias is None else bias, n, kp, groups, per, nw, res, add_h, add_r, float(eps),
+        out if bias is None else bias, n, kp, groups, per, nw, res, add_h.contiguous(), add_r.contiguous(),
+        float(eps),
         GROUP_SIZE=group_size, GPS=gps, WPG=wpg,
         NUM_STAGES=stages, EVEN=groups % per == 0 and wpg * 8 == group_size, X_PAIRS=pairs,
         EXACT=x.dtype == torch.float32, SPLIT=grid[1] > 1, HAS_BIAS=bias is not None, SILU=silu_and_mul,
@@ -402,17 +403,15 @@ def awq_gemv_repacked_triton(x: torch.Tensor, qweight_t: torch.Tensor, scales_t:
 
 
 def _check_neighbours(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
-                      add: tuple | None, bias: torch.Tensor | None, silu_and_mul: bool) -> tuple:
-    """The fused neighbours' tensors checked against x (1, K) and N; returns add's (h, r) as contiguous
-    (N,) rows (or (None, None))."""
+                      add: tuple | None, bias: torch.Tensor | None, silu_and_mul: bool) -> None:
+    """The fused neighbours' tensors checked against x (1, K) and N: each a row of x's dtype and device."""
     k = x.shape[1]
 
-    def row(name: str, t: torch.Tensor, size: int) -> torch.Tensor:
+    def row(name: str, t: torch.Tensor, size: int) -> None:
         if not isinstance(t, torch.Tensor) or t.numel() != size or t.dtype != x.dtype or t.device != x.device:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"awq_gemv_repacked: {name} must be {size} values of x's dtype {x.dtype} on its "
                              f"device, got {got}")
-        return t.reshape(-1).contiguous()
 
     if norm_weight is not None:
         row("norm_weight", norm_weight, k)
@@ -421,10 +420,12 @@ def _check_neighbours(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None,
             raise ValueError("awq_gemv_repacked: residual is the stream a norm_weight normalises: give both")
         row("residual", residual, k)
     if add is None:
-        return None, None
+        return
     if silu_and_mul or bias is not None or not isinstance(add, tuple) or len(add) != 2:
         raise ValueError("awq_gemv_repacked: add is an (h, r or None) pair, without bias or silu_and_mul")
-    return row("add's h", add[0], n), None if add[1] is None else row("add's r", add[1], n)
+    row("add's h", add[0], n)
+    if add[1] is not None:
+        row("add's r", add[1], n)
 
 
 def _check_silu_and_mul(name: str, silu_and_mul: bool, n: int, block_n: int, bias: torch.Tensor | None,
