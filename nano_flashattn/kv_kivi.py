@@ -468,7 +468,7 @@ def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
         return 32, 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
-    if head_dim > 64:  # 128 keys at hd 96 / 128: wrong sums from Triton 3.6 on an H100 (hd 64 right)
+    if head_dim > 128:
         return 64, 4, 2
     return 128, 4, 2
 
