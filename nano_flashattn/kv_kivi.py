@@ -34,7 +34,7 @@ from .checks import (
 )
 from .configs import block_d, num_sms
 from .decode import _combine_kernel, pick_num_splits
-from .forward import LN2_C, LOG2E, dot_precision
+from .forward import LN2_C, LOG2E, dot_precision, visible
 from .kivi import _check_rows, layout_of
 
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (t + it) - it rounds |t| < 2^22 half to even
@@ -142,7 +142,7 @@ def _store_values(K, V, VW, VS, VZ, Tail, slot_mapping, tail_of_block, num_token
         d_ok = d < HEAD_DIM
         g = tl.arange(0, NG)
         x = tl.load(V + i * stride_vt + h * stride_vh + d, mask=d_ok, other=0.0).to(tl.float32)
-        _codes, scale, zero = _value_codes(x[None, :], BLOCK_D, G, BITS)
+        codes1, scale, zero = _value_codes(x[None, :], BLOCK_D, G, BITS)
         row = blk * stride_sb + off * stride_st + h * stride_sh
         tl.store(VS + row + g, tl.reshape(scale, (NG,)), mask=g < HEAD_DIM // G)
         tl.store(VZ + row + g, tl.reshape(zero, (NG,)), mask=g < HEAD_DIM // G)
@@ -154,7 +154,7 @@ def _store_values(K, V, VW, VS, VZ, Tail, slot_mapping, tail_of_block, num_token
                                          other=-1).to(tl.int64) == s - s % PW + o)
             xs = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + d[None, :],
                          mask=new[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            codes, _scale, _zero = _value_codes(xs, BLOCK_D, G, BITS)  # (PW, BLOCK_D)
+            codes, run_scale, run_zero = _value_codes(xs, BLOCK_D, G, BITS)  # (PW, BLOCK_D)
             shift = BITS * (o // 2) + 16 * (o % 2)  # kivi.field_shifts
             fresh = tl.reduce(tl.where(new[:, None], codes << shift[:, None], 0), 0, _or)  # (BLOCK_D,)
             keep = tl.reduce(tl.where(new, 0, (2**BITS - 1) << shift), 0, _or)  # the older fields
