@@ -3,17 +3,16 @@ over packed blocks. The layout, the torch path and the dispatch are kivi.py's.
 
 * The write (`store_kv_kivi_triton`), two kernels over (token, kv head) in stream order: `_key_groups`
   quantizes each key group that a new token completes (per channel over the group's G tokens, KIVI
-  §3.2), reading the group's older members from the 16-bit tail, and packs each token's codes along its
-  channels; `_store_values` quantizes each new token's value (per token, groups of G channels), rewrites
-  the words of its run of 32 / b slots if it is this step's last row there (a value word holds one
-  channel of 32 / b tokens), and puts its key into the tail unless `_key_groups` just quantized its
-  group. No host sync: CUDA-graph safe.
-* The read (`flash_attn_with_kivi_cache_triton`): decode.py's split-K over the keys, transposed (S^T =
-  K q^T, O^T = V^T P) so that the code tiles are the MMA's register A operand (`code_tile`), and the
-  scales and zeros folded into q and P (`_kivi_tiles`); `tl.dot` sums in fp32, as do the running
-  softmax sums across tiles. Keys past the last full group come from the tail instead; the tiles that
-  may hold them (and the sequence end, the causal edge, the window) are the masked ones. The slices
-  merge in decode.py's `_combine_kernel`.
+  §3.2), reading the group's older members from the 16-bit tail; `_store_values` quantizes each new
+  token's value (per token, groups of G channels) and puts its key into the tail unless `_key_groups`
+  just quantized its group. No host sync: CUDA-graph safe.
+* The read (`flash_attn_with_kivi_cache_triton`): decode.py's split-K over the keys, with tiles that
+  dequantize in registers — a word holds 32 / b codes, code = (word >> b·i) & (2^b - 1), value = code ·
+  scale + zero, one FMA in fp16 (the stored scales' dtype; bf16 queries go to fp16) or in fp32 for fp32
+  queries, each thread splitting the words it loaded (`fields`); `tl.dot` sums in fp32, as do the
+  running softmax sums across tiles. Keys past the last full group come from the tail instead; the tiles that may hold
+  them (and the sequence end, the causal edge) are the masked ones. The slices merge in decode.py's
+  `_combine_kernel`.
 """
 
 from __future__ import annotations
