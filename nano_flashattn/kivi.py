@@ -5,22 +5,14 @@ Quantization is KIVI §3's (nano_quant.kv is the reference the tests hold it to)
 nearest over a group of G elements, `scale = (max - min) / (2^b - 1)`, `zero = min` (fp16 both), `code =
 clamp(round((x - zero) / scale), 0, 2^b - 1)`, read back as `code * scale + zero` in fp32. Keys are
 quantized per channel (a group: G consecutive tokens of one channel), values per token (G consecutive
-channels of one token).
-
-Codes are packed into int32 words, 32 / b a word, along the axis attention sums over — a key's words
-run along its channels (q·k sums over channels), a value's along the tokens of one channel (P·V sums over
-tokens) — so a word's codes are neighbours of one MMA operand register. Within a word, code i sits at bits
-b·(i // 2) + 16·(i % 2): the even codes in the low half, the odd ones in the high half, so one shift and
-one AND-OR give a pair of neighbouring codes as two fp16 halves (kv_kivi.py).
+channels of one token). Codes are packed into int32 words, 32 / b a word, code i at bits [b·i, b·i + b).
 
 The paged layout. A block holds `block_size` tokens (G divides it, so a block holds whole key groups); K
 and V of a layer are each a uint8 pool (num_blocks, block_size, heads, width), width = head_dim · (b / 8 +
 4 / G) bytes: a token's codes plus its share of the fp16 scales and zeros. Inside one block's bytes:
 
-    K: words (block_size, heads, head_dim·b/32) int32 | scale, zero (block_size/G, heads, head_dim) fp16
-    V: words (block_size·b/32, heads, head_dim) int32  | scale, zero (block_size, heads, head_dim/G) fp16
-
-(K word w of token t: channels w·32/b, ...; V word r of channel d: the block's tokens r·32/b, ....)
+    K: words (block_size·b/32, heads, head_dim) int32 | scale, zero (block_size/G, heads, head_dim) fp16
+    V: words (block_size, heads, head_dim·b/32) int32  | scale, zero (block_size, heads, head_dim/G) fp16
 
 Byte-level block operations (copy-on-write, a KV transfer, a block's hash) see one uint8 block like any
 other. Values are quantized as they are written. A key group can only be quantized once its G tokens are
@@ -33,10 +25,8 @@ codes if j < L // G · G, else from row j % G of that entry; every value comes f
 The write (`store_kv_kivi`) runs in two passes over the new tokens: (1) each token whose slot ends a group
 (slot % G == G - 1) gathers its group — the members written this step from k, the older ones from the
 tail — and writes the group's packed codes, scale and zero; (2) each token's value is quantized into its
-slot — its fields in the words of its run of 32 / b slots, which the write sets anew from the older
-fields and this step's rows — and its key goes to the tail unless its group was completed in (1). Pass 1
-runs first, so pass 2 may overwrite tail rows pass 1 read (a sequence that completes a group and starts
-the next in one step).
+slot, and its key goes to the tail unless its group was completed in (1). Pass 1 runs first, so pass 2 may
+overwrite tail rows pass 1 read (a sequence that completes a group and starts the next in one step).
 """
 
 from __future__ import annotations
@@ -73,21 +63,21 @@ class KIVILayout(NamedTuple):
         return self.block_size * self.heads * self.head_dim * self.bits // 8
 
     def key_views(self, pool: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(words, scale, zero) of a K pool: (n, bs, H, D·b/32) int32, (n, bs/G, H, D) fp16 twice."""
+        """(words, scale, zero) of a K pool: (n, bs·b/32, H, D) int32, (n, bs/G, H, D) fp16 twice."""
         n, bs, h, d, g = pool.shape[0], self.block_size, self.heads, self.head_dim, self.group_size
         flat, a = pool.view(n, -1), self.code_bytes
         side = 2 * (bs // g) * h * d  # bytes of the scales (and of the zeros)
-        words = flat[:, :a].view(torch.int32).view(n, bs, h, d // self.per_word)
+        words = flat[:, :a].view(torch.int32).view(n, bs // self.per_word, h, d)
         scale = flat[:, a:a + side].view(torch.float16).view(n, bs // g, h, d)
         zero = flat[:, a + side:a + 2 * side].view(torch.float16).view(n, bs // g, h, d)
         return words, scale, zero
 
     def value_views(self, pool: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(words, scale, zero) of a V pool: (n, bs·b/32, H, D) int32, (n, bs, H, D/G) fp16 twice."""
+        """(words, scale, zero) of a V pool: (n, bs, H, D·b/32) int32, (n, bs, H, D/G) fp16 twice."""
         n, bs, h, d, g = pool.shape[0], self.block_size, self.heads, self.head_dim, self.group_size
         flat, a = pool.view(n, -1), self.code_bytes
         side = 2 * bs * h * (d // g)
-        words = flat[:, :a].view(torch.int32).view(n, bs // self.per_word, h, d)
+        words = flat[:, :a].view(torch.int32).view(n, bs, h, d // self.per_word)
         scale = flat[:, a:a + side].view(torch.float16).view(n, bs, h, d // g)
         zero = flat[:, a + side:a + 2 * side].view(torch.float16).view(n, bs, h, d // g)
         return words, scale, zero
@@ -150,22 +140,17 @@ def quantize_groups(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     return codes, scale[..., 0], zero[..., 0]
 
 
-def field_shifts(bits: int, device: torch.device | None = None) -> Tensor:
-    """Bit position of code i (0 .. 32/b - 1) in its word: b·(i // 2) + 16·(i % 2)."""
-    i = torch.arange(32 // bits, device=device)
-    return bits * (i // 2) + 16 * (i % 2)
-
-
 def pack_last(codes: Tensor, bits: int) -> Tensor:
-    """int32 codes -> int32 words along the last axis (32 / b a word, at `field_shifts`)."""
+    """int32 codes -> int32 words along the last axis (32 / b a word, code i at bits [b·i, b·i + b))."""
     fields = codes.unflatten(-1, (-1, 32 // bits)).to(torch.int64)
-    words = (fields << field_shifts(bits, codes.device)).sum(-1)
+    shifts = torch.arange(32 // bits, device=codes.device) * bits
+    words = (fields << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack_last(words: Tensor, bits: int) -> Tensor:
     """The inverse of `pack_last`: int32 words -> int32 codes, 32 / b times longer along the last axis."""
-    shifts = field_shifts(bits, words.device).to(torch.int32)
+    shifts = torch.arange(32 // bits, device=words.device, dtype=torch.int32) * bits
     return ((words[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
 
 
@@ -189,23 +174,18 @@ def store_kv_kivi_torch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         old = k_tail[entry[:, None], o[None, :]]  # (groups, G, H, D)
         group = torch.where(new[..., None, None], k[rows.clamp(min=0)], old.to(k.dtype))
         codes, scale, zero = quantize_groups(group.movedim(1, -1), bits)  # (groups, H, D, G)
-        words = pack_last(codes.movedim(-1, 1), bits)  # (groups, G, H, D·b/32): each token's channels
+        words = pack_last(codes, bits).movedim(-1, 1)  # (groups, G·b/32, H, D)
         first = slots[ends] - (G - 1)
         blk, off = first // bs, first % bs
-        kw[blk[:, None], off[:, None] + o] = words
+        word_rows = off[:, None] // lay.per_word + torch.arange(G // lay.per_word, device=k.device)
+        kw[blk[:, None], word_rows] = words
         ks[blk, off // G], kz[blk, off // G] = scale, zero
     # pass 2: values into their slots; keys of groups still open into the tail
     ok = torch.nonzero(slots >= 0).flatten()
     s = slots[ok]
     codes, scale, zero = quantize_groups(v[ok].unflatten(-1, (-1, G)), bits)  # (t, H, D/G, G)
+    vw[s // bs, s % bs] = pack_last(codes.flatten(-2), bits)
     vs[s // bs, s % bs], vz[s // bs, s % bs] = scale, zero
-    # a value word holds 32 / b slots of one channel: the words of the runs written, unpacked, this
-    # step's fields set, packed again
-    pw = lay.per_word
-    runs, run_of = torch.unique(s // pw, return_inverse=True)
-    fields = unpack_last(vw[runs // (bs // pw), runs % (bs // pw)][..., None], bits)  # (r, H, D, pw)
-    fields[run_of, :, :, s % pw] = codes.flatten(-2)
-    vw[runs // (bs // pw), runs % (bs // pw)] = pack_last(fields, bits)[..., 0]
     last = ok + (G - 1 - s % G)  # the row that would complete this token's group in this step
     done = (last < n) & (slots[last.clamp(max=n - 1)] == s - s % G + G - 1)
     open_ = ok[~done]
@@ -273,12 +253,12 @@ def dequantize_kivi_pages(k_cache: Tensor, v_cache: Tensor, k_tail: Tensor, bloc
     G, bs = lay.group_size, lay.block_size
     blocks = torch.cat([block_table.reshape(-1).long(), block_table.new_zeros(1).long()])
     kw, ks, kz = (t[blocks] for t in lay.key_views(k_cache))
+    codes = unpack_last(kw.movedim(1, -1), bits).movedim(-1, 1)  # (n, bs, H, D)
     scale, zero = (t.float().repeat_interleave(G, 1) for t in (ks, kz))
-    k = (unpack_last(kw, bits).float() * scale + zero).to(dtype)  # (n, bs, H, D)
+    k = (codes.float() * scale + zero).to(dtype)
     vw, vs, vz = (t[blocks] for t in lay.value_views(v_cache))
-    codes = unpack_last(vw[..., None], bits).movedim(-1, 2).flatten(1, 2)  # (n, bs, H, D)
     scale, zero = (t.float().repeat_interleave(G, -1) for t in (vs, vz))
-    v = (codes.float() * scale + zero).to(dtype)
+    v = (unpack_last(vw, bits).float() * scale + zero).to(dtype)
     # the residual: keys [L // G · G, L) of each sequence, rows 0.. of its tail entry
     lens = cache_seqlens.long()
     nk = lens // G * G

@@ -64,13 +64,34 @@ def group_codes(x, scale, zero, BITS: tl.constexpr):
 
 
 @triton.jit
-def pack_fields(codes, BITS: tl.constexpr):
-    """(rows, n) int32 codes -> (rows, n·b/32) words along the last axis, code i of a word at bits
-    b·(i // 2) + 16·(i % 2) (kivi.field_shifts)."""
-    PW: tl.constexpr = 32 // BITS
-    i = tl.arange(0, PW)
-    codes = tl.reshape(codes, (codes.shape[0], codes.shape[1] // PW, PW))
-    return tl.reduce(codes << (BITS * (i // 2) + 16 * (i % 2))[None, None, :], 2, _or)
+def code_value(codes, scale, zero, out_dtype: tl.constexpr):
+    """code · scale + zero for integer codes, in `out_dtype` (fp16 or fp32); scale and zero are the stored
+    fp16. The code goes into a float's mantissa and the float's exponent is subtracted, exactly: in fp16,
+    bits 0x6400 | code are 1024 + code; in fp32, 0x4B000000 | code are 2^23 + code. An OR and an add
+    run at full rate where the integer-to-float conversion (I2F) runs at an eighth on sm_90. In fp16 the
+    stored scale and zero need no conversion and the product and sum are one FMA, rounded once."""
+    if out_dtype == tl.float16:
+        x = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        return x * scale + zero
+    else:
+        x = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return x * scale.to(tl.float32) + zero.to(tl.float32)
+
+
+@triton.jit
+def fields(words, scale, zero, START: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr,
+           BITS: tl.constexpr, out_dtype: tl.constexpr):
+    """Fields START, START + STEP, ... (COUNT of them) of every word, dequantized (`code_value`), as
+    words.shape + (2,) * log2(COUNT), flattening in field order. Built by tl.join, whose new axis stays
+    in the thread: each thread splits whole words it loaded itself, and the reshape to the tile moves
+    nothing (splitting by broadcast over a field axis spreads the fields of one word over 16 threads,
+    each loading the word again and its scale and zero)."""
+    if COUNT == 1:
+        return code_value((words >> (START * BITS)) & (2**BITS - 1), scale, zero, out_dtype)
+    else:
+        even = fields(words, scale, zero, START, 2 * STEP, COUNT // 2, BITS, out_dtype)
+        odd = fields(words, scale, zero, START + STEP, 2 * STEP, COUNT // 2, BITS, out_dtype)
+        return tl.join(even, odd)
 
 
 @triton.jit
@@ -79,8 +100,7 @@ def _key_groups(K, KW, KS, KZ, Tail, slot_mapping, tail_of_block,
                 stride_te, stride_tr, stride_th,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
                 BITS: tl.constexpr):
-    """Pass 1: if token i's slot ends a key group, quantize the group per channel; each of its tokens'
-    codes packed along the channels. grid (tokens, heads)."""
+    """Pass 1: if token i's slot ends a key group, quantize the group per channel. grid (tokens, heads)."""
     PW: tl.constexpr = 32 // BITS
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -99,37 +119,28 @@ def _key_groups(K, KW, KS, KZ, Tail, slot_mapping, tail_of_block,
                         mask=(~new)[:, None] & d_ok, other=0.0)
         x = tl.where(new[:, None], fresh.to(tl.float32), older.to(tl.float32))  # (G, BLOCK_D)
         scale, zero = group_scale(tl.min(x, 0), tl.max(x, 0), BITS)
-        words = pack_fields(group_codes(x, scale[None, :], zero[None, :], BITS), BITS)  # (G, BLOCK_D/PW)
+        codes = group_codes(x, scale[None, :], zero[None, :], BITS)
+        # token o of the group is field o % PW of word o // PW (words run along the tokens)
+        codes = codes << ((o % PW) * BITS)[:, None]
+        words = tl.reduce(tl.reshape(codes, (G // PW, PW, BLOCK_D)), 1, _or)
         first = s % BS - (G - 1)  # the group's first offset in block s // BS
         blk = s // BS
-        w = tl.arange(0, BLOCK_D // PW)
-        tl.store(KW + blk * stride_wb + (first + o)[:, None] * stride_wr + h * stride_wh + w[None, :],
-                 words, mask=w[None, :] < HEAD_DIM // PW)
+        w = first // PW + tl.arange(0, G // PW)
+        tl.store(KW + blk * stride_wb + w[:, None] * stride_wr + h * stride_wh + d[None, :], words,
+                 mask=d_ok)
         at = blk * stride_sb + (first // G) * stride_sg + h * stride_sh + d
         tl.store(KS + at, scale, mask=d < HEAD_DIM)
         tl.store(KZ + at, zero, mask=d < HEAD_DIM)
 
 
-@triton.jit
-def _value_codes(x, BLOCK_D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """Rows x (rows, BLOCK_D) fp32 quantized per row in groups of G channels: codes (rows, BLOCK_D),
-    scale and zero (rows, BLOCK_D / G)."""
-    xg = tl.reshape(x, (x.shape[0], BLOCK_D // G, G))
-    scale, zero = group_scale(tl.min(xg, 2), tl.max(xg, 2), BITS)
-    codes = group_codes(xg, scale[:, :, None], zero[:, :, None], BITS)
-    return tl.reshape(codes, (x.shape[0], BLOCK_D)), scale, zero
-
-
 @triton.jit(do_not_specialize=["num_tokens"])
 def _store_values(K, V, VW, VS, VZ, Tail, slot_mapping, tail_of_block, num_tokens,
-                  stride_kt, stride_kh, stride_vt, stride_vh, stride_wb, stride_wr, stride_wh,
+                  stride_kt, stride_kh, stride_vt, stride_vh, stride_wb, stride_wt, stride_wh,
                   stride_sb, stride_st, stride_sh, stride_te, stride_tr, stride_th,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BS: tl.constexpr,
                   BITS: tl.constexpr):
-    """Pass 2: token i's value quantized per token (groups of G channels): its scale and zero into its
-    slot; if i is this step's last row in its run of 32 / b slots, the run's words (one per channel)
-    set anew — this step's rows' fields from their codes, the others kept. Its key into the tail unless
-    its group is complete in this step. grid (tokens, heads)."""
+    """Pass 2: token i's value quantized per token (groups of G channels) into its slot; its key into
+    the tail unless its group is complete in this step. grid (tokens, heads)."""
     PW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = BLOCK_D // G
     i = tl.program_id(0).to(tl.int64)
@@ -137,29 +148,19 @@ def _store_values(K, V, VW, VS, VZ, Tail, slot_mapping, tail_of_block, num_token
     s = tl.load(slot_mapping + i).to(tl.int64)
     if s >= 0:
         blk, off = s // BS, s % BS
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
+        c = tl.arange(0, G)
         g = tl.arange(0, NG)
-        x = tl.load(V + i * stride_vt + h * stride_vh + d, mask=d_ok, other=0.0).to(tl.float32)
-        codes1, scale, zero = _value_codes(x[None, :], BLOCK_D, G, BITS)
+        d = g[:, None] * G + c[None, :]  # (groups, G): channel d is group d // G, member d % G
+        x = tl.load(V + i * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        scale, zero = group_scale(tl.min(x, 1), tl.max(x, 1), BITS)
+        codes = group_codes(x, scale[:, None], zero[:, None], BITS) << ((c % PW) * BITS)[None, :]
+        words = tl.reduce(tl.reshape(codes, (BLOCK_D // PW, PW)), 1, _or)  # channels d // PW
+        row = blk * stride_wb + off * stride_wt + h * stride_wh
+        w = tl.arange(0, BLOCK_D // PW)
+        tl.store(VW + row + w, words, mask=w < HEAD_DIM // PW)
         row = blk * stride_sb + off * stride_st + h * stride_sh
-        tl.store(VS + row + g, tl.reshape(scale, (NG,)), mask=g < HEAD_DIM // G)
-        tl.store(VZ + row + g, tl.reshape(zero, (NG,)), mask=g < HEAD_DIM // G)
-        nxt = tl.load(slot_mapping + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
-        if (s % PW == PW - 1) | (nxt != s + 1):  # the run's last row this step: its words
-            o = tl.arange(0, PW)
-            rows = i - s % PW + o
-            new = (rows <= i) & (tl.load(slot_mapping + rows, mask=(rows >= 0) & (rows <= i),
-                                         other=-1).to(tl.int64) == s - s % PW + o)
-            xs = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + d[None, :],
-                         mask=new[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            codes, run_scale, run_zero = _value_codes(xs, BLOCK_D, G, BITS)  # (PW, BLOCK_D)
-            shift = BITS * (o // 2) + 16 * (o % 2)  # kivi.field_shifts
-            fresh = tl.reduce(tl.where(new[:, None], codes << shift[:, None], 0), 0, _or)  # (BLOCK_D,)
-            keep = tl.reduce(tl.where(new, 0, (2**BITS - 1) << shift), 0, _or)  # the older fields
-            at = VW + blk * stride_wb + (off // PW) * stride_wr + h * stride_wh + d
-            old = tl.load(at, mask=d_ok, other=0)
-            tl.store(at, (old & keep) | fresh, mask=d_ok)
+        tl.store(VS + row + g, scale, mask=g < HEAD_DIM // G)
+        tl.store(VZ + row + g, zero, mask=g < HEAD_DIM // G)
         last = i + (G - 1 - s % G)  # the row that completes the group, if this step writes it
         end = tl.load(slot_mapping + last, mask=last < num_tokens, other=-1).to(tl.int64)
         if end != s - s % G + G - 1:
@@ -199,159 +200,109 @@ def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_b
         K=k, V=v, VW=vw, VS=vs, VZ=vz, Tail=k_tail, slot_mapping=slot_mapping,
         tail_of_block=tail_of_block, num_tokens=tokens,
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
-        stride_wb=vw.stride(0), stride_wr=vw.stride(1), stride_wh=vw.stride(2),
+        stride_wb=vw.stride(0), stride_wt=vw.stride(1), stride_wh=vw.stride(2),
         stride_sb=vs.stride(0), stride_st=vs.stride(1), stride_sh=vs.stride(2), **tail, **meta)
 
 
 # ----------------------------------------------------------------------------------------- the read
 @triton.jit
-def _code_pair(w, rot, BITS: tl.constexpr, PTX: tl.constexpr):
-    """Codes 2j, 2j + 1 of words w (bits b·j and 16 + b·j, kivi.field_shifts) as two fp16 c / 2^b: the
-    word rotated left by `rot` puts both at the top of their half's mantissa, one AND-OR sets the
-    exponent of 1.0 under them (1 + c / 2^b, exact), and a packed subtract takes the 1 off. PTX: `shf`
-    (a rotate), `lop3` (ptxas keeps an OR with a second constant apart) and `sub.f16x2`."""
-    MASK: tl.constexpr = ((2**BITS - 1) << (10 - BITS)) * 65537
-    if PTX:
-        v = tl.inline_asm_elementwise(
-            f"{{ .reg .b32 t, one; shf.l.wrap.b32 t, $1, $1, $2; lop3.b32 t, t, {MASK}, 0x3C003C00, 0xEA; "
-            f"mov.b32 one, 0x3C003C00; sub.f16x2 $0, t, one; }}",
-            "=r,r,r", [w, rot], dtype=tl.int32, is_pure=True, pack=1)
-        lo = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        u = w.to(tl.uint32, bitcast=True)
-        r = rot.to(tl.uint32)
-        v = (((u << r) | (u >> ((32 - r) & 31))) & MASK) | 0x3C003C00
-        lo = (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) - 1.0
-        hi = (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True) - 1.0
-    return lo, hi
-
-
-@triton.jit
-def code_tile(words, ROWS: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, PTX: tl.constexpr):
-    """Words (ROWS, W) -> their codes / 2^b (ROWS, W·32/b) fp16 in order. Each word is split by four
-    lane parts c, each taking the pairs the MMA's operand fragment gives lane c of a quad: k = 2c, 2c + 1
-    and 8 + 2c, 9 + 2c of each 16 (PTX ISA, mma.m16n8k16 / wgmma): a 2-bit word's pairs c and c + 4, a
-    4-bit word's pair c. The joins, the permute and the reshape only rename registers, so the tile
-    is the MMA's register operand as it comes out (wgmma's A: the tokens or channels are its rows)."""
-    c = tl.arange(0, 4)[None, None, :]
-    wb = tl.broadcast_to(words[:, :, None], (ROWS, W, 4))
-    TOP: tl.constexpr = 10 - BITS  # where a code's lowest bit goes: the top of a half's mantissa
-    l0, h0 = _code_pair(wb, (TOP - BITS * c) & 31, BITS, PTX)
-    if BITS == 2:
-        l1, h1 = _code_pair(wb, (TOP - BITS * (c + 4)) & 31, BITS, PTX)
-        t = tl.join(tl.join(l0, h0), tl.join(l1, h1))  # (ROWS, W, 4 c, 2 e, 2 sel)
-        return tl.reshape(tl.permute(t, (0, 1, 4, 2, 3)), (ROWS, 16 * W))  # k = 16w + 8sel + 2c + e
-    else:
-        return tl.reshape(tl.join(l0, h0), (ROWS, 8 * W))  # k = 8w + 2c + e
-
-
-@triton.jit
-def _kivi_tiles(acc, vb, acc16, l_i, m_i, q, qh, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scale, hk,
-                entry, KW, KS, KZ, VW, VS, VZ, Tail,
-                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                stride_vwb, stride_vwr, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, rows, stride_wr, stride_wh,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                MASKED: tl.constexpr, DT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                WINDOW: tl.constexpr, PTX: tl.constexpr):
-    """FA2's Algorithm 1 loop over key tiles [lo, hi) of a KIVI cache, transposed: S^T = K q^T and
-    O^T = V^T P, the code tiles the MMA's A operand, the scales and zeros folded into the other side.
-    A key is s·c + z per channel of its group j, so S^T = C_K (q ∘ s_j)^T + q·z_j: q is scaled once per
-    group in the tile (the groups side by side in N, each token taking its group's column block) and
-    q·z_j is one more small product. A value is s·c + z per token of its channel group g, so
-    O^T = C_V^T (P ∘ s_g) + (P^T z)_g: P scaled per channel group (side by side in N, channel d keeping
-    block g(d) at the end) and P^T z one small product. MASKED: keys past the sequence end or the causal
-    edge masked; keys from nk (the open group) from tail entry `entry` in 16 bits; with a WINDOW, keys
-    from key_lo and values from value_lo from the rings WK, WV (row position % rows), their values'
-    sums in acc16."""
+def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+              stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+              out_dtype: tl.constexpr):
+    """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in `out_dtype`: each int32
+    word read once (32 / b consecutive tokens of one channel, within one page), its fields shifted out,
+    times the channel's scale plus its zero (group w·PW // G of the page). Keys at or past min(n, nk):
+    whatever the words hold (the caller masks them)."""
     PW: tl.constexpr = 32 // BITS
-    NGT: tl.constexpr = BLOCK_N // G if BLOCK_N > G else 1  # key groups a tile spans
-    NGV: tl.constexpr = BLOCK_D // G  # channel groups of the values
-    LEV: tl.constexpr = 2.0**BITS
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    wk = tl.arange(0, BLOCK_D // PW)
-    wv = tl.arange(0, BLOCK_N // PW)
-    jg = tl.arange(0, NGT)
-    gv = tl.arange(0, NGV)
+    tok = start_n + tl.arange(0, BLOCK_N // PW) * PW  # each word's first token
+    ok = (d < HEAD_DIM)[:, None] & ((tok < n) & (tok < nk))[None, :]
+    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok < n, other=0).to(tl.int64)
+    r = tok % PAGE_SIZE
+    words = tl.load(KW + page[None, :] * stride_kwb + (r // PW)[None, :] * stride_kwr + hk * stride_kwh
+                    + d[:, None], mask=ok, other=0)  # (BLOCK_D, BLOCK_N / PW)
+    at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
+    scale = tl.load(KS + at, mask=ok, other=0.0)
+    zero = tl.load(KZ + at, mask=ok, other=0.0)
+    return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_D, BLOCK_N))
+
+
+@triton.jit
+def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                out_dtype: tl.constexpr):
+    """V (BLOCK_N, BLOCK_D) of tokens [start_n, start_n + BLOCK_N) in `out_dtype`: each word (32 / b channels of
+    one token) read once, times the token's scale plus zero of group (word · PW) // G. Past n: 0."""
+    PW: tl.constexpr = 32 // BITS
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    w = tl.arange(0, BLOCK_D // PW)
+    ok = (offs_n < n)[:, None] & (w < HEAD_DIM // PW)[None, :]
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
+    r = offs_n % PAGE_SIZE
+    row = page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
+    words = tl.load(VW + row + w[None, :], mask=ok, other=0)  # (BLOCK_N, BLOCK_D / PW)
+    at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (w * PW // G)[None, :]
+    scale = tl.load(VS + at, mask=ok, other=0.0)
+    zero = tl.load(VZ + at, mask=ok, other=0.0)
+    return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scale, hk, entry,
+                KW, KS, KZ, VW, VS, VZ, Tail,
+                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, rows, stride_wr, stride_wh,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+    """FA2's Algorithm 1 loop (forward.fwd_tiles) over key tiles [lo, hi) of a KIVI cache, each K and V
+    tile dequantized in registers. lo is a multiple of BLOCK_N. MASKED: keys past the sequence end or
+    the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
+    `entry`, in 16 bits; with a WINDOW, keys from key_lo and values from value_lo come from the
+    sequence's 16-bit rings WK, WV (row position % rows)."""
+    d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
-        # ---- S^T (BLOCK_N, BLOCK_M), in log2 units
-        kw = tl.load(KW + page[:, None] * stride_kwb + (offs_n % PAGE_SIZE)[:, None] * stride_kwr
-                     + hk * stride_kwh + wk[None, :],
-                     mask=((offs_n < nk) & (offs_n < n))[:, None] & (wk < HEAD_DIM // PW)[None, :], other=0)
-        ck = code_tile(kw, BLOCK_N, BLOCK_D // PW, BITS, PTX).to(DT)
-        gtok = start_n + jg * G  # each key group's first token (one group if G >= BLOCK_N)
-        gpage = tl.load(bt_row + gtok // PAGE_SIZE, mask=gtok < n, other=0).to(tl.int64)
-        at = (gpage * stride_ksb + ((gtok % PAGE_SIZE) // G) * stride_ksg + hk * stride_ksh)[:, None] + d[None, :]
-        g_ok = (gtok < nk)[:, None] & d_ok[None, :]
-        ks = tl.load(KS + at, mask=g_ok, other=0.0).to(tl.float32)  # (NGT, BLOCK_D)
-        kz = tl.load(KZ + at, mask=g_ok, other=0.0)
-        qs = (q[:, None, :] * (LEV * ks)[None, :, :]).to(DT)  # (BLOCK_M, NGT, BLOCK_D), rounded once
-        s = tl.dot(ck, tl.trans(tl.reshape(qs, (BLOCK_M * NGT, BLOCK_D))), input_precision=DOT_PRECISION)
-        s = s + tl.reshape(tl.dot(qh, tl.trans(kz.to(DT)), input_precision=DOT_PRECISION),
-                           (BLOCK_M * NGT,))[None, :]
-        s = tl.reshape(s, (BLOCK_N, BLOCK_M, NGT))
-        if NGT == 1:
-            s = tl.reshape(s, (BLOCK_N, BLOCK_M))
-        else:  # each token its group's block
-            s = tl.sum(tl.where(((offs_n - start_n) // G)[:, None, None] == jg[None, None, :], s, 0.0), 2)
-        if MASKED:  # keys nk.. from the tail (16 bits), keys from key_lo from the window
-            t_ok = ((offs_n >= nk) & (offs_n < n))[:, None] & d_ok[None, :]
-            k16 = tl.load(Tail + entry * stride_te + (offs_n - nk)[:, None] * stride_tr + hk * stride_th
-                          + d[None, :], mask=t_ok, other=0.0)
+        k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
+                      stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS,
+                      q.dtype)
+        if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
+            t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
+            kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
+                         + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
+            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(k.dtype))
             if WINDOW:
-                w_ok = ((offs_n >= key_lo) & (offs_n < n))[:, None] & d_ok[None, :]
-                kr = tl.load(WK + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
+                w_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= key_lo) & (offs_n < n))[None, :]
+                kw = tl.load(WK + (offs_n % rows)[None, :] * stride_wr + hk * stride_wh + d[:, None],
                              mask=w_ok, other=0.0)
-                k16 = tl.where((offs_n >= key_lo)[:, None], kr.to(k16.dtype), k16)
-                raw = (offs_n >= nk) | (offs_n >= key_lo)
-            else:
-                raw = offs_n >= nk
-            s16 = tl.dot(k16.to(DT), tl.trans(qh), input_precision=DOT_PRECISION)
-            s = tl.where(raw[:, None], s16, s)
-            seen = (offs_n[:, None] < n) & (offs_n[:, None] <= t[None, :] + shift + hi_w)
+                k = tl.where((offs_n >= key_lo)[None, :], kw.to(k.dtype), k)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
+        if MASKED:
+            seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
             s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[None, :])
+            p = tl.math.exp2(s - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 0) * qk_scale)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-            p = tl.math.exp2(s * qk_scale - m_use[None, :])
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        # ---- O^T (BLOCK_D, BLOCK_M · NGV): the value codes of the tile's tokens, channel by channel
-        chunk = start_n + wv * PW
-        cpage = tl.load(bt_row + chunk // PAGE_SIZE, mask=chunk < n, other=0).to(tl.int64)
-        vw = tl.load(VW + (cpage * stride_vwb + ((chunk % PAGE_SIZE) // PW) * stride_vwr
-                           + hk * stride_vwh)[None, :] + d[:, None],
-                     mask=d_ok[:, None] & (chunk < n)[None, :], other=0)
-        cv = code_tile(vw, BLOCK_D, BLOCK_N // PW, BITS, PTX).to(DT)  # (BLOCK_D, BLOCK_N)
-        v_at = (page * stride_vsb + (offs_n % PAGE_SIZE) * stride_vst + hk * stride_vsh)[:, None] + gv[None, :]
-        v_ok = (offs_n < n)[:, None] & (gv < HEAD_DIM // G)[None, :]
-        vs = tl.load(VS + v_at, mask=v_ok, other=0.0).to(tl.float32)  # (BLOCK_N, NGV)
-        vz = tl.load(VZ + v_at, mask=v_ok, other=0.0)
-        pq = p
-        if MASKED and WINDOW:  # the window's values in 16 bits: their weights leave the codes' sums
-            live = (offs_n >= value_lo) & (offs_n < n)
-            vr = tl.load(WV + (offs_n % rows)[None, :] * stride_wr + hk * stride_wh + d[:, None],
-                         mask=d_ok[:, None] & live[None, :], other=0.0)
-            acc16 = tl.dot(vr.to(DT), tl.where(live[:, None], p, 0.0).to(DT), acc16 * alpha[None, :],
-                           input_precision=DOT_PRECISION)
-            pq = tl.where(live[:, None], 0.0, p)
-        elif WINDOW:
-            acc16 = acc16 * alpha[None, :]
-        ps = tl.reshape((pq[:, :, None] * (LEV * vs)[:, None, :]).to(DT), (BLOCK_N, BLOCK_M * NGV))
-        al = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_M, NGV)), (BLOCK_M * NGV,))
-        acc = tl.dot(cv, ps, acc * al[None, :], input_precision=DOT_PRECISION)
-        vb = vb * al + tl.reshape(tl.dot(tl.trans(pq.to(DT)), vz.to(DT), input_precision=DOT_PRECISION),
-                                  (BLOCK_M * NGV,))
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
+                        stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
+                        BITS, q.dtype)
+        if MASKED and WINDOW:
+            w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (d < HEAD_DIM)[None, :]
+            vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
+                         mask=w_ok, other=0.0)
+            v = tl.where((offs_n >= value_lo)[:, None], vw.to(v.dtype), v)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, vb, acc16, l_i, m_i
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "group", "stride_bt"])
@@ -360,21 +311,15 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                               stride_we, stride_wr, stride_wh, seqlen_q, group, qk_scale, window_right,
                               stride_qb, stride_qt, stride_qh,
                               stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                              stride_vwb, stride_vwr, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                              stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
                               stride_te, stride_tr, stride_th, stride_bt,
                               stride_ob, stride_ot, stride_oh, stride_os,
                               stride_lb, stride_lt, stride_lh, stride_ls,
                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
-                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                              PTX: tl.constexpr):
-    """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch);
-    `_kivi_tiles` does the work, transposed. WINDOW: the newest keys and values from the sequence's
-    16-bit rings (kivi.KIVIWindow)."""
-    NGV: tl.constexpr = BLOCK_D // G
-    # the masked tiles (the last few: the open group, the window, the causal edge) hold 16-bit rows
-    # beside the codes: half as many keys keep them in registers
-    MASKED_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 64 else BLOCK_N
+                              BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+    """decode._decode_split_kernel over a KIVI cache: grid (num_splits, heads_k * row_blocks, batch).
+    WINDOW: the newest keys and values from the sequence's 16-bit rings (kivi.KIVIWindow)."""
     split = tl.program_id(0)
     row_blocks = tl.cdiv(group * seqlen_q, BLOCK_M)
     hk = tl.program_id(1) // row_blocks
@@ -386,14 +331,11 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    if Q.dtype.element_ty == tl.float32:
-        DT: tl.constexpr = tl.float32
-    else:  # products in fp16, the stored scales' dtype, which holds K, V, q (|q| <= 65504) and P more
-        # finely than bf16
-        DT: tl.constexpr = tl.float16
-        q = tl.clamp(q, -65504.0, 65504.0)
-    qh = q.to(DT)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if q.dtype == tl.bfloat16:  # tiles and products in fp16, the dtype of the stored scales and zeros:
+        # a code dequantizes in one FMA without conversions, and fp16 holds K, V, q (|q| <= 65504) and P
+        # more finely than bf16
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     k_len = tl.load(cache_seqlens + b64)
     bt_row = block_table + b64 * stride_bt
     nk = k_len // G * G  # keys [0, nk) are codes, [nk, k_len) the tail of the block holding nk
@@ -411,40 +353,35 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
         old = tl.maximum(k_len - residual, 0)
         key_lo = tl.maximum(w_start, old // G * G)
         value_lo = tl.maximum(w_start, old)
-        full_hi = tl.minimum(full_hi, tl.minimum(key_lo, value_lo))
+        full_hi = tl.minimum(full_hi, key_lo)
         ring = tl.load(win_entry + b64).to(tl.int64) * stride_we
         WK, WV = WinK + ring, WinV + ring
     full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_D, BLOCK_M * NGV], tl.float32)
-    vb = tl.zeros([BLOCK_M * NGV], tl.float32)
-    acc16 = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
-    acc, vb, acc16, l_i, m_i = _kivi_tiles(
-        acc, vb, acc16, l_i, m_i, q, qh, bt_row, t, lo, full_hi, hi, nk, diag, window_right, qk_scale,
-        hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
-        stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-        stride_vwb, stride_vwr, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-        stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows, stride_wr, stride_wh,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G,
-        BITS=BITS, MASKED=False, DT=DT, DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, PTX=PTX)
-    acc, vb, acc16, l_i, m_i = _kivi_tiles(
-        acc, vb, acc16, l_i, m_i, q, qh, bt_row, t, full_hi, hi, hi, nk, diag, window_right, qk_scale,
-        hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
-        stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-        stride_vwb, stride_vwr, stride_vwh, stride_vsb, stride_vst, stride_vsh,
-        stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows, stride_wr, stride_wh,
-        HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=MASKED_N, PAGE_SIZE=PAGE_SIZE, G=G,
-        BITS=BITS, MASKED=True, DT=DT, DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, PTX=PTX)
-    # channel d keeps its group's column block; then the zero points' sums and the window's values
-    o = tl.reshape(acc + vb[None, :], (BLOCK_D, BLOCK_M, NGV))
-    o = tl.sum(tl.where((d // G)[:, None, None] == tl.arange(0, NGV)[None, None, :], o, 0.0), 2) + acc16
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, full_hi, hi, nk, diag, window_right,
+                                qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
+                                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
+                                stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
+                                DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW)
+    acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
+                                qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
+                                stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
+                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
+                                stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
+                                DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW)
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
-    o_ptrs = (Out + b64 * stride_ob + t[None, :] * stride_ot + h[None, :] * stride_oh
-              + split * stride_os + d[:, None])
-    tl.store(o_ptrs, (o / l_i[None, :]).to(Out.dtype.element_ty), mask=d_ok[:, None] & row_ok[None, :])
+    o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
+              + split * stride_os + d[None, :])
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
     tl.store(lse_ptrs, lse, mask=row_ok)
 
@@ -457,19 +394,22 @@ KIVI_WAVES = 2
 
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                        bits: int = 2) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`: four warps (one warpgroup, so the
-    code tiles are wgmma's register operand) and tiles of 128 keys at head_dim <= 128: 34 SASS
-    instructions per key and warp in the 2-bit hd128 loop as Triton 3.6 compiles it for sm_90a, no spill
-    (the kernel before this layout: 69). 64-key tiles above (hd 256 spills: the accumulator holds a
-    column block per channel group, 8 at G = 32; fp32 queries spill too). Not yet timed on a GPU. Under the interpreter, 32-key
-    tiles (two key groups of 16)."""
+    """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. hd ≤ 128 with 16-bit queries: 64-key
+    tiles at 4 warps, the fastest of eight configs timed by `python -m nano_quant.bench_kv
+    kernel.sweep=true` on an H200 (2026-12-06, llama3-8b heads), for 2-bit codes: 64 × 16k 1,954 µs
+    against 2,538 for 32-key tiles at 4 warps, 1 × 64k 138 against 175 µs. ptxas spills 464 bytes there
+    (255 registers), and the tile is faster all the same. 4-bit codes keep 32-key tiles at 4 warps
+    (2,297 against 2,535 µs at 64 × 16k; 64-key tiles spill 600 bytes). Other head_dims: chosen from
+    ptxas's report at sm_90 (no spill), not timed."""
     if device.type != "cuda":
-        return 32, 4, 1
+        return 16, 4, 1
     if dtype == torch.float32:
-        return 32, 4, 2
-    if head_dim > 128:
-        return 64, 4, 2
-    return 128, 4, 2
+        return 16, 8, 2
+    if head_dim <= 64:
+        return 64, 4, 3
+    if head_dim <= 128:
+        return (64, 4, 2) if bits == 2 else (32, 4, 2)
+    return 32, 8, 3
 
 
 def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
@@ -508,7 +448,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     batch, seqlen_q, heads_q, head_dim = q.shape
     group = heads_q // lay.heads
     capacity = block_table.shape[1] * lay.block_size
-    block_m = max(4, min(64, next_pow2(group * seqlen_q)))  # the products' N: the rows, padded
+    block_m = max(16, min(64, next_pow2(group * seqlen_q)))
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
     block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device, lay.bits)
@@ -542,7 +482,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kwb=kw.stride(0), stride_kwr=kw.stride(1), stride_kwh=kw.stride(2),
             stride_ksb=ks.stride(0), stride_ksg=ks.stride(1), stride_ksh=ks.stride(2),
-            stride_vwb=vw.stride(0), stride_vwr=vw.stride(1), stride_vwh=vw.stride(2),
+            stride_vwb=vw.stride(0), stride_vwt=vw.stride(1), stride_vwh=vw.stride(2),
             stride_vsb=vs.stride(0), stride_vst=vs.stride(1), stride_vsh=vs.stride(2),
             stride_te=k_tail.stride(0), stride_tr=k_tail.stride(1), stride_th=k_tail.stride(2),
             stride_bt=block_table.stride(0),
@@ -552,7 +492,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_ls=s_strides[1],
             HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             PAGE_SIZE=lay.block_size, G=lay.group_size, BITS=bits, DOT_PRECISION=dot_precision(q.dtype),
-            WINDOW=window is not None, PTX=q.is_cuda, num_warps=num_warps, num_stages=num_stages)
+            WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             _combine_kernel[(batch * seqlen_q * heads_q,)](
                 O_part=o_part, LSE_part=lse_part, Out=out, LSE=lse, num_splits=num_splits,
