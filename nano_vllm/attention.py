@@ -14,7 +14,9 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
    pay for a whole tile's pass over its context (~7x a decode kernel's cost, measured on an 8B shape).
    On CUDA tensors these are the Triton kernels, on a CPU the torch references. A step in which no
    sequence has anything cached yet attends to the fresh K/V directly (plain varlen FlashAttention),
-   skipping the page indirection.
+   skipping the page indirection, and so do a mixed step's prefills when they all start at 0
+   (`AttentionContext.fresh`): with an FP8 cache that also skips widening the codes in a prefill's
+   inner loop, and a prompt's keys are read as exactly whether or not decodes share its step.
 
 Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
 the same step writes (two identical prompts admitted together share their prefix blocks).
@@ -47,6 +49,9 @@ class AttentionContext:
     decode_lens: (B,) int32 or None, in a paged mixed step: the key count of each of the first B sequences
         that computes one token (rows 0..B-1 of q), 0 for the others. Those sequences are empty in
         `cu_seqlens_q` (their start is moved to their end), and the decode kernel attends their rows.
+    fresh: in a mixed step, none of the other sequences had a key cached before it (whole prompts, no
+        prefix hit): their keys are exactly this step's k, v, as in a step with nothing cached, and
+        `cu_seqlens_k` is `cu_seqlens_q`. KIVI's prefill (§3.3) attends to the full-precision K/V too.
     """
 
     slot_mapping: torch.Tensor
@@ -58,6 +63,7 @@ class AttentionContext:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     decode_lens: torch.Tensor | None = None
+    fresh: bool = False
 
 
 def check_head_dim(head_dim: int, device: torch.device | str = "cuda") -> None:
@@ -111,18 +117,17 @@ class PagedAttention:
             return flash_attn_with_kvcache(q, k_cache, v_cache, ctx.context_lens,
                                            block_table=ctx.block_tables, causal=True, **scales)
         q0 = q[0]  # (num_tokens, heads, dim), sequences packed
-        if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
+        if ctx.block_tables is None or ctx.fresh:  # none cached before: the keys are exactly k, v
             out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True)
         else:
             out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
                                          block_table=ctx.block_tables, **scales)
-            if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel
-                lens = ctx.decode_lens
-                rows = lens.shape[0]
-                dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens,
-                                              block_table=ctx.block_tables[:rows],
-                                              causal=True, **scales)[:, 0]
-                out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
+        if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel
+            lens = ctx.decode_lens
+            rows = lens.shape[0]
+            dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens, causal=True,
+                                          block_table=ctx.block_tables[:rows], **scales)[:, 0]
+            out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
         return out[None]

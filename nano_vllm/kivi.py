@@ -33,7 +33,9 @@ CUDA, torch elsewhere), then read: decode steps and a mixed step's leading decod
 `flash_attn_with_kivi_cache` (Flash-Decoding over the packed blocks, dequantized in registers); a prefill
 step over cached keys (a chunked prefill's later chunks, a prefix hit, a recomputation) dequantizes its
 sequences' pages into a 16-bit copy (`dequantize_kivi_pages`) for the 16-bit paged prefill kernel; a step
-with nothing cached attends to its fresh K/V, as in the 16-bit engine.
+with nothing cached attends to its fresh K/V, as in the 16-bit engine, and so do a mixed step's prefills
+when they all start at 0 (`AttentionContext.fresh`): KIVI's prefill (§3.3) attends to the full-precision
+K/V, and no page of theirs is dequantized.
 """
 
 from __future__ import annotations
@@ -333,17 +335,19 @@ class KIVIAttention:
                                               causal=True,
                                               window=p.window(layer_idx, slice(0, q.shape[0])))
         q0 = q[0]
-        if ctx.block_tables is None:  # nothing cached before this step: the keys are exactly k, v
-            return flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True)[None]
         lead = 0 if ctx.decode_lens is None else ctx.decode_lens.shape[0]  # the decodes: below
-        tables, cu_k = ctx.block_tables[lead:], ctx.cu_seqlens_k[lead:]
-        k16, v16, pages = dequantize_kivi_pages(*caches, tables, cu_k.diff(), *quant, q.dtype)
-        if p.residual:  # the newest tokens, this step's among them, from the sequences' rings
-            overlay_window(k16, v16, pages, p.window(layer_idx, slice(lead, lead + tables.shape[0])),
-                           cu_k.diff(), p.group_size)
-        out = flash_attn_varlen_func(q0, k16, v16, ctx.cu_seqlens_q[lead:], cu_k, ctx.max_seqlen_q,
-                                     ctx.max_seqlen_k, causal=True, block_table=pages)
+        if ctx.block_tables is None or ctx.fresh:  # nothing cached before: the keys are exactly k, v
+            # (KIVI §3.3: a prefill attends to its full-precision K/V; only the cache holds codes)
+            out = flash_attn_varlen_func(q0, k[0], v[0], ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                         ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True)
+        else:
+            tables, cu_k = ctx.block_tables[lead:], ctx.cu_seqlens_k[lead:]
+            k16, v16, pages = dequantize_kivi_pages(*caches, tables, cu_k.diff(), *quant, q.dtype)
+            if p.residual:  # the newest tokens, this step's among them, from the sequences' rings
+                overlay_window(k16, v16, pages, p.window(layer_idx, slice(lead, lead + tables.shape[0])),
+                               cu_k.diff(), p.group_size)
+            out = flash_attn_varlen_func(q0, k16, v16, ctx.cu_seqlens_q[lead:], cu_k, ctx.max_seqlen_q,
+                                         ctx.max_seqlen_k, causal=True, block_table=pages)
         if lead:
             lens = ctx.decode_lens
             dec = flash_attn_with_kivi_cache(q0[:lead, None], *caches, lens, ctx.block_tables[:lead],

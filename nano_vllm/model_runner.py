@@ -214,14 +214,15 @@ class ModelRunner:
         if inputs.is_decode:
             return AttentionContext(slot_mapping=slots, is_decode=True, block_tables=tables,
                                     context_lens=self._tensor(inputs.context_lens, torch.int32))
-        cu_q, lens = inputs.cu_seqlens_q_attn, inputs.context_lens
-        decode_lens = lens[: inputs.num_decodes]
+        cu_q, cu_k, nd = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k, inputs.num_decodes
+        max_q = max(1, *(b - a for a, b in itertools.pairwise(cu_q)))
+        # fresh: the sequences after the decodes start at 0, their keys are their new tokens
+        fresh, q_t = cu_k[-1] - cu_k[nd] == cu_q[-1] - cu_q[nd], self._tensor(cu_q, torch.int32)
         return AttentionContext(
-            slot_mapping=slots, block_tables=tables, cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            cu_seqlens_k=self._tensor(inputs.cu_seqlens_k, torch.int32),
-            max_seqlen_q=max(1, max(b - a for a, b in itertools.pairwise(cu_q))),
-            max_seqlen_k=max(lens),
-            decode_lens=self._tensor(decode_lens, torch.int32) if decode_lens else None)
+            slot_mapping=slots, block_tables=tables, cu_seqlens_q=q_t, max_seqlen_q=max_q,
+            cu_seqlens_k=q_t if fresh else self._tensor(cu_k, torch.int32), fresh=fresh,
+            max_seqlen_k=max_q if fresh else max(inputs.context_lens),
+            decode_lens=self._tensor(inputs.context_lens[:nd], torch.int32) if nd else None)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

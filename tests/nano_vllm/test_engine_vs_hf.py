@@ -40,11 +40,26 @@ def _record_steps(llm):
     return steps
 
 
+def _record_mixed_steps(llm):
+    """Wrap the runner's attention metadata to keep each mixed step's (fresh, number of decodes)."""
+    mixed, runner = [], llm.engine.model_runner
+    make = runner.attention_context
+
+    def wrapped(inputs):
+        ctx = make(inputs)
+        if not ctx.is_decode and ctx.decode_lens is not None:
+            mixed.append((ctx.fresh, ctx.decode_lens.numel()))
+        return ctx
+
+    runner.attention_context = wrapped
+    return mixed
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers(ckpt, hf_greedy, case, layer_args):
     prompts = random_prompts(0, LENGTHS)
     llm = LLM(ckpt, max_model_len=128, **CASES[case], **layer_args)
-    steps = _record_steps(llm)
+    steps, mixed = _record_steps(llm), _record_mixed_steps(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, n, out in zip(prompts, MAX_TOKENS, outs):
@@ -56,10 +71,14 @@ def test_greedy_matches_transformers(ckpt, hf_greedy, case, layer_args):
         assert max(sum(n) for n, _ in steps) <= 16
         # a step mixing a prompt chunk (> 1 token, not sampled) with decodes (1 token, sampled)
         assert any(any(k > 1 and not s for k, s in zip(n, smp)) and 1 in n for n, smp in steps)
+        # a later chunk beside decodes reads its cached chunks through the pages (not `fresh`)
+        assert any(not fresh for fresh, _ in mixed)
     if case == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     if case == "no_chunked_prefill":  # every prompt in one piece
         assert all(not (k > 1 and not s) for n, smp in steps for k, s in zip(n, smp))
+        # a whole prompt admitted beside running decodes attends to its own K/V directly (`fresh`)
+        assert any(fresh for fresh, _ in mixed)
 
 
 def test_prefix_cache_hits_keep_outputs_exact(ckpt, hf_greedy, layer_args):
