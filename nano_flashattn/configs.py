@@ -59,12 +59,19 @@ DECODE_CONFIGS: dict[tuple[bool, int], tuple[int, int, int]] = {
 # and a deep pipeline mostly fills and drains).
 # Tuned on an H200, 2026-11-30, commit 7b90774: `python -m nano_vllm.bench` (16 q / 8 kv heads, page 16).
 PAGED_MANY_PROGRAMS_CONFIG, MANY_PROGRAMS = (128, 4, 4), 4
-# Over an FP8 cache (head_dim <= 128, 16-bit queries). Not yet tuned on a GPU:
-# `python -m nano_quant.bench_kv kernel.sweep=true` times the candidates.
+# Over an FP8 cache (head_dim <= 128, 16-bit queries): the best of 12 (BLOCK_N, warps, stages) candidates at
+# 64 x 16k (767 us against 804-1,349 for the others; 1 x 64k and 1 x 4k within 3% of their best), H100,
+# 2026-12-07, llama3-8b heads, page 16; `python -m nano_quant.bench_kv kernel.sweep=true` times candidates.
 FP8_DECODE_CONFIG = (128, 4, 5)
 # Split count: aim for `waves` programs per SM, no slice shorter than `min_split_tiles` key tiles.
 # Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (b1 x 64k, b64 x 4k).
 DECODE_TUNING = {"waves": 1, "min_split_tiles": 4}
+# Over an FP8 cache: two waves, no slice under two tiles. Measured on an H100, 2026-12-07 (CUDA-graph
+# replays of `decode_forward`, llama3-8b / qwen3-0.6b heads, page 16, the FP8_DECODE_CONFIG tile): at one
+# wave the batches that nearly fill the SMs once run one slice per (sequence, kv head), a pipeline of 4
+# warps alone on its SM; a second wave gives 16 x 8k 135.6 -> 116.6 us, 8 x 8k 73.7 -> 71.3, 1 x 4k
+# 19.6 -> 17.1 (16 slices), 1 x 64k 73.5 -> 71.8 (32 slices), and leaves 64 x 16k at one slice.
+FP8_DECODE_TUNING = {"waves": 2, "min_split_tiles": 2}
 
 
 def block_d(head_dim: int) -> int:

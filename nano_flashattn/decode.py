@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .checks import NO_WINDOW, cdiv, next_pow2, scale_stride
-from .configs import DECODE_TUNING, block_d, decode_config, num_sms
+from .configs import DECODE_TUNING, FP8_DECODE_TUNING, block_d, decode_config, num_sms
 from .forward import LN2_C, LOG2E, dot_precision, fwd_tiles, load_tile
 
 NO_WINDOW_C = tl.constexpr(NO_WINDOW)
@@ -148,12 +148,12 @@ def _combine_kernel(O_part, LSE_part, Out, LSE, num_splits,
     tl.store(LSE + r, tl.where(empty, float("-inf"), m + tl.log(total)))
 
 
-def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
+def pick_num_splits(programs: int, max_len: int, block_n: int, sms: int, tuning=DECODE_TUNING):
     """Flash-Decoding's split count: enough programs for `waves` per SM, no slice under a few tiles."""
-    target = DECODE_TUNING["waves"] * sms
+    target = tuning["waves"] * sms
     if programs >= target:
         return 1
-    longest = cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
+    longest = cdiv(max_len, tuning["min_split_tiles"] * block_n)
     return max(1, min(target // programs, longest, 128))
 
 
@@ -180,7 +180,8 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     config = config or decode_config(head_dim, q.dtype, q.device, paged, programs, fp8)
     block_n, num_warps, num_stages = config
     if num_splits == 0:
-        num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device))
+        num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device),
+                                     FP8_DECODE_TUNING if fp8 else DECODE_TUNING)
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
     num_splits = cdiv(max(capacity, 1), split_len)  # drop slices that would start past the capacity
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
