@@ -17,7 +17,8 @@ from nano_vllm.sampling_params import SamplingParams
 
 def warm_up(engine: LLMEngine) -> None:
     """A prefill; a prefill that continues over cached blocks (the paged varlen path) in a step with a
-    decode; then the same with token counts that are multiples of 16. Leaves no request, no used block,
+    decode, as a prefix hit and as a chunked prompt's later chunks; then the same with token counts that
+    are multiples of 16. Leaves no request, no used block,
     no cached prefix and `num_steps` at 0. Every step runs eagerly: the CUDA graphs compiled their kernels
     when they were captured, and a step no graph fits (a prefill longer than the largest mixed-step graph)
     must not compile its variants in front of a user."""
@@ -38,6 +39,19 @@ def _warm_up_steps(engine: LLMEngine) -> None:
     longer = prompt + [7] * min(bs, room - len(prompt))
     engine.add_request(longer, greedy, request_id="warmup-1")  # a prefix hit, in a step with a decode
     _run_to_completion(engine)
+    if engine.config.enable_chunked_prefill:
+        # a prompt chunked beside a decode, prefix caching or not: its first chunk attends to itself
+        # (`AttentionContext.fresh`), the next reads the first through the pages (the paged varlen kernel)
+        cfg = engine.scheduler.config
+        budget, cfg.max_num_batched_tokens = cfg.max_num_batched_tokens, len(prompt) // 2 + 1
+        try:  # token values no other warm-up prompt has: no prefix hit
+            running = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            engine.add_request([5, 6, 7, 8, 9], running, request_id="warmup-c0")
+            engine.step()
+            engine.add_request([11 + i % 83 for i in range(len(prompt))], greedy, request_id="warmup-c1")
+            _run_to_completion(engine)
+        finally:
+            cfg.max_num_batched_tokens = budget
     aligned = [3 + i % 97 for i in range(min(4 * bs, room) // 16 * 16)]  # now token counts divisible by 16
     engine.add_request(aligned, greedy, request_id="warmup-2")
     _run_to_completion(engine)

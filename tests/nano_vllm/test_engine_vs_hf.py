@@ -145,20 +145,23 @@ class _NoGraphFits:
         return False
 
 
-@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64}])
+@pytest.mark.parametrize("extra", [{}, {"num_kv_blocks": 8}, {"block_size": 64},
+                                   {"enable_prefix_caching": False}])
 def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra, layer_args):
     """The compile warm-up layer (an "engine" hook on CUDA; called by hand here): it runs every step
-    eagerly (the variants a step too large for any CUDA graph needs), exercises a prefix hit in a mixed
-    step, then leaves no request, no used block, no cached hash and no step count behind."""
+    eagerly (the variants a step too large for any CUDA graph needs), exercises a mixed step over cached
+    keys (the paged varlen kernel; without prefix caching too) and one whose prompt is whole (`fresh`),
+    then leaves no request, no used block, no cached hash and no step count behind."""
     llm = LLM(ckpt, max_model_len=64, **extra, **layer_args)
     engine = llm.engine
-    steps = _record_steps(llm)
+    steps, mixed = _record_steps(llm), _record_mixed_steps(llm)
     runner, graphs = engine.model_runner, _NoGraphFits()
     runner.cudagraphs = [graphs]
     warm_up(engine)
     assert not graphs.asked and runner.cudagraphs == [graphs]  # every step ran eagerly; the graphs are back
     runner.cudagraphs = []
     assert any(len(n) == 2 and 1 in n and max(n) > 1 for n, _ in steps)  # decode + prefill chunk
+    assert {fresh for fresh, _ in mixed} == {True, False}
     bm = engine.block_manager
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
     assert engine.num_steps == 0
