@@ -41,7 +41,8 @@ one device; every other step runs the paper path's layer (the GEMV layer, cuBLAS
 TRITON_INTERPRET=1 the same kernels run on a CPU (tests compare each fused op with its torch
 definition, `reference_*`, and a fused step with the paper path's, layer by layer).
 
-**W4A16.** With `fused_decode=True` (asked for: not yet timed against the unfused W4 step on a GPU), a
+**W4A16.** With `fused_decode=True` (asked for: slower than the unfused W4 step, 241.3 against 333.1 tok/s
+at batch 1 on llama3-8b's shape, H100, 2026-12-07; nano_vllm/README.md says what was measured), a
 layer whose stacked projections are nano_quant's repacked W4A16 layers takes six kernels a one-row step:
 nano_quant's W4 GEMV with the add + RMSNorm prologue (QKV), layers/fused.py's `rope_and_store`, (b), the W4
 GEMV with the residual-stream epilogue (o_proj), with the RMSNorm prologue and its SwiGLU epilogue (gate/up),
@@ -643,8 +644,8 @@ def kernel_bytes(model: nn.Module) -> dict[str, int]:
 
 def apply_fused_decode(runner: Any) -> None:
     """The "runner" hook: every fusable decoder layer becomes a FusedDecoderLayer sharing one workspace. W4A16
-    layers (`fusable_w4`) only where `fused_decode=True` asks: their speed against the unfused W4 step is not
-    yet measured on a GPU."""
+    layers (`fusable_w4`) only where `fused_decode=True` asks: that step is slower than the unfused W4 one
+    (module docstring)."""
     w4 = runner.config.fused_decode is True
     layers = [m for m in runner.model.model.layers if fusable(m) or (w4 and fusable_w4(m))]
     if not layers:
