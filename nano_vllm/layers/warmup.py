@@ -31,7 +31,7 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def _warm_up_steps(engine: LLMEngine) -> None:
-    bs, room = engine.config.block_size, engine.max_model_len - 4
+    bs, room = engine.config.block_size, max(1, engine.max_model_len - 4)
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = [1 + i % 100 for i in range(min(2 * bs + 3, room))]  # odd length: 2 blocks and 3 tokens
     engine.add_request(prompt, greedy, request_id="warmup-0")
@@ -46,18 +46,19 @@ def _warm_up_steps(engine: LLMEngine) -> None:
         budget, cfg.max_num_batched_tokens = cfg.max_num_batched_tokens, len(prompt) // 2 + 1
         try:  # token values no other warm-up prompt has: no prefix hit
             running = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            engine.add_request([5, 6, 7, 8, 9], running, request_id="warmup-c0")
+            engine.add_request(prompt[:5], running, request_id="warmup-c0")  # under a block: no hit
             engine.step()
             engine.add_request([11 + i % 83 for i in range(len(prompt))], greedy, request_id="warmup-c1")
             _run_to_completion(engine)
         finally:
             cfg.max_num_batched_tokens = budget
     aligned = [3 + i % 97 for i in range(min(4 * bs, room) // 16 * 16)]  # now token counts divisible by 16
-    engine.add_request(aligned, greedy, request_id="warmup-2")
-    _run_to_completion(engine)
-    grown = aligned + [9] * min(16, room - len(aligned))
-    engine.add_request(grown, greedy, request_id="warmup-3")  # a 16-token chunk over cached blocks
-    _run_to_completion(engine)
+    if aligned:  # (a max_model_len under 20 has no such prompt)
+        engine.add_request(aligned, greedy, request_id="warmup-2")
+        _run_to_completion(engine)
+        grown = aligned + [9] * min(16, room - len(aligned))
+        engine.add_request(grown, greedy, request_id="warmup-3")  # a 16-token chunk over cached blocks
+        _run_to_completion(engine)
     engine.block_manager.reset_prefix_cache()
     engine.num_steps = 0
 

@@ -170,3 +170,16 @@ def test_kernel_warmup_leaves_the_engine_clean(ckpt, hf_greedy, extra, layer_arg
     assert all(o.num_cached_tokens == 0 for o in outs)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(ckpt, p, 8)
+
+
+@pytest.mark.parametrize("max_model_len", [2, 8, 17])
+def test_kernel_warmup_at_a_short_max_model_len(qwen3_ckpt, hf_greedy, max_model_len):
+    """A context too short for some warm-up prompt (the 16-aligned one needs 20 tokens) skips it: the
+    engine is still built (on CUDA the warm-up runs inside `LLM(...)`) and left clean."""
+    llm = LLM(qwen3_ckpt, max_model_len=max_model_len)
+    warm_up(llm.engine)
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+    prompt = random_prompts(6, [1])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(qwen3_ckpt, prompt, 1)
