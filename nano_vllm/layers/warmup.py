@@ -18,10 +18,10 @@ from nano_vllm.sampling_params import SamplingParams
 def warm_up(engine: LLMEngine) -> None:
     """A prefill; a prefill that continues over cached blocks (the paged varlen path) in a step with a
     decode, as a prefix hit and as a chunked prompt's later chunks; then the same with token counts that
-    are multiples of 16. Leaves no request, no used block,
-    no cached prefix and `num_steps` at 0. Every step runs eagerly: the CUDA graphs compiled their kernels
-    when they were captured, and a step no graph fits (a prefill longer than the largest mixed-step graph)
-    must not compile its variants in front of a user."""
+    are multiples of 16. Leaves no request, no used block, no cached prefix and `num_steps` at 0. Every
+    step runs eagerly: the CUDA graphs compiled their kernels when they were captured, and a step no graph
+    fits (a prefill longer than the largest mixed-step graph) must not compile its variants in front of a
+    user."""
     runner = engine.model_runner
     graphs, runner.cudagraphs = runner.cudagraphs, []
     try:
@@ -44,11 +44,12 @@ def _warm_up_steps(engine: LLMEngine) -> None:
         # (`AttentionContext.fresh`), the next reads the first through the pages (the paged varlen kernel)
         cfg = engine.scheduler.config
         budget, cfg.max_num_batched_tokens = cfg.max_num_batched_tokens, len(prompt) // 2 + 1
-        try:  # token values no other warm-up prompt has: no prefix hit
+        try:
             running = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             engine.add_request(prompt[:5], running, request_id="warmup-c0")  # under a block: no hit
             engine.step()
-            engine.add_request([11 + i % 83 for i in range(len(prompt))], greedy, request_id="warmup-c1")
+            fresh = [11 + i % 83 for i in range(len(prompt))]  # token values no other prompt has
+            engine.add_request(fresh, greedy, request_id="warmup-c1")
             _run_to_completion(engine)
         finally:
             cfg.max_num_batched_tokens = budget
