@@ -16,7 +16,7 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
    sequence has anything cached yet attends to the fresh K/V directly (plain varlen FlashAttention),
    skipping the page indirection, and so do a mixed step's prefills when they all start at 0
    (`AttentionContext.fresh`): with an FP8 cache that also skips widening the codes in a prefill's
-   inner loop, and a prompt's keys are read as exactly whether or not decodes share its step.
+   inner loop. (A step small enough for a mixed-step CUDA graph reads every key through the pages.)
 
 Every layer writes before it reads, so within one step a sequence can read K/V that another sequence of
 the same step writes (two identical prompts admitted together share their prefix blocks).
