@@ -325,20 +325,13 @@ def engine_model(model: str, layers: int | None) -> str:
 
 def timed_workload(api: ModuleType, llm: Any, prompts: list[dict], output_len: int,
                    device: torch.device) -> dict[str, Any]:
-    """Two requests of 4 tokens (the kernels of these shapes built untimed; with nano_vllm's engine also a
-    prompt admitted beside a running decode, the steady state's mixed step), then every prompt, greedy,
+    """Two requests of 4 tokens (the kernels of these shapes built untimed), then every prompt, greedy,
     `output_len` tokens each: output tokens/s; with nano_vllm's scheduler also the most sequences that ran
-    at once and the preemptions."""
+    at once and the preemptions; the kernels built inside the timed run, by name."""
     params = api.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     warm = api.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:2], warm, use_tqdm=False)
     engine = getattr(llm, "engine", None)
-    if hasattr(engine, "add_request") and hasattr(engine, "step"):
-        engine.add_request(prompts[0]["prompt_token_ids"], warm)
-        engine.step()  # its prefill; the next step decodes it beside the second prompt, whole
-        engine.add_request(prompts[1]["prompt_token_ids"], warm)
-        while engine.has_unfinished_requests():
-            engine.step()
     scheduler = getattr(engine, "scheduler", None)
     peak, preempted = [0], getattr(scheduler, "num_preemptions", 0)
     if scheduler is not None and hasattr(engine, "step"):
