@@ -163,8 +163,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     block_table, of q's dtype or float8_e4m3fn with flat fp32 k_scale, v_scale (1 or Hk elements).
     Returns out (B, Sq, Hq, D) and lse (B, Hq, Sq).
 
-    config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`, and an
-    optional fourth entry: a cap on registers per thread (Triton's `maxnreg`), for more programs per SM.
+    config: (BLOCK_N, num_warps, num_stages) of the split kernel, default `configs.decode_config`.
     kernels, launch: a (split, combine) pair taking the same arguments, and Triton launch options for both
     (a performance layer's variants; default: the two kernels above)."""
     split_kernel, combine_kernel = kernels or (_decode_split_kernel, _combine_kernel)
@@ -179,8 +178,7 @@ def decode_forward(q, k_cache, v_cache, cache_seqlens, block_table, scale, causa
     programs = batch * heads_k * row_blocks
     fp8 = k_scale is not None
     config = config or decode_config(head_dim, q.dtype, q.device, paged, programs, fp8)
-    block_n, num_warps, num_stages, *cap = config
-    launch = {**launch, "maxnreg": cap[0]} if cap else launch
+    block_n, num_warps, num_stages = config
     if num_splits == 0:
         num_splits = pick_num_splits(programs, capacity, block_n, num_sms(q.device),
                                      FP8_DECODE_TUNING if fp8 else DECODE_TUNING)
