@@ -62,6 +62,8 @@ PAGED_MANY_PROGRAMS_CONFIG, MANY_PROGRAMS = (128, 4, 4), 4
 # Over an FP8 cache (head_dim <= 128, 16-bit queries): the best of 12 (BLOCK_N, warps, stages) candidates at
 # 64 x 16k (767 us against 804-1,349 for the others; 1 x 64k and 1 x 4k within 3% of their best), H100,
 # 2026-12-07, llama3-8b heads, page 16; `python -m nano_quant.bench_kv kernel.sweep=true` times candidates.
+# Not faster on the same card: 6 or 7 stages, (64, 4, 8 / 10), (256, 4, 3), a cap of 168 or 128 registers
+# (more programs an SM, but spills: 5-20% slower); nano_quant's README says what the profiler showed.
 FP8_DECODE_CONFIG = (128, 4, 5)
 # Split count: aim for `waves` programs per SM, no slice shorter than `min_split_tiles` key tiles.
 # Tuned on an H200, 2026-11-30, commit 77cc019: `python -m nano_flashattn.bench --sweep` (b1 x 64k, b64 x 4k).
