@@ -31,8 +31,8 @@ from .checks import (
     check_scale,
     next_pow2,
 )
-from .configs import block_d, num_sms
-from .decode import _combine_kernel, pick_num_splits
+from .configs import DECODE_TUNING, block_d, num_sms
+from .decode import _combine_kernel
 from .forward import LN2_C, LOG2E, dot_precision, visible
 from .kivi import _check_rows, layout_of
 
@@ -92,6 +92,95 @@ def fields(words, scale, zero, START: tl.constexpr, STEP: tl.constexpr, COUNT: t
         even = fields(words, scale, zero, START, 2 * STEP, COUNT // 2, BITS, out_dtype)
         odd = fields(words, scale, zero, START + STEP, 2 * STEP, COUNT // 2, BITS, out_dtype)
         return tl.join(even, odd)
+
+
+def _pairs_asm(bits: int) -> str:
+    """PTX that splits one int32 word of 32 / b codes into fp16 `code · scale + zero`, two codes a
+    32-bit register: shifted right by b·j, the word's halves hold codes j and j + 16 / b at bit 0 of each
+    half, and one AND-OR (mask (2^b - 1) in both halves, 0x6400 above) makes the pair of fp16 numbers
+    1024 + code; one packed subtract and one packed FMA finish both (`code_value` two at a time)."""
+    half, mask = 16 // bits, (2**bits - 1) * 0x00010001
+    w, sc, zr = 2 * half + 0, 2 * half + 1, 2 * half + 2  # operands after the 2·half outputs
+    lines = ["{", ".reg .b32 s2, z2, m, t;", f"mov.b32 s2, {{${sc}, ${sc}}};", f"mov.b32 z2, {{${zr}, ${zr}}};",
+             "mov.b32 m, 0x64006400;"]
+    for j in range(half):
+        src = f"${w}" if j == 0 else "t"
+        if j:
+            lines.append(f"shr.u32 t, ${w}, {bits * j};")
+        lines += [f"lop3.b32 t, {src}, {mask}, 0x64006400, 0xea;", "sub.f16x2 t, t, m;",
+                  "fma.rn.f16x2 t, t, s2, z2;", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;"]
+    return "\n".join([*lines, "}"])
+
+
+# The interpreter (CPU tensors: the tests) runs no PTX: it splits the words in plain Triton, in the same order.
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+PAIRS_ASM_2, PAIRS_ASM_4 = tl.constexpr(_pairs_asm(2)), tl.constexpr(_pairs_asm(4))
+PAIRS_ARGS_2, PAIRS_ARGS_4 = (tl.constexpr(",".join(["=h"] * (32 // b) + ["r", "h", "h"])) for b in (2, 4))
+
+
+@triton.jit
+def _order(x, COUNT: tl.constexpr, START: tl.constexpr, STEP: tl.constexpr):
+    """Elements START, START + STEP, ... (COUNT) of the tuple x joined so they flatten in that order."""
+    if COUNT == 1:
+        return x[START]
+    else:
+        return tl.join(_order(x, COUNT // 2, START, 2 * STEP), _order(x, COUNT // 2, START + STEP, 2 * STEP))
+
+
+@triton.jit
+def _in_order(x, COUNT: tl.constexpr, START: tl.constexpr, STEP: tl.constexpr, H: tl.constexpr):
+    """`_order` of fields START, START + STEP, ... where x holds field f at 2f (f < H), 2(f - H) + 1."""
+    if COUNT == 1:
+        if START < H:
+            return x[2 * START]
+        else:
+            return x[2 * (START - H) + 1]
+    else:
+        return tl.join(_in_order(x, COUNT // 2, START, 2 * STEP, H),
+                       _in_order(x, COUNT // 2, START + STEP, 2 * STEP, H))
+
+
+@triton.jit
+def paired_fields(words, scale, zero, BITS: tl.constexpr, IN_ORDER: tl.constexpr):
+    """Every field of every word dequantized in fp16 two at a time (`_pairs_asm`), as words.shape +
+    (2,) * log2(32 / b), flattening in `field_order`: fields 0, H, 1, H + 1, ... (H = 16 / b), so the
+    two fp16 halves of one register stay neighbours in the tile and reach shared memory unpermuted;
+    IN_ORDER: fields 0, 1, 2, ... (the halves are repacked)."""
+    PW: tl.constexpr = 32 // BITS
+    if INTERPRETED:
+        if IN_ORDER:
+            return fields(words, scale, zero, 0, 1, PW, BITS, tl.float16)
+        return tl.join(fields(words, scale, zero, 0, 1, PW // 2, BITS, tl.float16),
+                       fields(words, scale, zero, PW // 2, 1, PW // 2, BITS, tl.float16))
+    if BITS == 2:
+        outs = tl.inline_asm_elementwise(PAIRS_ASM_2, PAIRS_ARGS_2, [words, scale, zero],
+                                         dtype=(tl.float16,) * PW, is_pure=True, pack=1)
+    else:
+        outs = tl.inline_asm_elementwise(PAIRS_ASM_4, PAIRS_ARGS_4, [words, scale, zero],
+                                         dtype=(tl.float16,) * PW, is_pure=True, pack=1)
+    if IN_ORDER:
+        return _in_order(outs, PW, 0, 1, PW // 2)
+    return _order(outs, PW, 0, 1)
+
+
+@triton.jit
+def field_order(p, PW: tl.constexpr, PAIRED: tl.constexpr):
+    """The field (token of a key word, channel of a value word) at position p of a tile dequantized by
+    `paired_fields` (PAIRED) or `fields` (in order)."""
+    if PAIRED:
+        return p // PW * PW + (p % PW) // 2 + (p % 2) * (PW // 2)
+    else:
+        return p
+
+
+@triton.jit
+def spread(x, TIMES: tl.constexpr):
+    """x (R, C) -> (R, C·TIMES), each column repeated TIMES times in place (tl.join: in the thread)."""
+    if TIMES == 1:
+        return x
+    else:
+        y = spread(x, TIMES // 2)
+        return tl.reshape(tl.join(y, y), (y.shape[0], 2 * y.shape[1]))
 
 
 @triton.jit
@@ -209,7 +298,7 @@ def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_b
 def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
               stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-              out_dtype: tl.constexpr):
+              out_dtype: tl.constexpr, IN_ORDER: tl.constexpr):
     """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in `out_dtype`: each int32
     word read once (32 / b consecutive tokens of one channel, within one page), its fields shifted out,
     times the channel's scale plus its zero (group w·PW // G of the page). Keys at or past min(n, nk):
@@ -225,27 +314,37 @@ def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, st
     at = page[None, :] * stride_ksb + (r // G)[None, :] * stride_ksg + hk * stride_ksh + d[:, None]
     scale = tl.load(KS + at, mask=ok, other=0.0)
     zero = tl.load(KZ + at, mask=ok, other=0.0)
+    if out_dtype == tl.float16:
+        return tl.reshape(paired_fields(words, scale, zero, BITS, IN_ORDER), (BLOCK_D, BLOCK_N))
     return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_D, BLOCK_N))
 
 
 @triton.jit
-def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
-                stride_vsb, stride_vst, stride_vsh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _value_tile(VW, VS, VZ, bt_row, offs_n, n, hk, stride_vwb, stride_vwt, stride_vsb, stride_vst,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                 out_dtype: tl.constexpr):
-    """V (BLOCK_N, BLOCK_D) of tokens [start_n, start_n + BLOCK_N) in `out_dtype`: each word (32 / b channels of
-    one token) read once, times the token's scale plus zero of group (word · PW) // G. Past n: 0."""
+    """V (BLOCK_N, BLOCK_D) of tokens offs_n in `out_dtype`: each word (32 / b channels of one token) read
+    once, times the token's scale plus zero of group (word · PW) // G; with fp16 tiles the columns in
+    `field_order`. Past n: 0. A head's words and its scales are HEAD_DIM // PW and HEAD_DIM // G
+    apart in a block (`KIVILayout.value_views`): as constants, the compiler sees a token's 32-byte words
+    and its group scales contiguous and aligned, and copies them a vector at a time (cp.async), ahead of
+    the tile, like every other operand."""
     PW: tl.constexpr = 32 // BITS
-    offs_n = start_n + tl.arange(0, BLOCK_N)
     w = tl.arange(0, BLOCK_D // PW)
     ok = (offs_n < n)[:, None] & (w < HEAD_DIM // PW)[None, :]
     page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n, other=0).to(tl.int64)
     r = offs_n % PAGE_SIZE
-    row = page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * stride_vwh
+    row = page[:, None] * stride_vwb + r[:, None] * stride_vwt + hk * (HEAD_DIM // PW)
     words = tl.load(VW + row + w[None, :], mask=ok, other=0)  # (BLOCK_N, BLOCK_D / PW)
-    at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * stride_vsh + (w * PW // G)[None, :]
-    scale = tl.load(VS + at, mask=ok, other=0.0)
-    zero = tl.load(VZ + at, mask=ok, other=0.0)
+    g = tl.arange(0, BLOCK_D // G)
+    g_ok = (offs_n < n)[:, None] & (g < HEAD_DIM // G)[None, :]
+    at = page[:, None] * stride_vsb + r[:, None] * stride_vst + hk * (HEAD_DIM // G) + g[None, :]
+    scale = tl.load(VS + at, mask=g_ok, other=0.0)
+    zero = tl.load(VZ + at, mask=g_ok, other=0.0)
+    scale, zero = spread(scale, G // PW), spread(zero, G // PW)  # a scale a word
+    if out_dtype == tl.float16:
+        return tl.reshape(paired_fields(words, scale, zero, BITS, False), (BLOCK_N, BLOCK_D))
     return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_N, BLOCK_D))
 
 
@@ -253,7 +352,7 @@ def _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stri
 def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scale, hk, entry,
                 KW, KS, KZ, VW, VS, VZ, Tail,
                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                stride_vwb, stride_vwt, stride_vsb, stride_vst,
                 stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, rows, stride_wr, stride_wh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr,
@@ -263,22 +362,29 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
     the causal edge are masked, and keys from nk on (the sequence's open group) come from tail entry
     `entry`, in 16 bits; with a WINDOW, keys from key_lo and values from value_lo come from the
     sequence's 16-bit rings WK, WV (row position % rows)."""
+    PW: tl.constexpr = 32 // BITS
+    PAIRED: tl.constexpr = q.dtype == tl.float16
     d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # the token of each key column: in order in the masked tiles, whose 16-bit rows load in order
+        offs_n = start_n + field_order(tl.arange(0, BLOCK_N), PW, PAIRED and not MASKED)
         k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
                       stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS,
-                      q.dtype)
-        if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
-            t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
-            kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
-                         + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
-            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(k.dtype))
+                      q.dtype, MASKED)
+        if MASKED:  # keys nk.. live in the tail, row j - nk, and with a WINDOW keys key_lo.. in its
+            # ring; keys past n read 0. These 16-bit rows are loaded as (keys, channels), channels
+            # contiguous, converted once and transposed
+            d_ok = (d < HEAD_DIM)[None, :]
+            t_ok = ((offs_n >= nk) & (offs_n < n) & (offs_n < key_lo))[:, None] & d_ok
+            k16 = tl.load(Tail + entry * stride_te + (offs_n - nk)[:, None] * stride_tr
+                          + hk * stride_th + d[None, :], mask=t_ok, other=0.0)
             if WINDOW:
-                w_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= key_lo) & (offs_n < n))[None, :]
-                kw = tl.load(WK + (offs_n % rows)[None, :] * stride_wr + hk * stride_wh + d[:, None],
+                w_ok = ((offs_n >= key_lo) & (offs_n < n))[:, None] & d_ok
+                kw = tl.load(WK + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
                              mask=w_ok, other=0.0)
-                k = tl.where((offs_n >= key_lo)[None, :], kw.to(k.dtype), k)
+                k16 = tl.where((offs_n >= key_lo)[:, None], kw, k16)
+            from16 = (offs_n >= nk) | (offs_n >= n) | (offs_n >= key_lo)
+            k = tl.where(from16[None, :], tl.trans(k16.to(k.dtype)), k)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
         if MASKED:
             seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
@@ -292,14 +398,17 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
             p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _value_tile(VW, VS, VZ, bt_row, start_n, n, hk, stride_vwb, stride_vwt, stride_vwh,
-                        stride_vsb, stride_vst, stride_vsh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
+        v = _value_tile(VW, VS, VZ, bt_row, offs_n, n, hk, stride_vwb, stride_vwt, stride_vsb, stride_vst,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
                         BITS, q.dtype)
         if MASKED and WINDOW:
             w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (d < HEAD_DIM)[None, :]
             vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
-                         mask=w_ok, other=0.0)
-            v = tl.where((offs_n >= value_lo)[:, None], vw.to(v.dtype), v)
+                         mask=w_ok, other=0.0).to(v.dtype)  # in order, channels contiguous
+            if PAIRED:  # then the V tiles' column order (`field_order`), in registers
+                vw = tl.reshape(tl.permute(tl.reshape(vw, (BLOCK_N, BLOCK_D // PW, 2, PW // 2)),
+                                           (0, 1, 3, 2)), (BLOCK_N, BLOCK_D))
+            v = tl.where((offs_n >= value_lo)[:, None], vw, v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -311,7 +420,7 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
                               stride_we, stride_wr, stride_wh, seqlen_q, group, qk_scale, window_right,
                               stride_qb, stride_qt, stride_qh,
                               stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                              stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                              stride_vwb, stride_vwt, stride_vsb, stride_vst,
                               stride_te, stride_tr, stride_th, stride_bt,
                               stride_ob, stride_ot, stride_oh, stride_os,
                               stride_lb, stride_lt, stride_lh, stride_ls,
@@ -363,7 +472,7 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, full_hi, hi, nk, diag, window_right,
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_vwb, stride_vwt, stride_vsb, stride_vst,
                                 stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
                                 stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=False,
@@ -371,7 +480,7 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     acc, l_i, m_i = _kivi_tiles(acc, l_i, m_i, q, bt_row, t, full_hi, hi, hi, nk, diag, window_right,
                                 qk_scale, hk, entry, KW, KS, KZ, VW, VS, VZ, Tail,
                                 stride_kwb, stride_kwr, stride_kwh, stride_ksb, stride_ksg, stride_ksh,
-                                stride_vwb, stride_vwt, stride_vwh, stride_vsb, stride_vst, stride_vsh,
+                                stride_vwb, stride_vwt, stride_vsb, stride_vst,
                                 stride_te, stride_tr, stride_th, WK, WV, key_lo, value_lo, ring_rows,
                                 stride_wr, stride_wh, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
                                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, G=G, BITS=BITS, MASKED=True,
@@ -379,17 +488,27 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     empty = l_i == 0.0
     l_i = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * LN2_C)
+    dv = field_order(d, 32 // BITS, q.dtype == tl.float16)  # acc's columns: the V tiles' channels
     o_ptrs = (Out + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh
-              + split * stride_os + d[None, :])
-    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+              + split * stride_os + dv[None, :])
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv < HEAD_DIM)[None, :])
     lse_ptrs = LSE + b64 * stride_lb + t * stride_lt + h * stride_lh + split * stride_ls
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-# Programs an SM that Flash-Decoding's split count aims for (decode.py's DECODE_TUNING["waves"] times
-# this): a tile's words, scales and zeros are loaded, split and scaled before its dot, so an SM needs
-# more programs in flight than the 16-bit kernel does. Not yet tuned on a GPU.
-KIVI_WAVES = 2
+# Programs an SM that Flash-Decoding's split count aims for, at least: the split kernel's programs are
+# few per SM at once (2-3, registers and shared memory) and each is one long chain of dequantize, dot,
+# softmax; with many programs an SM the last round of programs is nearly full whatever fits at once.
+KIVI_WAVES = 8
+
+
+def kivi_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
+    """Slices per (sequence, kv head): enough for KIVI_WAVES programs an SM (rounded up), none under
+    decode.py's minimum of tiles, at most 128."""
+    if programs >= KIVI_WAVES * sms:
+        return 1
+    longest = cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
+    return max(1, min(cdiv(KIVI_WAVES * sms, programs), longest, 128))
 
 
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -409,7 +528,7 @@ def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
         return 64, 4, 3
     if head_dim <= 128:
         return (64, 4, 2) if bits == 2 else (32, 4, 2)
-    return 32, 8, 3
+    return 32, 8, 2
 
 
 def check_kivi_decode(q, lay, cache_seqlens, block_table, num_blocks):
@@ -452,8 +571,8 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     row_blocks = cdiv(group * seqlen_q, block_m)
     programs = batch * lay.heads * row_blocks
     block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device, lay.bits)
-    if num_splits == 0:  # KIVI_WAVES programs an SM: one a SM leaves a dequantizing tile's latency bare
-        num_splits = pick_num_splits(programs, capacity, block_n, KIVI_WAVES * num_sms(q.device))
+    if num_splits == 0:
+        num_splits = kivi_num_splits(programs, capacity, block_n, num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
     num_splits = cdiv(max(capacity, 1), split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -482,8 +601,8 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kwb=kw.stride(0), stride_kwr=kw.stride(1), stride_kwh=kw.stride(2),
             stride_ksb=ks.stride(0), stride_ksg=ks.stride(1), stride_ksh=ks.stride(2),
-            stride_vwb=vw.stride(0), stride_vwt=vw.stride(1), stride_vwh=vw.stride(2),
-            stride_vsb=vs.stride(0), stride_vst=vs.stride(1), stride_vsh=vs.stride(2),
+            stride_vwb=vw.stride(0), stride_vwt=vw.stride(1),
+            stride_vsb=vs.stride(0), stride_vst=vs.stride(1),
             stride_te=k_tail.stride(0), stride_tr=k_tail.stride(1), stride_th=k_tail.stride(2),
             stride_bt=block_table.stride(0),
             stride_ob=o_part.stride(0), stride_ot=o_part.stride(1), stride_oh=o_part.stride(2),

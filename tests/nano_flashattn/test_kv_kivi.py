@@ -390,8 +390,8 @@ for config in sys.argv[1:]:  # "bits,head_dim,dtype", each compiled in turn, its
          "WinK": f"*{ty}", "WinV": f"*{ty}", "win_entry": "*i32", "win_start": "*i32"},
         ["residual", "ring_rows", "stride_we", "stride_wr", "stride_wh", "seqlen_q", "group", "qk_scale",
          "window_right",
-         *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vwh", "vsb", "vst",
-                  "vsh", "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
+         *strides("qb", "qt", "qh", "kwb", "kwr", "kwh", "ksb", "ksg", "ksh", "vwb", "vwt", "vsb", "vst",
+                  "te", "tr", "th", "bt", "ob", "ot", "oh", "os", "lb", "lt", "lh", "ls")],
         dict(HEAD_DIM=d, BLOCK_D=BD, BLOCK_M=16, BLOCK_N=block_n, PAGE_SIZE=BS, G=G, BITS=bits,
              DOT_PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=True), num_warps=warps,
         num_stages=stages)
