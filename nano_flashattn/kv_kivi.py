@@ -8,10 +8,15 @@ over packed blocks. The layout, the torch path and the dispatch are kivi.py's.
   just quantized its group. No host sync: CUDA-graph safe.
 * The read (`flash_attn_with_kivi_cache_triton`): decode.py's split-K over the keys, with tiles that
   dequantize in registers — a word holds 32 / b codes, code = (word >> b·i) & (2^b - 1), value = code ·
-  scale + zero, one FMA in fp16 (the stored scales' dtype; bf16 queries go to fp16) or in fp32 for fp32
-  queries, each thread splitting the words it loaded (`fields`); `tl.dot` sums in fp32, as do the
-  running softmax sums across tiles. Keys past the last full group come from the tail instead; the tiles that may hold
-  them (and the sequence end, the causal edge) are the masked ones. The slices merge in decode.py's
+  scale + zero, in fp16 (the stored scales' dtype; bf16 queries go to fp16) or in fp32 for fp32 queries,
+  each thread splitting the words it loaded itself; `tl.dot` sums in fp32, as do the running softmax
+  sums across tiles. In fp16 two codes share a 32-bit register (`_pairs_asm`: codes j and j + 16 / b
+  of a word, one shift, one AND-OR, one packed subtract and one packed FMA a pair), so a tile's columns
+  come in `field_order`: a K tile's tokens j, j + 16 / b side by side (the softmax and P·V do not care
+  in which order the keys come, as long as V's rows follow the same order), a V tile's channels likewise
+  (the output's columns then come in that order: the store puts each where it belongs). Keys past the
+  last full group come from the tail instead; the tiles that may hold them (and the sequence end, the
+  causal edge) are the masked ones, whose keys stay in order. The slices merge in decode.py's
   `_combine_kernel`.
 """
 
