@@ -371,25 +371,20 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
     PAIRED: tl.constexpr = q.dtype == tl.float16
     d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
-        # the token of each key column: in order in the masked tiles, whose 16-bit rows load in order
-        offs_n = start_n + field_order(tl.arange(0, BLOCK_N), PW, PAIRED and not MASKED)
+        offs_n = start_n + field_order(tl.arange(0, BLOCK_N), PW, PAIRED)  # the token of each key column
         k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
                       stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS,
-                      q.dtype, MASKED)
-        if MASKED:  # keys nk.. live in the tail, row j - nk, and with a WINDOW keys key_lo.. in its
-            # ring; keys past n read 0. These 16-bit rows are loaded as (keys, channels), channels
-            # contiguous, converted once and transposed
-            d_ok = (d < HEAD_DIM)[None, :]
-            t_ok = ((offs_n >= nk) & (offs_n < n) & (offs_n < key_lo))[:, None] & d_ok
-            k16 = tl.load(Tail + entry * stride_te + (offs_n - nk)[:, None] * stride_tr
-                          + hk * stride_th + d[None, :], mask=t_ok, other=0.0)
+                      q.dtype, False)
+        if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
+            t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
+            kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
+                         + hk * stride_th + d[:, None], mask=t_ok, other=0.0)
+            k = tl.where(((offs_n < nk) & (offs_n < n))[None, :], k, kt.to(k.dtype))
             if WINDOW:
-                w_ok = ((offs_n >= key_lo) & (offs_n < n))[:, None] & d_ok
-                kw = tl.load(WK + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
+                w_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= key_lo) & (offs_n < n))[None, :]
+                kw = tl.load(WK + (offs_n % rows)[None, :] * stride_wr + hk * stride_wh + d[:, None],
                              mask=w_ok, other=0.0)
-                k16 = tl.where((offs_n >= key_lo)[:, None], kw, k16)
-            from16 = (offs_n >= nk) | (offs_n >= n) | (offs_n >= key_lo)
-            k = tl.where(from16[None, :], tl.trans(k16.to(k.dtype)), k)
+                k = tl.where((offs_n >= key_lo)[None, :], kw.to(k.dtype), k)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION)  # S = Q K^T, fp32 sums
         if MASKED:
             seen = visible(t, offs_n, shift, NO_WINDOW_C, hi_w, n)
@@ -407,13 +402,11 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
                         BITS, q.dtype)
         if MASKED and WINDOW:
-            w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (d < HEAD_DIM)[None, :]
-            vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + d[None, :],
-                         mask=w_ok, other=0.0).to(v.dtype)  # in order, channels contiguous
-            if PAIRED:  # then the V tiles' column order (`field_order`), in registers
-                vw = tl.reshape(tl.permute(tl.reshape(vw, (BLOCK_N, BLOCK_D // PW, 2, PW // 2)),
-                                           (0, 1, 3, 2)), (BLOCK_N, BLOCK_D))
-            v = tl.where((offs_n >= value_lo)[:, None], vw, v)
+            dv = field_order(d, PW, PAIRED)  # the channel of each column of a V tile
+            w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (dv < HEAD_DIM)[None, :]
+            vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + dv[None, :],
+                         mask=w_ok, other=0.0)
+            v = tl.where((offs_n >= value_lo)[:, None], vw.to(v.dtype), v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -501,10 +494,12 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-# Programs an SM that Flash-Decoding's split count aims for, at least: the split kernel's programs are
-# few per SM at once (2-3, registers and shared memory) and each is one long chain of dequantize, dot,
-# softmax; with many programs an SM the last round of programs is nearly full whatever fits at once.
-KIVI_WAVES = 8
+# Programs an SM that Flash-Decoding's split count aims for: a tile's words, scales and zeros are loaded,
+# split and scaled before its dot, so an SM needs more programs in flight than the 16-bit kernel does.
+# Not tuned: only 2-3 programs fit on an SM at once (registers, shared memory), so a batch that leaves
+# one slice per (sequence, kv head) can end on a part-empty round (64 × 16k: 512 programs, 1.29 rounds
+# of 396 on an H100).
+KIVI_WAVES = 2
 
 
 def kivi_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
@@ -519,12 +514,11 @@ def kivi_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                        bits: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of `_kivi_decode_split_kernel`. hd ≤ 128 with 16-bit queries: 64-key
-    tiles at 4 warps, the fastest of eight configs timed by `python -m nano_quant.bench_kv
-    kernel.sweep=true` on an H200 (2026-12-06, llama3-8b heads), for 2-bit codes: 64 × 16k 1,954 µs
-    against 2,538 for 32-key tiles at 4 warps, 1 × 64k 138 against 175 µs. ptxas spills 464 bytes there
-    (255 registers), and the tile is faster all the same. 4-bit codes keep 32-key tiles at 4 warps
-    (2,297 against 2,535 µs at 64 × 16k; 64-key tiles spill 600 bytes). Other head_dims: chosen from
-    ptxas's report at sm_90 (no spill), not timed."""
+    tiles at 4 warps, the fastest of ten configs timed on one H100 (2026-12-07, llama3-8b heads, page 32,
+    CUDA-graph replays) for 2-bit codes: 64 × 16k 1,522 µs against 1,540 for 128-key tiles at 4 warps,
+    1,544 at 3 stages, 2,283 for 32-key tiles, 2,697 at 8 warps; 1 × 64k 112 µs. 4-bit codes keep 32-key
+    tiles at 4 warps (1,622 against 1,927 µs at 64 × 16k for 64-key tiles, which are faster at 1 × 64k:
+    138 against 165 µs). Other head_dims: chosen from ptxas's report at sm_90 (no spill), not timed."""
     if device.type != "cuda":
         return 16, 4, 1
     if dtype == torch.float32:
