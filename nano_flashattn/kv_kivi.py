@@ -16,7 +16,7 @@ over packed blocks. The layout, the torch path and the dispatch are kivi.py's.
   in which order the keys come, as long as V's rows follow the same order), a V tile's channels likewise
   (the output's columns then come in that order: the store puts each where it belongs). Keys past the
   last full group come from the tail instead; the tiles that may hold them (and the sequence end, the
-  causal edge) are the masked ones, whose keys stay in order. The slices merge in decode.py's
+  causal edge) are the masked ones. The slices merge in decode.py's
   `_combine_kernel`.
 """
 
@@ -36,8 +36,8 @@ from .checks import (
     check_scale,
     next_pow2,
 )
-from .configs import DECODE_TUNING, block_d, num_sms
-from .decode import _combine_kernel
+from .configs import block_d, num_sms
+from .decode import _combine_kernel, pick_num_splits
 from .forward import LN2_C, LOG2E, dot_precision, visible
 from .kivi import _check_rows, layout_of
 
@@ -133,28 +133,12 @@ def _order(x, COUNT: tl.constexpr, START: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _in_order(x, COUNT: tl.constexpr, START: tl.constexpr, STEP: tl.constexpr, H: tl.constexpr):
-    """`_order` of fields START, START + STEP, ... where x holds field f at 2f (f < H), 2(f - H) + 1."""
-    if COUNT == 1:
-        if START < H:
-            return x[2 * START]
-        else:
-            return x[2 * (START - H) + 1]
-    else:
-        return tl.join(_in_order(x, COUNT // 2, START, 2 * STEP, H),
-                       _in_order(x, COUNT // 2, START + STEP, 2 * STEP, H))
-
-
-@triton.jit
-def paired_fields(words, scale, zero, BITS: tl.constexpr, IN_ORDER: tl.constexpr):
+def paired_fields(words, scale, zero, BITS: tl.constexpr):
     """Every field of every word dequantized in fp16 two at a time (`_pairs_asm`), as words.shape +
     (2,) * log2(32 / b), flattening in `field_order`: fields 0, H, 1, H + 1, ... (H = 16 / b), so the
-    two fp16 halves of one register stay neighbours in the tile and reach shared memory unpermuted;
-    IN_ORDER: fields 0, 1, 2, ... (the halves are repacked)."""
+    two fp16 halves of one register stay neighbours in the tile and reach shared memory unpermuted."""
     PW: tl.constexpr = 32 // BITS
     if INTERPRETED:
-        if IN_ORDER:
-            return fields(words, scale, zero, 0, 1, PW, BITS, tl.float16)
         return tl.join(fields(words, scale, zero, 0, 1, PW // 2, BITS, tl.float16),
                        fields(words, scale, zero, PW // 2, 1, PW // 2, BITS, tl.float16))
     if BITS == 2:
@@ -163,8 +147,6 @@ def paired_fields(words, scale, zero, BITS: tl.constexpr, IN_ORDER: tl.constexpr
     else:
         outs = tl.inline_asm_elementwise(PAIRS_ASM_4, PAIRS_ARGS_4, [words, scale, zero],
                                          dtype=(tl.float16,) * PW, is_pure=True, pack=1)
-    if IN_ORDER:
-        return _in_order(outs, PW, 0, 1, PW // 2)
     return _order(outs, PW, 0, 1)
 
 
@@ -303,7 +285,7 @@ def store_kv_kivi_triton(k, v, k_cache, v_cache, k_tail, slot_mapping, tail_of_b
 def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
               stride_ksb, stride_ksg, stride_ksh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-              out_dtype: tl.constexpr, IN_ORDER: tl.constexpr):
+              out_dtype: tl.constexpr):
     """K^T (BLOCK_D, BLOCK_N) of keys [start_n, start_n + BLOCK_N) from their codes, in `out_dtype`: each int32
     word read once (32 / b consecutive tokens of one channel, within one page), its fields shifted out,
     times the channel's scale plus its zero (group w·PW // G of the page). Keys at or past min(n, nk):
@@ -320,7 +302,7 @@ def _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, st
     scale = tl.load(KS + at, mask=ok, other=0.0)
     zero = tl.load(KZ + at, mask=ok, other=0.0)
     if out_dtype == tl.float16:
-        return tl.reshape(paired_fields(words, scale, zero, BITS, IN_ORDER), (BLOCK_D, BLOCK_N))
+        return tl.reshape(paired_fields(words, scale, zero, BITS), (BLOCK_D, BLOCK_N))
     return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_D, BLOCK_N))
 
 
@@ -349,7 +331,7 @@ def _value_tile(VW, VS, VZ, bt_row, offs_n, n, hk, stride_vwb, stride_vwt, strid
     zero = tl.load(VZ + at, mask=g_ok, other=0.0)
     scale, zero = spread(scale, G // PW), spread(zero, G // PW)  # a scale a word
     if out_dtype == tl.float16:
-        return tl.reshape(paired_fields(words, scale, zero, BITS, False), (BLOCK_N, BLOCK_D))
+        return tl.reshape(paired_fields(words, scale, zero, BITS), (BLOCK_N, BLOCK_D))
     return tl.reshape(fields(words, scale, zero, 0, 1, PW, BITS, out_dtype), (BLOCK_N, BLOCK_D))
 
 
@@ -370,11 +352,12 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
     PW: tl.constexpr = 32 // BITS
     PAIRED: tl.constexpr = q.dtype == tl.float16
     d = tl.arange(0, BLOCK_D)
+    dv = field_order(d, PW, PAIRED)  # the channel of each column of a V tile
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + field_order(tl.arange(0, BLOCK_N), PW, PAIRED)  # the token of each key column
         k = _key_tile(KW, KS, KZ, bt_row, start_n, n, nk, hk, stride_kwb, stride_kwr, stride_kwh,
                       stride_ksb, stride_ksg, stride_ksh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G, BITS,
-                      q.dtype, False)
+                      q.dtype)
         if MASKED:  # keys nk.. live in the tail, row j - nk; keys past n read 0
             t_ok = (d < HEAD_DIM)[:, None] & ((offs_n >= nk) & (offs_n < n))[None, :]
             kt = tl.load(Tail + entry * stride_te + (offs_n - nk)[None, :] * stride_tr
@@ -402,7 +385,6 @@ def _kivi_tiles(acc, l_i, m_i, q, bt_row, t, lo, hi, n, nk, shift, hi_w, qk_scal
                         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, G,
                         BITS, q.dtype)
         if MASKED and WINDOW:
-            dv = field_order(d, PW, PAIRED)  # the channel of each column of a V tile
             w_ok = ((offs_n >= value_lo) & (offs_n < n))[:, None] & (dv < HEAD_DIM)[None, :]
             vw = tl.load(WV + (offs_n % rows)[:, None] * stride_wr + hk * stride_wh + dv[None, :],
                          mask=w_ok, other=0.0)
@@ -494,21 +476,13 @@ def _kivi_decode_split_kernel(Q, KW, KS, KZ, VW, VS, VZ, Tail, Out, LSE, cache_s
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-# Programs an SM that Flash-Decoding's split count aims for: a tile's words, scales and zeros are loaded,
+# Programs an SM that Flash-Decoding's split count aims for (decode.py's DECODE_TUNING["waves"] times
+# this): a tile's words, scales and zeros are loaded,
 # split and scaled before its dot, so an SM needs more programs in flight than the 16-bit kernel does.
 # Not tuned: only 2-3 programs fit on an SM at once (registers, shared memory), so a batch that leaves
 # one slice per (sequence, kv head) can end on a part-empty round (64 × 16k: 512 programs, 1.29 rounds
 # of 396 on an H100).
 KIVI_WAVES = 2
-
-
-def kivi_num_splits(programs: int, max_len: int, block_n: int, sms: int) -> int:
-    """Slices per (sequence, kv head): enough for KIVI_WAVES programs an SM (rounded up), none under
-    decode.py's minimum of tiles, at most 128."""
-    if programs >= KIVI_WAVES * sms:
-        return 1
-    longest = cdiv(max_len, DECODE_TUNING["min_split_tiles"] * block_n)
-    return max(1, min(cdiv(KIVI_WAVES * sms, programs), longest, 128))
 
 
 def kivi_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -571,7 +545,7 @@ def flash_attn_with_kivi_cache_triton(q, k_cache, v_cache, k_tail, cache_seqlens
     programs = batch * lay.heads * row_blocks
     block_n, num_warps, num_stages = config or kivi_decode_config(head_dim, q.dtype, q.device, lay.bits)
     if num_splits == 0:
-        num_splits = kivi_num_splits(programs, capacity, block_n, num_sms(q.device))
+        num_splits = pick_num_splits(programs, capacity, block_n, KIVI_WAVES * num_sms(q.device))
     split_len = cdiv(cdiv(max(capacity, 1), num_splits), block_n) * block_n
     num_splits = cdiv(max(capacity, 1), split_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
