@@ -34,13 +34,20 @@ except ImportError:  # a Triton before grid dependency control: no layer may tur
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
+def pdl_prologue(PDL: tl.constexpr, RELEASE: tl.constexpr = True, EARLY: tl.constexpr = False):
     """First thing in a kernel launched with `launch_pdl=PDL`: wait for the previous kernel, then (RELEASE)
-    let the next one be placed (its programs wait in turn, so nothing this kernel writes is read early)."""
+    let the next one be placed (its programs wait in turn, so nothing this kernel writes is read early).
+    EARLY: let the next one be placed *before* waiting — a chain of such kernels is placed as far ahead as
+    the SMs hold their programs, each one's pre-wait loads (weights) in flight while the ones before it
+    wait and run; still safe, since every program's wait orders it after the kernel before, and that one's
+    after its own."""
     if PDL:
+        if EARLY:
+            gdc_launch_dependents()
         gdc_wait()
         if RELEASE:
-            gdc_launch_dependents()
+            if not EARLY:
+                gdc_launch_dependents()
 
 
 @triton.jit

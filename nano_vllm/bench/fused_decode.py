@@ -73,14 +73,11 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     o, act = rand(hq * d), rand(inter)
     qn = kn = torch.ones(d, device=dev, dtype=dt) if cfg.qk_norm else None
     cos, sin = torch.ones(d // 2, device=dev), torch.zeros(d // 2, device=dev)
-    caches = torch.zeros(2, 64, 16, hkv, d, device=dev, dtype=dt)
     slot = torch.tensor([5], device=dev)
-    ws = fd.Workspace(wqkv[0].shape[0], wqkv[0].shape[0] // d, dev)
     es = 2
     kinds = {  # name: (launch(config, layer), weight of layer 0, head_dim a config must divide, bytes a launch)
-        "qkv": (lambda c, i: fd.norm_qkv_rope_store(x, r, nw, 1e-6, wqkv[i], None, cos, sin, hq, hkv, qn, kn,
-                                                    1e-6, caches[0], caches[1], slot, ws, config=c),
-                wqkv[0], d, (wqkv[0].numel() + 3 * hidden) * es),
+        "qkv": (lambda c, i: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c),
+                wqkv[0], None, (wqkv[0].numel() + 3 * hidden + wqkv[0].shape[0]) * es),
         "o_proj": (lambda c, i: fd.o_proj_residual(o, wo[i], x, r, config=c), wo[0], None,
                    (wo[0].numel() + hq * d + 3 * hidden) * es),
         "gate_up": (lambda c, i: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c), wgu[0], None,
@@ -96,20 +93,23 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     kv = torch.randn(2, pages + 1, 16, hkv, d, device=dev, generator=g).to(dt)
     table = torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None]
     lens = torch.tensor([context], device=dev, dtype=torch.int32)
-    q_attn = rand(hq, d)
+    qkv_attn = rand((hq + 2 * hkv) * d)
     attn = {"splits": fd.ATTENTION_SPLITS, "block_keys": fd.BLOCK_KEYS}
     attn_ws = {}
+
+    def attend(qkv, a):
+        return fd.rope_store_attention(qkv, hq, cos, sin, qn, kn, 1e-6, kv[0], kv[1], slot, table[0], lens,
+                                       attn_ws[a["splits"]], a["block_keys"])
 
     def chain(cfgs: dict, a: dict) -> float:
         """Seconds a layer: the five kernels of a layer in the engine's order, every layer's weights."""
         key = a["splits"]
         if key not in attn_ws:
-            attn_ws[key] = fd.Workspace(1, 1, dev, hkv, hq // hkv, d, splits=key)
+            attn_ws[key] = fd.Workspace(hkv, hq // hkv, d, dev, splits=key)
 
         def body():
             for i in range(layers):
-                kinds["qkv"][0](cfgs["qkv"], i)
-                fd.decode_attention(q_attn, kv[0], kv[1], table[0], lens, attn_ws[key], a["block_keys"])
+                attend(kinds["qkv"][0](cfgs["qkv"], i), a)
                 for kind in ("o_proj", "gate_up", "down"):
                     kinds[kind][0](cfgs[kind], i)
 
@@ -146,15 +146,13 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
                       "% of copy": 100 * nbytes / seconds / ceilings.copy_bytes_per_s})
     from nano_flashattn import flash_attn_with_kvcache
 
-    q4 = q_attn.view(1, 1, hq, d)
+    q4 = qkv_attn[:hq * d].view(1, 1, hq, d)
     for splits in (0, 16):
         seconds = _time_graph(lambda s=splits: [flash_attn_with_kvcache(q4, kv[0], kv[1], lens, block_table=table,
                                                                         causal=True, num_splits=s)
                                                 for _ in range(layers)]) / layers
         alone.append({"kernel": f"nano_flashattn decode (num_splits {splits or 'auto'})", "us": 1e6 * seconds})
-    aws = attn_ws[attn["splits"]]
-    seconds = _time_graph(lambda: [fd.decode_attention(q_attn, kv[0], kv[1], table[0], lens, aws, attn["block_keys"])
-                                   for _ in range(layers)]) / layers
+    seconds = _time_graph(lambda: [attend(qkv_attn, attn) for _ in range(layers)]) / layers
     alone.append({"kernel": f"fused_decode attention ({attn['splits']} x {attn['block_keys']})", "us": 1e6 * seconds})
     layer_bytes = sum(nbytes for _, _, _, nbytes in kinds.values())
     final = chain(chosen, attn)

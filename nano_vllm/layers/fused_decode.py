@@ -117,12 +117,21 @@ def reference_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (w.float() * (h * rstd).to(x.dtype).float()).to(x.dtype)
 
 
+def reference_norm_qkv(x, residual, norm_w, eps, w, b):
+    """(a) as torch ops: the projection of the normalised stream, q, k and v side by side."""
+    return nn.functional.linear(reference_rms(reference_stream(x, residual), norm_w, eps), w, b)
+
+
 def reference_qkv(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps):
-    """(a) as torch ops: returns q (Hq, D) and the new k, v rows (Hkv, D)."""
+    """(a) and (b)'s prologue as torch ops: returns q (Hq, D) and the new k, v rows (Hkv, D)."""
+    return reference_rope(reference_norm_qkv(x, residual, norm_w, eps, w, b), cos, sin, heads_q, heads_kv,
+                          q_norm_w, k_norm_w, qk_eps)
+
+
+def reference_rope(qkv, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps):
+    """(b)'s prologue as torch ops: q (Hq, D) and k head-normed and rotated, v, from (a)'s output."""
     d = cos.shape[-1] * 2
-    x = reference_stream(x, residual)
-    y = nn.functional.linear(reference_rms(x, norm_w, eps), w, b).view(-1, d)
-    q, k, v = y.split([heads_q, heads_kv, heads_kv])
+    q, k, v = qkv.view(-1, d).split([heads_q, heads_kv, heads_kv])
     if q_norm_w is not None:
         q, k = reference_rms(q, q_norm_w, qk_eps), reference_rms(k, k_norm_w, qk_eps)
 
@@ -183,7 +192,7 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
-    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, NORM: tl.constexpr,
+    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr,
                         HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """Σ_k W[n, k]·x[k] for this program's BLOCK_N rows n (and, TWO, rows N + n: up beside gate), in
@@ -195,7 +204,7 @@ if HAS_TRITON:
         w0 = _tile(rows, offs_k, K, EVEN_K)  # before the wait: the weights never depend on it
         if TWO:
             u0 = _tile(rows + N * stride_w, offs_k, K, EVEN_K)
-        pdl_prologue(PDL)  # wait for the kernel before, then let the next one be placed
+        pdl_prologue(PDL, EARLY=EARLY)  # wait for the kernel before; the next one placed before or after
         rstd = 0.0
         if NORM:
             ss = tl.zeros([BLOCK_K], tl.float32)
@@ -217,10 +226,10 @@ if HAS_TRITON:
         return offs_n, tl.sum(acc, axis=1), tl.sum(acc_u, axis=1)
 
     @triton.jit
-    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, HAS_RES: tl.constexpr,
+    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, HAS_RES: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(c): OUT = round(W·x) + the stream (H, or H + R rounded), rounded: the new residual stream."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, EARLY, False, False, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         ok = offs_n < N
         r = _stream(H, R, offs_n, ok, HAS_RES).to(tl.float32)
@@ -228,18 +237,18 @@ if HAS_TRITON:
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(e): OUT = W·x, rounded (the next RMSNorm adds the stream, as in the paper path)."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, EARLY, False, False, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit(do_not_specialize=["eps"])
-    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
+    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(d): OUT[n] = silu(g)·u of g = round(W[n]·x̂), u = round(W[N + n]·x̂), x̂ = RMSNorm(x)."""
-        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, True, False, True, BLOCK_N,
+        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, EARLY, True, False, True, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         g = g.to(OUT.dtype.element_ty).to(tl.float32)
         u = u.to(OUT.dtype.element_ty).to(tl.float32)
@@ -255,56 +264,46 @@ if HAS_TRITON:
         y2 = (w2 * (x2 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
         return y1, y2
 
-    @triton.jit(do_not_specialize=["eps", "qk_eps"])
-    def _norm_qkv_rope_store_kernel(X, R, NW, W, BIAS, PART, COUNTERS, COS, SIN, QNW, KNW, QOUT, K_CACHE,
-                                    V_CACHE, SLOT, N, K, eps, qk_eps, stride_w, PDL: tl.constexpr,
-                                    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEADS_Q: tl.constexpr,
-                                    HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """(a): the rows of W·RMSNorm(x (+ R)) to PART (fp32); the last program of each head to arrive adds the
-        bias, rounds, applies the head norm and RoPE, and stores q, or k / v at cache row SLOT."""
-        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, True, HAS_RES, False, BLOCK_N,
+    @triton.jit(do_not_specialize=["eps"])
+    def _norm_qkv_kernel(X, R, NW, W, BIAS, OUT, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr,
+                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """(a): OUT = W·RMSNorm(x (+ R)) (+ bias), rounded: q, k and v of this step as the projection
+        returns them (the head norms, RoPE and the cache write are (b)'s prologue)."""
+        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, EARLY, True, HAS_RES, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
-        tl.store(PART + offs_n, y, mask=offs_n < N)
-        tl.debug_barrier()  # every thread's sums are written before the arrival is counted
-        head = tl.program_id(0) * BLOCK_N // HEAD_DIM
-        programs_per_head: tl.constexpr = HEAD_DIM // BLOCK_N
-        if tl.atomic_add(COUNTERS + head, 1) == programs_per_head - 1:  # acq_rel: sums before, reads after
-            tl.atomic_xchg(COUNTERS + head, 0)  # ready for the next call (graph replays too)
-            HALF: tl.constexpr = HEAD_DIM // 2
-            DT: tl.constexpr = QOUT.dtype.element_ty
-            d = tl.arange(0, BLOCK_D)
-            ok = d < HALF
-            base = head * HEAD_DIM
-            x1 = tl.load(PART + base + d, mask=ok, other=0.0, cache_modifier=".cg")
-            x2 = tl.load(PART + base + HALF + d, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                x1 += tl.load(BIAS + base + d, mask=ok, other=0.0).to(tl.float32)
-                x2 += tl.load(BIAS + base + HALF + d, mask=ok, other=0.0).to(tl.float32)
-            x1 = x1.to(DT).to(tl.float32)  # the projection's output, as the paper path stores it
-            x2 = x2.to(DT).to(tl.float32)
-            slot = tl.load(SLOT).to(tl.int64)
-            if head < HEADS_Q + HEADS_KV:
-                if QK_NORM:
-                    if head < HEADS_Q:
-                        x1, x2 = _head_norm(x1, x2, QNW, d, ok, qk_eps, HEAD_DIM, HALF, DT)
-                    else:
-                        x1, x2 = _head_norm(x1, x2, KNW, d, ok, qk_eps, HEAD_DIM, HALF, DT)
-                c = tl.load(COS + d, mask=ok, other=1.0).to(tl.float32)
-                s = tl.load(SIN + d, mask=ok, other=0.0).to(tl.float32)
-                y1 = (x1 * c - x2 * s).to(DT)
-                y2 = (x2 * c + x1 * s).to(DT)
-                if head < HEADS_Q:
-                    tl.store(QOUT + base + d, y1, mask=ok)
-                    tl.store(QOUT + base + HALF + d, y2, mask=ok)
-                else:
-                    row = (slot * HEADS_KV + head - HEADS_Q) * HEAD_DIM
-                    tl.store(K_CACHE + row + d, y1, mask=ok)
-                    tl.store(K_CACHE + row + HALF + d, y2, mask=ok)
-            else:
-                row = (slot * HEADS_KV + head - HEADS_Q - HEADS_KV) * HEAD_DIM
-                tl.store(V_CACHE + row + d, x1.to(DT), mask=ok)
-                tl.store(V_CACHE + row + HALF + d, x2.to(DT), mask=ok)
+        ok = offs_n < N
+        if HAS_BIAS:
+            y += tl.load(BIAS + offs_n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rms_rows(x1, x2, W, h, eps, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+        """shared.kernels' RMSNorm of each row (both halves (rows, HALF)), rounded the same way."""
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + h).to(tl.float32)[None, :]
+        w2 = tl.load(W + HEAD_DIM // 2 + h).to(tl.float32)[None, :]
+        return (w1 * (x1 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32), \
+            (w2 * (x2 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+    @triton.jit
+    def _rope_rows(QKV, rows, ok, COS, SIN, NORM_W, eps, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   DT: tl.constexpr):
+        """Rows `rows` of (a)'s output (heads of HEAD_DIM): head-normed (QK_NORM) and rotated (RoFormer
+        eq. 34, rotate_half), rounded as the paper path rounds: (rows, HEAD_DIM) in DT."""
+        HALF: tl.constexpr = HEAD_DIM // 2
+        h = tl.arange(0, HALF)
+        at = QKV + rows[:, None] * HEAD_DIM + h[None, :]
+        x1 = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        if QK_NORM:
+            x1, x2 = _rms_rows(x1, x2, NORM_W, h, eps, HEAD_DIM, DT)
+        c = tl.load(COS + h).to(tl.float32)[None, :]
+        s = tl.load(SIN + h).to(tl.float32)[None, :]
+        y1 = (x1 * c - x2 * s).to(DT)
+        y2 = (x2 * c + x1 * s).to(DT)
+        # the halves side by side: (rows, HALF, 2) -> (rows, 2, HALF) -> (rows, HEAD_DIM)
+        return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (rows.shape[0], HEAD_DIM))
 
 
     @triton.jit
@@ -320,14 +319,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
-                                 qk_scale, PDL: tl.constexpr, HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
+                                 qk_scale, COS, SIN, QNW, KNW, SLOT, qk_eps, PDL: tl.constexpr,
+                                 EARLY: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                                 HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                                  BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
         """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
         kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
         keys and writes (m, l, acc); the head's last split to arrive combines them
         (O = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s). The slice's first tile of keys older than this step
-        is loaded before the wait for (a): only q and the newest key depend on it."""
+        is loaded before the wait for (a): only q and the newest key depend on it.
+
+        ROPE: Q is (a)'s output (q, k, v of this step, unrotated): each program head-norms and rotates its
+        GROUP query rows and the new key itself, the slice holding the newest key writes k and v to cache
+        row SLOT, and every tile takes the new k, v from registers where it holds the newest key. Else Q
+        is q, rotated, and the caches already hold this step's k, v."""
         split, hk = tl.program_id(0), tl.program_id(1)
         k_len = tl.load(SEQLEN)
         split_len = tl.cdiv(tl.cdiv(k_len, SPLITS), BLOCK_KEYS) * BLOCK_KEYS
@@ -335,13 +341,28 @@ if HAS_TRITON:
         hi = tl.minimum(lo + split_len, k_len)
         keys = lo + tl.arange(0, BLOCK_KEYS)
         k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-        pdl_prologue(PDL)
-        if hi == k_len:  # this slice holds the newest key, which (a) has just written
-            k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+        pdl_prologue(PDL, EARLY=EARLY)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], mask=(g < GROUP)[:, None],
-                    other=0.0)
+        if ROPE:
+            DT: tl.constexpr = K_CACHE.dtype.element_ty
+            heads_q: tl.constexpr = HEADS_KV * GROUP
+            q = _rope_rows(Q, hk * GROUP + g, g < GROUP, COS, SIN, QNW, qk_eps, QK_NORM, HEAD_DIM, DT)
+            one = tl.arange(0, 1)
+            k_new = _rope_rows(Q, heads_q + hk + one, one < 1, COS, SIN, KNW, qk_eps, QK_NORM, HEAD_DIM, DT)
+            v_new = tl.load(Q + (heads_q + HEADS_KV + hk) * HEAD_DIM + d[None, :] + one[:, None]).to(DT)
+            if (lo < hi) & (hi == k_len):  # the slice that holds the newest key stores it
+                row = (tl.load(SLOT).to(tl.int64) * HEADS_KV + hk) * HEAD_DIM
+                tl.store(K_CACHE + row + d[None, :] + one[:, None], k_new)
+                tl.store(V_CACHE + row + d[None, :] + one[:, None], v_new)
+            newest = (keys == k_len - 1)[:, None]
+            k = tl.where(newest, k_new, k)
+            v = tl.where(newest, v_new, v)
+        else:
+            if hi == k_len:  # this slice holds the newest key, which the caller has just written
+                k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+            q = tl.load(Q + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], mask=(g < GROUP)[:, None],
+                        other=0.0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -349,6 +370,10 @@ if HAS_TRITON:
             if start > lo:
                 keys = start + tl.arange(0, BLOCK_KEYS)
                 k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+                if ROPE:
+                    newest = (keys == k_len - 1)[:, None]
+                    k = tl.where(newest, k_new, k)
+                    v = tl.where(newest, v_new, v)
             if IEEE:  # fp32 caches: full-precision products, not TF32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             else:
@@ -382,6 +407,11 @@ if HAS_TRITON:
                 o = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
                 tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
 
+# Under PDL each kernel lets the next one be placed before it waits for the one before (pdl_prologue's
+# EARLY), so the weights of the kernels ahead stream while this one waits and runs.
+EARLY_RELEASE = True
+
+
 def _config(kind: str, x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
     return config or tile_config(kind, n, k, num_sms(x.device) if x.is_cuda else 0)
 
@@ -391,7 +421,7 @@ def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
     config = _config(kind, x, n, k, config)
     grid = (cdiv(n, config.block_n),)
     return grid, {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": k % config.block_k == 0,
-                  "num_warps": config.num_warps, **pdl_args(x.device)}
+                  "num_warps": config.num_warps, "EARLY": EARLY_RELEASE, **pdl_args(x.device)}
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -449,80 +479,102 @@ ATTENTION_SPLITS, BLOCK_KEYS = 32, 16
 
 
 class Workspace:
-    """The QKV kernel's fp32 sums (one per output column) and per-head arrival counters, and the attention
-    kernel's per-slice partials and per-kv-head counters (counters are zero between calls); every fused layer
-    of a model shares one: its kernels run one after another on one stream."""
+    """The attention kernel's per-slice partials and per-kv-head arrival counters (zero between calls);
+    every fused layer of a model shares one: its kernels run one after another on one stream."""
 
-    def __init__(self, n: int, heads: int, device: torch.device, heads_kv: int = 0, group: int = 1,
-                 head_dim: int = 0, splits: int = ATTENTION_SPLITS):
-        self.partial = torch.empty(n, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(heads, dtype=torch.int32, device=device)
-        rows = max(heads_kv, 1) * splits * group
-        self.o_part = torch.empty(rows * max(head_dim, 1), dtype=torch.float32, device=device)
+    def __init__(self, heads_kv: int, group: int, head_dim: int, device: torch.device,
+                 splits: int = ATTENTION_SPLITS):
+        rows = heads_kv * splits * group
+        self.o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.ml_part = torch.empty(2 * rows, dtype=torch.float32, device=device)
-        self.attn_counters = torch.zeros(max(heads_kv, 1), dtype=torch.int32, device=device)
+        self.attn_counters = torch.zeros(heads_kv, dtype=torch.int32, device=device)
         self.splits = splits
 
 
-def norm_qkv_rope_store(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w,
-                        qk_eps, k_cache, v_cache, slot, workspace: Workspace | None = None,
-                        config: TileConfig | None = None) -> torch.Tensor:
-    """(a): q (Hq, D) of RMSNorm(x (+ residual: the stream, rounded)) · Wqkvᵀ (+ b), head-normed (q_norm_w / k_norm_w, or None) and rotated;
-    k and v written to cache row `slot` (a (1,) int tensor) of k_cache / v_cache (blocks, block_size,
-    Hkv, D). cos / sin: (D/2,) fp32."""
-    _check(x, w, "norm_qkv_rope_store")
+def norm_qkv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+             b: torch.Tensor | None, config: TileConfig | None = None) -> torch.Tensor:
+    """(a): RMSNorm(x (+ residual: the stream, rounded)) · Wᵀ (+ b), rounded; x (K,), w (N, K) → (N,)."""
+    _check(x, w, "norm_qkv")
     n, k = w.shape
-    d = 2 * cos.shape[-1]
-    if n != (heads_q + 2 * heads_kv) * d or k_cache.shape[-2:] != (heads_kv, d) or not k_cache.is_contiguous() \
-            or v_cache.shape != k_cache.shape or not v_cache.is_contiguous() or k_cache.dtype != x.dtype:
-        raise ValueError(f"norm_qkv_rope_store: w {tuple(w.shape)}, heads {heads_q}/{heads_kv} of {d}, caches "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} do not fit one another")
-    config = _config("qkv", x, n, k, config)
-    if d % config.block_n:
-        raise ValueError(f"norm_qkv_rope_store: block_n {config.block_n} must divide head_dim {d}")
-    heads = heads_q + 2 * heads_kv
-    if workspace is None:
-        workspace = Workspace(n, heads, x.device)
-    q = torch.empty(heads_q * d, dtype=x.dtype, device=x.device)
+    for name, t, size in (("residual", residual, k), ("norm_w", norm_w, k), ("b", b, n)):
+        if t is not None and (t.shape != (size,) or t.dtype != x.dtype or t.stride(0) != 1):
+            raise ValueError(f"norm_qkv: {name} must be a contiguous ({size},) {x.dtype}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args("qkv", x, n, k, config)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"norm_qkv_rope_store: residual must be {tuple(x.shape)} {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
-    _norm_qkv_rope_store_kernel[grid](
-        x, residual if residual is not None else x, norm_w, w, b if b is not None else w, workspace.partial, workspace.counters, cos, sin,
-        q_norm_w if q_norm_w is not None else norm_w, k_norm_w if k_norm_w is not None else norm_w, q,
-        k_cache, v_cache, slot, n, k, eps, qk_eps, w.stride(0), HAS_RES=residual is not None,
-        HAS_BIAS=b is not None,
-        QK_NORM=q_norm_w is not None, HEADS_Q=heads_q, HEADS_KV=heads_kv, HEAD_DIM=d,
-        BLOCK_D=next_pow2(d // 2), **meta)
-    return q.view(heads_q, d)
+    _norm_qkv_kernel[grid](x, residual if residual is not None else x, norm_w, w, b if b is not None else w, out,
+                           n, k, eps, w.stride(0), HAS_RES=residual is not None, HAS_BIAS=b is not None, **meta)
+    return out
+
+
+def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, seqlen: torch.Tensor, heads_q: int, d: int) -> int:
+    _, _, heads_kv, d_k = k_cache.shape
+    if (d_k != d or heads_q % heads_kv or v_cache.shape != k_cache.shape or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.dtype != q.dtype or d & (d - 1) or d < 16
+            or block_table.dim() != 1 or seqlen.numel() != 1):
+        raise ValueError(f"{what}: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}, block_table {tuple(block_table.shape)}, seqlen "
+                         f"{tuple(seqlen.shape)} do not fit (head_dim a power of two >= 16, one sequence)")
+    return heads_kv
+
+
+def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q, rope=None) -> torch.Tensor:
+    d, page, heads_kv = k_cache.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    group = heads_q // heads_kv
+    if workspace is None:
+        workspace = Workspace(heads_kv, group, d, q.device)
+    out = torch.empty(heads_q, d, dtype=q.dtype, device=q.device)
+    cos, sin, q_norm_w, k_norm_w, qk_eps, slot = rope or (q, q, q, q, 0.0, seqlen)
+    _decode_attention_kernel[(workspace.splits, heads_kv)](
+        q, k_cache, v_cache, block_table, seqlen, out, workspace.o_part, workspace.ml_part,
+        workspace.attn_counters, d**-0.5 * 1.4426950408889634, cos, sin,
+        q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps,
+        ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
+        GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys,
+        BLOCK_G=max(16, next_pow2(group)), IEEE=q.dtype == torch.float32, EARLY=EARLY_RELEASE,
+        num_warps=4, **pdl_args(q.device))
+    return out
+
+
+def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin: torch.Tensor,
+                         q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, qk_eps: float,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
+                         seqlen: torch.Tensor, workspace: Workspace | None = None,
+                         block_keys: int = BLOCK_KEYS) -> torch.Tensor:
+    """(b) on (a)'s output qkv ((Hq + 2 Hkv) D,): q and the new k head-normed (q_norm_w / k_norm_w, or
+    None) and rotated (cos / sin: (D/2,) fp32), k and v written to cache row `slot` (a (1,) int tensor) of
+    k_cache / v_cache (pages, page_size, Hkv, D), and q attended to the `seqlen` keys (a (1,) int tensor,
+    the new one included) through `block_table` (the sequence's row of page indices); returns (Hq, D)."""
+    d = 2 * cos.shape[-1]
+    heads_kv = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    if qkv.dim() != 1 or not heads_kv or qkv.shape[0] != (heads_q + 2 * heads_kv) * d or qkv.stride(0) != 1:
+        raise ValueError(f"rope_store_attention: qkv {tuple(qkv.shape)} is not ({heads_q} + 2 x kv heads) x "
+                         f"{d} of caches {tuple(k_cache.shape)}")
+    _check_attention("rope_store_attention", qkv, k_cache, v_cache, block_table, seqlen, heads_q, d)
+    if slot.numel() != 1:
+        raise ValueError(f"rope_store_attention: slot must hold one cache row, got {tuple(slot.shape)}")
+    return _attend(qkv, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q,
+                   (cos, sin, q_norm_w, k_norm_w, qk_eps, slot))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seqlen: torch.Tensor, workspace: Workspace | None = None,
                      block_keys: int = BLOCK_KEYS) -> torch.Tensor:
-    """(b): causal attention of one query row q (Hq, D) to the `seqlen` (a (1,) int tensor) keys of one
-    sequence in a paged cache (pages, page_size, Hkv, D) through `block_table` (its row of page indices);
-    returns (Hq, D). Split-K over the keys, combined in the same kernel."""
-    heads_q, d = q.shape
-    _, page, heads_kv, d_k = k_cache.shape
-    if (d_k != d or heads_q % heads_kv or v_cache.shape != k_cache.shape or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous() or k_cache.dtype != q.dtype or d & (d - 1) or d < 16
-            or block_table.dim() != 1 or seqlen.numel() != 1):
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
-                         f"{k_cache.dtype}, block_table {tuple(block_table.shape)}, seqlen "
-                         f"{tuple(seqlen.shape)} do not fit (head_dim a power of two >= 16, one sequence)")
-    group = heads_q // heads_kv
-    if workspace is None:
-        workspace = Workspace(1, 1, q.device, heads_kv, group, d)
-    out = torch.empty_like(q)
-    _decode_attention_kernel[(workspace.splits, heads_kv)](
-        q, k_cache, v_cache, block_table, seqlen, out, workspace.o_part, workspace.ml_part,
-        workspace.attn_counters, d**-0.5 * 1.4426950408889634, HEADS_KV=heads_kv, GROUP=group, HEAD_DIM=d,
-        PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys, BLOCK_G=max(16, next_pow2(group)),
-        IEEE=q.dtype == torch.float32,
-        num_warps=4, **pdl_args(q.device))
-    return out
+    """(b) with q already rotated and this step's k, v already in the caches: causal attention of one
+    query row q (Hq, D) to the `seqlen` (a (1,) int tensor) keys of one sequence in a paged cache (pages,
+    page_size, Hkv, D) through `block_table` (its row of page indices); returns (Hq, D). Split-K over the
+    keys, combined in the same kernel."""
+    heads_q, d = q.shape if q.dim() == 2 else (0, 0)
+    _check_attention("decode_attention", q, k_cache, v_cache, block_table, seqlen, max(heads_q, 1), d)
+    return _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q)
+
+
+def reference_rope_store_attention(qkv, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps, k_old, v_old):
+    """(b) as torch: the attention output (Hq, D) of (a)'s output against the older keys k_old, v_old
+    (S - 1, Hkv, D) and the new one, and the new k, v rows (Hkv, D) the cache gets."""
+    q, k, v = reference_rope(qkv, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps)
+    return reference_attention(q, torch.cat([k_old, k[None]]), torch.cat([v_old, v[None]])), k, v
 
 
 def reference_attention(q, k, v):
@@ -563,15 +615,12 @@ class FusedDecoderLayer(DecoderLayer):
         i = attn.layer_idx
         norm = self.input_layernorm
         q_norm, k_norm = attn.q_norm, attn.k_norm
-        heads_kv = attn.qkv_sizes[1] // attn.head_dim
-        q = norm_qkv_rope_store(
-            x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, cos.reshape(-1),
-            sin.reshape(-1), attn.qkv_sizes[0] // attn.head_dim, heads_kv,
+        qkv = norm_qkv(x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        o = rope_store_attention(
+            qkv, attn.qkv_sizes[0] // attn.head_dim, cos.reshape(-1), sin.reshape(-1),
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, paged.kv_cache[0, i], paged.kv_cache[1, i],
-            ctx.slot_mapping, self.workspace)
-        o = decode_attention(q, paged.kv_cache[0, i], paged.kv_cache[1, i], ctx.block_tables[0],
-                             ctx.context_lens, self.workspace)
+            ctx.slot_mapping, ctx.block_tables[0], ctx.context_lens, self.workspace)
         stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r)
         post = self.post_attention_layernorm
         act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight)
@@ -636,7 +685,7 @@ def kernel_bytes(model: nn.Module) -> dict[str, int]:
     def nbytes(w: torch.Tensor, vectors: int) -> int:  # the weight and `vectors` rows of its K or N
         return (w.numel() + vectors * max(w.shape)) * w.element_size()
 
-    return {"_norm_qkv_rope_store_kernel": nbytes(attn.qkv_proj.weight, 2),
+    return {"_norm_qkv_kernel": nbytes(attn.qkv_proj.weight, 2),
             "_o_proj_residual_kernel": nbytes(attn.o_proj.weight, 3),
             "_norm_gate_up_swiglu_kernel": nbytes(mlp.gate_up_proj.weight, 2),
             "_down_kernel": nbytes(mlp.down_proj.weight, 1)}
@@ -650,10 +699,9 @@ def apply_fused_decode(runner: Any) -> None:
     layers = [m for m in runner.model.model.layers if fusable(m) or (w4 and fusable_w4(m))]
     if not layers:
         return
-    n = max(sum(m.self_attn.qkv_sizes) for m in layers)
     attn = layers[0].self_attn
     heads_q, heads_kv = (size // attn.head_dim for size in attn.qkv_sizes[:2])
-    workspace = Workspace(n, n // attn.head_dim, runner.device, heads_kv, heads_q // heads_kv, attn.head_dim)
+    workspace = Workspace(heads_kv, heads_q // heads_kv, attn.head_dim, runner.device)
     for m in layers:
         m.w4 = not fusable(m)
         m.__class__ = FusedDecoderLayer

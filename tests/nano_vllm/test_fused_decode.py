@@ -45,11 +45,15 @@ def _rope(d: int, pos: float = 7.0):
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "llama_residual", "qwen2_bias"])
-def test_norm_qkv_rope_store_is_its_torch_definition(dtype, family):
+def test_norm_qkv_and_rope_store_attention_are_their_torch_definitions(dtype, family):
+    """(a), then (b) on (a)'s output: the new key's cache row holds garbage (NaN) before the call, as a
+    reused slot does, and the attention must take the new k, v from its own prologue, not from there.
+    bf16 runs (a) only: Triton 3.9's interpreter multiplies bf16 tiles wrongly in tl.dot (fp16's are
+    right), so (b) in bf16 is checked on the GPU (test_gpu_fused_decode.py)."""
     g = torch.Generator().manual_seed(0)
-    k, hq, hkv, d = 80, 4, 2, 16  # K not a power of two: a masked tile
+    k, hq, hkv, d, keys = 80, 4, 2, 16, 37  # K not a power of two: a masked tile
     n = (hq + 2 * hkv) * d
     x, r = (torch.randn(k, generator=g).to(dtype) for _ in range(2))
     nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
@@ -60,13 +64,27 @@ def test_norm_qkv_rope_store_is_its_torch_definition(dtype, family):
         qn = kn = None
     res = r if family == "llama_residual" else None
     cos, sin = _rope(d)
-    k_cache = torch.full((4, 4, hkv, d), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    q = fd.norm_qkv_rope_store(x, res, nw, 1e-6, w, b, cos, sin, hq, hkv, qn, kn, 1e-6, k_cache, v_cache,
-                               torch.tensor([6]), config=fd.TileConfig(4, 32, 4))
-    rows = k_cache.view(-1, hkv, d)[6], v_cache.view(-1, hkv, d)[6]
-    _close((q, *rows), fd.reference_qkv, x, res, nw, 1e-6, w, b, cos, sin, hq, hkv, qn, kn, 1e-6)
-    assert k_cache.view(-1, hkv, d)[:6].isnan().all()  # only the slot's row is written
+    qkv = fd.norm_qkv(x, res, nw, 1e-6, w, b, config=fd.TileConfig(4, 32, 4))
+    _close(qkv, fd.reference_norm_qkv, x, res, nw, 1e-6, w, b)
+    if dtype == torch.bfloat16:
+        return
+    k_cache, v_cache = (torch.randn(16, 16, hkv, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(16, generator=g)[:4].int()
+    pos = torch.arange(keys)
+    rows = table[pos // 16].long(), pos % 16
+    slot = rows[0][-1] * 16 + rows[1][-1]
+    k_cache.view(-1, hkv, d)[slot] = v_cache.view(-1, hkv, d)[slot] = float("nan")
+    before = k_cache.clone(), v_cache.clone()
+    ws = fd.Workspace(hkv, hq // hkv, d, x.device, splits=4)
+    out = fd.rope_store_attention(qkv, hq, cos, sin, qn, kn, 1e-6, k_cache, v_cache, slot.view(1), table,
+                                  torch.tensor([keys], dtype=torch.int32), ws, block_keys=16)
+    new_rows = k_cache.view(-1, hkv, d)[slot], v_cache.view(-1, hkv, d)[slot]
+    _close((out, *new_rows), fd.reference_rope_store_attention, qkv, cos, sin, hq, hkv, qn, kn, 1e-6,
+           k_cache[rows][:-1], v_cache[rows][:-1])
+    for cache, old in zip((k_cache, v_cache), before):  # only the slot's row is written
+        changed = (cache != old) & ~old.isnan()
+        assert not changed.any()
+    assert ws.attn_counters.eq(0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,7 +110,7 @@ def test_decode_attention_is_softmax_attention_over_the_paged_keys(heads_q, head
     k_cache, v_cache = (torch.randn(64, 16, heads_kv, d, generator=g) for _ in range(2))
     table = torch.randperm(64, generator=g)[:48].int()
     q = torch.randn(heads_q, d, generator=g)
-    ws = fd.Workspace(1, 1, q.device, heads_kv, heads_q // heads_kv, d, splits=4)
+    ws = fd.Workspace(heads_kv, heads_q // heads_kv, d, q.device, splits=4)
     out = fd.decode_attention(q, k_cache, v_cache, table, torch.tensor([keys], dtype=torch.int32), ws)
     pos = torch.arange(keys)
     pages = table[pos // 16].long()
@@ -111,10 +129,13 @@ def test_bad_shapes_are_errors_naming_the_op():
     with pytest.raises(ValueError, match="decode_attention"):
         fd.decode_attention(torch.randn(4, 24), torch.zeros(2, 16, 2, 24), torch.zeros(2, 16, 2, 24),
                             torch.zeros(2, dtype=torch.int32), torch.tensor([3]))
-    with pytest.raises(ValueError, match="norm_qkv_rope_store"):
-        cos, sin = _rope(4)
-        fd.norm_qkv_rope_store(x, None, torch.ones(8), 1e-6, w, None, cos, sin, 1, 1, None, None, 0.0,
-                               torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="norm_qkv: b must be"):
+        fd.norm_qkv(x, None, torch.ones(8), 1e-6, w, torch.zeros(3))
+    with pytest.raises(ValueError, match="rope_store_attention: qkv"):
+        cos, sin = _rope(16)
+        fd.rope_store_attention(torch.randn(40), 1, cos, sin, None, None, 0.0, torch.zeros(2, 2, 1, 16),
+                                torch.zeros(2, 2, 1, 16), torch.tensor([0]), torch.zeros(2, dtype=torch.int32),
+                                torch.tensor([3]))
 
 
 def _streams(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -34,13 +34,8 @@ def test_fused_ops_bf16_at_model_shapes(shape):
         qn, kn = ((torch.rand(d, device="cuda", generator=g) + 0.5).to(dt) for _ in range(2))
     inv = 1.0 / 10000 ** (torch.arange(d // 2, device="cuda") / (d // 2))
     cos, sin = (300 * inv).cos(), (300 * inv).sin()
-    k_cache = torch.zeros(8, 16, hkv, d, device="cuda", dtype=dt)
-    v_cache = torch.zeros_like(k_cache)
-    slot = torch.tensor([37], device="cuda")
-    q = fd.norm_qkv_rope_store(x, r, nw, 1e-6, wqkv, None, cos, sin, hq, hkv, qn, kn, 1e-6, k_cache, v_cache,
-                               slot)
-    _close((q, k_cache.view(-1, hkv, d)[37], v_cache.view(-1, hkv, d)[37]), fd.reference_qkv, x, r, nw, 1e-6,
-           wqkv, None, cos, sin, hq, hkv, qn, kn, 1e-6)
+    qkv = fd.norm_qkv(x, r, nw, 1e-6, wqkv, None)
+    _close(qkv, fd.reference_norm_qkv, x, r, nw, 1e-6, wqkv, None)
     o, h = rand(hq * d), rand(hidden)
     wo = rand(hidden, hq * d, scale=(hq * d) ** -0.5)
     _close(fd.o_proj_residual(o, wo, h, r), fd.reference_o_proj_residual, o, wo, h, r)
@@ -52,13 +47,21 @@ def test_fused_ops_bf16_at_model_shapes(shape):
     k_cache, v_cache = rand(pages, 16, hkv, d), rand(pages, 16, hkv, d)
     table = torch.randperm(pages, device="cuda", generator=g)[:256].int()
     for keys in (1, 17, 384, 4000):
-        ws = fd.Workspace(1, 1, k_cache.device, hkv, hq // hkv, d)
+        ws = fd.Workspace(hkv, hq // hkv, d, k_cache.device)
         q = rand(hq, d)
-        out = fd.decode_attention(q, k_cache, v_cache, table, torch.tensor([keys], device="cuda",
-                                                                           dtype=torch.int32), ws)
+        seqlen = torch.tensor([keys], device="cuda", dtype=torch.int32)
+        out = fd.decode_attention(q, k_cache, v_cache, table, seqlen, ws)
         pos = torch.arange(keys, device="cuda")
         rows = table[pos // 16].long(), pos % 16
         _close(out, fd.reference_attention, q, k_cache[rows], v_cache[rows])
+        # (b) on (a)'s output: the new key's row stale (NaN) before, written by the kernel
+        slot = rows[0][-1] * 16 + rows[1][-1]
+        k_old, v_old = k_cache[rows][:-1].clone(), v_cache[rows][:-1].clone()
+        k_cache.view(-1, hkv, d)[slot] = v_cache.view(-1, hkv, d)[slot] = float("nan")
+        out = fd.rope_store_attention(qkv, hq, cos, sin, qn, kn, 1e-6, k_cache, v_cache, slot.view(1), table,
+                                      seqlen, ws)
+        _close((out, k_cache.view(-1, hkv, d)[slot], v_cache.view(-1, hkv, d)[slot]),
+               fd.reference_rope_store_attention, qkv, cos, sin, hq, hkv, qn, kn, 1e-6, k_old, v_old)
 
 
 def _equal_up_to_near_ties(ours: list[list[int]], ref_outputs, margin: float) -> int:
