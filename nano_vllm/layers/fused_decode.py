@@ -5,8 +5,9 @@ paper path is a dozen kernels — RMSNorm, the QKV GEMV, q/k norms, RoPE and the
 o_proj, the residual add and the next RMSNorm, gate/up, SwiGLU, down — and on small models each moves a
 few KiB to a few MiB, so the step is launches, ramp-ups and drains. Here one row of x goes through
 
-    (a) h + residual → RMSNorm → QKV GEMV → (Qwen3's q/k RMSNorm) → RoPE → q out, k and v into the cache
-    (b) decode attention: split-K over the keys (Flash-Decoding), the slices combined in the same kernel
+    (a) h + residual → RMSNorm → QKV GEMV
+    (b) (Qwen3's q/k RMSNorm) → RoPE → k and v into the cache → decode attention: split-K over the keys
+        (Flash-Decoding), the slices combined in the same kernel
     (c) o_proj GEMV → + (h + residual)                  (the new residual stream)
     (d) RMSNorm → gate/up GEMV → SiLU(gate)·up
     (e) down GEMV                                       (the next layer's (a) adds the stream)
@@ -21,16 +22,24 @@ epilogue:
   again), so the products are those of the paper path's input;
 * the epilogues: the residual add (output rounded, then added in fp32 and rounded, as the paper path
   adds two bf16 tensors); SiLU(gate)·up, where a program reads gate's rows and up's rows of the same
-  columns; and for QKV, per head: the head's last program to finish (an arrival counter per head, as
-  gemv.py's split-K counters) reads the head's 128 sums back, applies the head RMSNorm, RoPE
-  (RoFormer eq. 34, rotate_half), and writes q, or k / v into the cache row of this step's slot.
+  columns; QKV's output is rounded (plus its bias) and stored whole.
+
+(b)'s prologue is the rest of the attention block's small ops: each attention program reads its kv head's
+query rows and the new key of (a)'s output (a few hundred bytes, in L2), applies the head RMSNorm and RoPE
+(RoFormer eq. 34, rotate_half) itself, and attends; the program whose slice of keys ends at the newest one
+writes k and v into the cache row of this step's slot, and every tile takes the newest key's k and v from
+registers, not from the cache. So no kernel waits on another program's sums within a kernel for (a): an
+earlier version finished q/k per head in (a)'s last program of each head (an arrival counter, a store and
+a load through L2 in the chain of every layer).
 
 **Programmatic dependent launch.** Under the "pdl" layer of nano_flashattn (Hopper and later) each
 kernel loads its first weight tile — for most shapes all the weights it will read — *before*
 `griddepcontrol.wait`: weights do not depend on the previous kernel, so a kernel placed early (PDL) has its
 HBM reads in flight while the kernel before drains, and the weight stream does not stop at the boundary.
 Only x, the residual and the caches are touched after the wait; the attention kernel also loads its
-slice's first tile of older keys before it waits (only q and the newest key depend on (a)).
+slice's first tile of older keys before it waits (only q and the newest key depend on (a)). Each kernel also
+lets the next one be placed before it waits (`pdl_prologue`'s EARLY), so the kernels ahead are placed as
+far as the SMs hold their programs and their weights stream while this one waits and runs.
 
 A fused layer returns (h, residual) as shared.model's layers do — the down projection's output and the
 stream it will be added to — so the next layer, fused or not, and the final norm take it unchanged.
@@ -83,10 +92,10 @@ class TileConfig:
 # `tile_config`'s rule.
 MEASURED_SMS = 132
 MEASURED: dict[tuple[str, int, int], TileConfig] = {  # NVIDIA H100 80GB HBM3, 2026-12-06
-    ("qkv", 4096, 1024): TileConfig(16, 1024, 8),  # qwen3-0.6b: 6.26 µs alone, 1.34 TB/s
-    ("o_proj", 1024, 2048): TileConfig(16, 2048, 8),  # 2.89 µs, 1.46 TB/s
-    ("gate_up", 3072, 1024): TileConfig(8, 1024, 4),  # 5.67 µs, 2.22 TB/s
-    ("down", 1024, 3072): TileConfig(1, 4096, 4),  # 3.04 µs, 2.07 TB/s
+    ("qkv", 4096, 1024): TileConfig(32, 1024, 8),  # qwen3-0.6b: 6.26 µs alone, 1.34 TB/s
+    ("o_proj", 1024, 2048): TileConfig(2, 1024, 4),  # 2.89 µs, 1.46 TB/s
+    ("gate_up", 3072, 1024): TileConfig(4, 512, 4),  # 5.67 µs, 2.22 TB/s
+    ("down", 1024, 3072): TileConfig(1, 2048, 4),  # 3.04 µs, 2.07 TB/s
     ("qkv", 6144, 4096): TileConfig(8, 2048, 8),  # llama3-8b: 19.7 µs, 2.56 TB/s
     ("o_proj", 4096, 4096): TileConfig(8, 2048, 8),  # 12.9 µs, 2.61 TB/s
     ("gate_up", 14336, 4096): TileConfig(2, 4096, 8),  # 74.9 µs, 3.14 TB/s
@@ -290,7 +299,7 @@ if HAS_TRITON:
     def _rope_rows(QKV, rows, ok, COS, SIN, NORM_W, eps, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                    DT: tl.constexpr):
         """Rows `rows` of (a)'s output (heads of HEAD_DIM): head-normed (QK_NORM) and rotated (RoFormer
-        eq. 34, rotate_half), rounded as the paper path rounds: (rows, HEAD_DIM) in DT."""
+        eq. 34, rotate_half), rounded as the paper path rounds: the two halves, (rows, HEAD_DIM / 2) each."""
         HALF: tl.constexpr = HEAD_DIM // 2
         h = tl.arange(0, HALF)
         at = QKV + rows[:, None] * HEAD_DIM + h[None, :]
@@ -300,22 +309,24 @@ if HAS_TRITON:
             x1, x2 = _rms_rows(x1, x2, NORM_W, h, eps, HEAD_DIM, DT)
         c = tl.load(COS + h).to(tl.float32)[None, :]
         s = tl.load(SIN + h).to(tl.float32)[None, :]
-        y1 = (x1 * c - x2 * s).to(DT)
-        y2 = (x2 * c + x1 * s).to(DT)
-        # the halves side by side: (rows, HALF, 2) -> (rows, 2, HALF) -> (rows, HEAD_DIM)
-        return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (rows.shape[0], HEAD_DIM))
+        return (x1 * c - x2 * s).to(DT), (x2 * c + x1 * s).to(DT)
 
 
     @triton.jit
     def _kv_tile(K_CACHE, V_CACHE, TABLE, keys, ok, hk, HEADS_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                  PAGE: tl.constexpr):
-        """K and V rows of `keys` (one kv head) through the block table: (BLOCK_KEYS, HEAD_DIM) each."""
+        """K's two halves (BLOCK_KEYS, HEAD_DIM / 2) and V (BLOCK_KEYS, HEAD_DIM) of `keys` (one kv head)
+        through the block table. K comes in halves so that q · k is two products of RoPE's halves, which
+        (b) computes apart (no join of the halves into one row)."""
+        HALF: tl.constexpr = HEAD_DIM // 2
         page = tl.load(TABLE + keys // PAGE, mask=ok, other=0).to(tl.int64)
         rows = ((page * PAGE + keys % PAGE) * HEADS_KV + hk) * HEAD_DIM
+        h = tl.arange(0, HALF)
         d = tl.arange(0, HEAD_DIM)
-        k = tl.load(K_CACHE + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        k1 = tl.load(K_CACHE + rows[:, None] + h[None, :], mask=ok[:, None], other=0.0)
+        k2 = tl.load(K_CACHE + rows[:, None] + HALF + h[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(V_CACHE + rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        return k, v
+        return k1, k2, v
 
     @triton.jit
     def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
@@ -326,86 +337,96 @@ if HAS_TRITON:
                                  BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
         """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
         kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
-        keys and writes (m, l, acc); the head's last split to arrive combines them
-        (O = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s). The slice's first tile of keys older than this step
-        is loaded before the wait for (a): only q and the newest key depend on it.
+        keys and writes (m, l, acc); the head's last slice to arrive combines them
+        (O = Σ e^(m_s - M) acc_s / Σ e^(m_s - M) l_s). Slices are whole tiles, as few as cover the keys
+        (at most SPLITS); programs past them return at once. The slice's first tile of keys older than this
+        step is loaded before the wait for (a): only q and the newest key depend on it.
 
         ROPE: Q is (a)'s output (q, k, v of this step, unrotated): each program head-norms and rotates its
         GROUP query rows and the new key itself, the slice holding the newest key writes k and v to cache
         row SLOT, and every tile takes the new k, v from registers where it holds the newest key. Else Q
         is q, rotated, and the caches already hold this step's k, v."""
         split, hk = tl.program_id(0), tl.program_id(1)
+        HALF: tl.constexpr = HEAD_DIM // 2
         k_len = tl.load(SEQLEN)
         split_len = tl.cdiv(tl.cdiv(k_len, SPLITS), BLOCK_KEYS) * BLOCK_KEYS
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, k_len)
-        keys = lo + tl.arange(0, BLOCK_KEYS)
-        k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-        pdl_prologue(PDL, EARLY=EARLY)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, HEAD_DIM)
-        if ROPE:
-            DT: tl.constexpr = K_CACHE.dtype.element_ty
-            heads_q: tl.constexpr = HEADS_KV * GROUP
-            q = _rope_rows(Q, hk * GROUP + g, g < GROUP, COS, SIN, QNW, qk_eps, QK_NORM, HEAD_DIM, DT)
-            one = tl.arange(0, 1)
-            k_new = _rope_rows(Q, heads_q + hk + one, one < 1, COS, SIN, KNW, qk_eps, QK_NORM, HEAD_DIM, DT)
-            v_new = tl.load(Q + (heads_q + HEADS_KV + hk) * HEAD_DIM + d[None, :] + one[:, None]).to(DT)
-            if (lo < hi) & (hi == k_len):  # the slice that holds the newest key stores it
-                row = (tl.load(SLOT).to(tl.int64) * HEADS_KV + hk) * HEAD_DIM
-                tl.store(K_CACHE + row + d[None, :] + one[:, None], k_new)
-                tl.store(V_CACHE + row + d[None, :] + one[:, None], v_new)
-            newest = (keys == k_len - 1)[:, None]
-            k = tl.where(newest, k_new, k)
-            v = tl.where(newest, v_new, v)
-        else:
-            if hi == k_len:  # this slice holds the newest key, which the caller has just written
-                k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-            q = tl.load(Q + (hk * GROUP + g)[:, None] * HEAD_DIM + d[None, :], mask=(g < GROUP)[:, None],
-                        other=0.0)
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for start in range(lo, hi, BLOCK_KEYS):
-            if start > lo:
-                keys = start + tl.arange(0, BLOCK_KEYS)
-                k, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-                if ROPE:
-                    newest = (keys == k_len - 1)[:, None]
-                    k = tl.where(newest, k_new, k)
-                    v = tl.where(newest, v_new, v)
-            if IEEE:  # fp32 caches: full-precision products, not TF32
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        slices = tl.cdiv(k_len, split_len)
+        if split < slices:
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, k_len)
+            keys = lo + tl.arange(0, BLOCK_KEYS)
+            k1, k2, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+            pdl_prologue(PDL, EARLY=EARLY)
+            g = tl.arange(0, BLOCK_G)
+            d = tl.arange(0, HEAD_DIM)
+            if ROPE:
+                DT: tl.constexpr = K_CACHE.dtype.element_ty
+                heads_q: tl.constexpr = HEADS_KV * GROUP
+                q1, q2 = _rope_rows(Q, hk * GROUP + g, g < GROUP, COS, SIN, QNW, qk_eps, QK_NORM, HEAD_DIM, DT)
+                one = tl.arange(0, 1)
+                k1_new, k2_new = _rope_rows(Q, heads_q + hk + one, one < 1, COS, SIN, KNW, qk_eps, QK_NORM,
+                                            HEAD_DIM, DT)
+                v_new = tl.load(Q + (heads_q + HEADS_KV + hk) * HEAD_DIM + d[None, :] + one[:, None]).to(DT)
+                if hi == k_len:  # the slice that holds the newest key stores it
+                    row = (tl.load(SLOT).to(tl.int64) * HEADS_KV + hk) * HEAD_DIM + one[:, None]
+                    h = tl.arange(0, HALF)[None, :]
+                    tl.store(K_CACHE + row + h, k1_new)
+                    tl.store(K_CACHE + row + HALF + h, k2_new)
+                    tl.store(V_CACHE + row + d[None, :], v_new)
+                newest = (keys == k_len - 1)[:, None]
+                k1, k2, v = tl.where(newest, k1_new, k1), tl.where(newest, k2_new, k2), tl.where(newest, v_new, v)
             else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: qk_scale holds log2(e)/sqrt(D)
-            s = tl.where((keys < hi)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        # the GROUP real rows of this slice's (m, l, acc) to the workspace, row (kv head, query, split)
-        real = g < GROUP
-        part = (hk * GROUP + g) * SPLITS + split
-        tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
-        tl.store(ML_PART + 2 * part, m, mask=real)
-        tl.store(ML_PART + 2 * part + 1, l_i, mask=real)
-        tl.debug_barrier()
-        if tl.atomic_add(COUNTERS + hk, 1) == SPLITS - 1:  # acq_rel: the other slices' partials are visible
-            tl.atomic_xchg(COUNTERS + hk, 0)
-            sp = tl.arange(0, SPLITS)
-            for q_i in tl.static_range(GROUP):  # one query head at a time: a (SPLITS, HEAD_DIM) tile
-                rows = (hk * GROUP + q_i) * SPLITS + sp
-                ms = tl.load(ML_PART + 2 * rows, cache_modifier=".cg")
-                ls = tl.load(ML_PART + 2 * rows + 1, cache_modifier=".cg")
-                w = tl.where(ms == float("-inf"), 0.0, tl.exp2(ms - tl.max(ms, axis=0)))  # empty slices: 0
-                accs = tl.load(O_PART + rows[:, None] * HEAD_DIM + d[None, :], cache_modifier=".cg")
-                o = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
-                tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
+                if hi == k_len:  # this slice holds the newest key, which the caller has just written
+                    k1, k2, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+                at = Q + (hk * GROUP + g)[:, None] * HEAD_DIM + tl.arange(0, HALF)[None, :]
+                q1 = tl.load(at, mask=(g < GROUP)[:, None], other=0.0)
+                q2 = tl.load(at + HALF, mask=(g < GROUP)[:, None], other=0.0)
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+            for start in range(lo, hi, BLOCK_KEYS):
+                if start > lo:
+                    keys = start + tl.arange(0, BLOCK_KEYS)
+                    k1, k2, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
+                    if ROPE:
+                        newest = (keys == k_len - 1)[:, None]
+                        k1, k2 = tl.where(newest, k1_new, k1), tl.where(newest, k2_new, k2)
+                        v = tl.where(newest, v_new, v)
+                if IEEE:  # fp32 caches: full-precision products, not TF32
+                    s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+                    s = tl.dot(q2, tl.trans(k2), s, input_precision="ieee") * qk_scale
+                else:  # log2 units: qk_scale holds log2(e)/sqrt(D)
+                    s = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1))) * qk_scale
+                s = tl.where((keys < hi)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+            # the GROUP real rows of this slice's (m, l, acc) to the workspace, row (kv head, query, split)
+            real = g < GROUP
+            part = (hk * GROUP + g) * SPLITS + split
+            tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], acc, mask=real[:, None])
+            tl.store(ML_PART + 2 * part, m, mask=real)
+            tl.store(ML_PART + 2 * part + 1, l_i, mask=real)
+            tl.debug_barrier()
+            if tl.atomic_add(COUNTERS + hk, 1) == slices - 1:  # acq_rel: the other slices' partials are visible
+                tl.atomic_xchg(COUNTERS + hk, 0)
+                sp = tl.arange(0, SPLITS)
+                live = sp < slices
+                for q_i in tl.static_range(GROUP):  # one query head at a time: a (SPLITS, HEAD_DIM) tile
+                    rows = (hk * GROUP + q_i) * SPLITS + sp
+                    ms = tl.load(ML_PART + 2 * rows, mask=live, other=float("-inf"), cache_modifier=".cg")
+                    ls = tl.load(ML_PART + 2 * rows + 1, mask=live, other=0.0, cache_modifier=".cg")
+                    w = tl.where(live, tl.exp2(ms - tl.max(ms, axis=0)), 0.0)
+                    accs = tl.load(O_PART + rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0,
+                                   cache_modifier=".cg")
+                    o = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
+                    tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
 
 # Under PDL each kernel lets the next one be placed before it waits for the one before (pdl_prologue's
 # EARLY), so the weights of the kernels ahead stream while this one waits and runs.
@@ -475,15 +496,15 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
 
 # Key slices per kv head and keys a tile: the best of `fused_decode_sweep` in the qwen3-0.6b layer chain
 # (H100, 2026-12-06, 384 keys: 5.3 µs alone, nano_flashattn's Flash-Decoding 6.9 µs)
-ATTENTION_SPLITS, BLOCK_KEYS = 32, 16
+ATTENTION_SPLITS, BLOCK_KEYS = 8, 64
 
 
 class Workspace:
     """The attention kernel's per-slice partials and per-kv-head arrival counters (zero between calls);
     every fused layer of a model shares one: its kernels run one after another on one stream."""
 
-    def __init__(self, heads_kv: int, group: int, head_dim: int, device: torch.device,
-                 splits: int = ATTENTION_SPLITS):
+    def __init__(self, heads_kv: int, group: int, head_dim: int, device: torch.device, splits: int | None = None):
+        splits = splits or ATTENTION_SPLITS
         rows = heads_kv * splits * group
         self.o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.ml_part = torch.empty(2 * rows, dtype=torch.float32, device=device)
@@ -531,7 +552,7 @@ def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, hea
         workspace.attn_counters, d**-0.5 * 1.4426950408889634, cos, sin,
         q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps,
         ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
-        GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys,
+        GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys or BLOCK_KEYS,
         BLOCK_G=max(16, next_pow2(group)), IEEE=q.dtype == torch.float32, EARLY=EARLY_RELEASE,
         num_warps=4, **pdl_args(q.device))
     return out
@@ -541,7 +562,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
                          q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, qk_eps: float,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
                          seqlen: torch.Tensor, workspace: Workspace | None = None,
-                         block_keys: int = BLOCK_KEYS) -> torch.Tensor:
+                         block_keys: int | None = None) -> torch.Tensor:
     """(b) on (a)'s output qkv ((Hq + 2 Hkv) D,): q and the new k head-normed (q_norm_w / k_norm_w, or
     None) and rotated (cos / sin: (D/2,) fp32), k and v written to cache row `slot` (a (1,) int tensor) of
     k_cache / v_cache (pages, page_size, Hkv, D), and q attended to the `seqlen` keys (a (1,) int tensor,
@@ -560,7 +581,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seqlen: torch.Tensor, workspace: Workspace | None = None,
-                     block_keys: int = BLOCK_KEYS) -> torch.Tensor:
+                     block_keys: int | None = None) -> torch.Tensor:
     """(b) with q already rotated and this step's k, v already in the caches: causal attention of one
     query row q (Hq, D) to the `seqlen` (a (1,) int tensor) keys of one sequence in a paged cache (pages,
     page_size, Hkv, D) through `block_table` (its row of page indices); returns (Hq, D). Split-K over the
