@@ -334,7 +334,8 @@ if HAS_TRITON:
                                  EARLY: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
                                  HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                                 BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+                                 BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
+                                 IEEE: tl.constexpr):
         """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
         kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
         keys and writes (m, l, acc); the head's last slice to arrive combines them
@@ -416,17 +417,27 @@ if HAS_TRITON:
             tl.debug_barrier()
             if tl.atomic_add(COUNTERS + hk, 1) == slices - 1:  # acq_rel: the other slices' partials are visible
                 tl.atomic_xchg(COUNTERS + hk, 0)
-                sp = tl.arange(0, SPLITS)
-                live = sp < slices
-                for q_i in tl.static_range(GROUP):  # one query head at a time: a (SPLITS, HEAD_DIM) tile
-                    rows = (hk * GROUP + q_i) * SPLITS + sp
-                    ms = tl.load(ML_PART + 2 * rows, mask=live, other=float("-inf"), cache_modifier=".cg")
-                    ls = tl.load(ML_PART + 2 * rows + 1, mask=live, other=0.0, cache_modifier=".cg")
-                    w = tl.where(live, tl.exp2(ms - tl.max(ms, axis=0)), 0.0)
-                    accs = tl.load(O_PART + rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0,
-                                   cache_modifier=".cg")
-                    o = tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)
-                    tl.store(OUT + (hk * GROUP + q_i) * HEAD_DIM + d, o.to(OUT.dtype.element_ty))
+                # every query head of the kv head at once, slice by slice (unrolled, no store in between:
+                # all the loads can be in flight together)
+                gc = tl.arange(0, BLOCK_GC)
+                heads = hk * GROUP + gc
+                mx = tl.full([BLOCK_GC], float("-inf"), tl.float32)
+                for sl in tl.static_range(SPLITS):
+                    at = ML_PART + 2 * (heads * SPLITS + sl)
+                    mx = tl.maximum(mx, tl.load(at, mask=(gc < GROUP) & (gc * 0 + sl < slices), other=float("-inf"),
+                                                cache_modifier=".cg"))
+                den = tl.zeros([BLOCK_GC], tl.float32)
+                num = tl.zeros([BLOCK_GC, HEAD_DIM], tl.float32)
+                for sl in tl.static_range(SPLITS):
+                    ok = (gc < GROUP) & (gc * 0 + sl < slices)
+                    at = heads * SPLITS + sl
+                    w = tl.where(ok, tl.exp2(tl.load(ML_PART + 2 * at, mask=ok, other=0.0, cache_modifier=".cg")
+                                             - mx), 0.0)
+                    den += w * tl.load(ML_PART + 2 * at + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * tl.load(O_PART + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                                                other=0.0, cache_modifier=".cg")
+                tl.store(OUT + heads[:, None] * HEAD_DIM + d[None, :], (num / den[:, None]).to(OUT.dtype.element_ty),
+                         mask=(gc < GROUP)[:, None])
 
 # Under PDL each kernel lets the next one be placed before it waits for the one before (pdl_prologue's
 # EARLY), so the weights of the kernels ahead stream while this one waits and runs.
@@ -553,7 +564,7 @@ def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, hea
         q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps,
         ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
         GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys or BLOCK_KEYS,
-        BLOCK_G=max(16, next_pow2(group)), IEEE=q.dtype == torch.float32, EARLY=EARLY_RELEASE,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_GC=next_pow2(group), IEEE=q.dtype == torch.float32, EARLY=EARLY_RELEASE,
         num_warps=4, **pdl_args(q.device))
     return out
 
