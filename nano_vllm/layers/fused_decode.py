@@ -417,25 +417,26 @@ if HAS_TRITON:
             tl.debug_barrier()
             if tl.atomic_add(COUNTERS + hk, 1) == slices - 1:  # acq_rel: the other slices' partials are visible
                 tl.atomic_xchg(COUNTERS + hk, 0)
-                # every query head of the kv head at once, slice by slice (unrolled, no store in between:
-                # all the loads can be in flight together)
+                # every query head of the kv head at once, slice by slice with a running max (unrolled, no
+                # store in between: every load can be in flight at once; slice 0 always holds keys)
                 gc = tl.arange(0, BLOCK_GC)
                 heads = hk * GROUP + gc
                 mx = tl.full([BLOCK_GC], float("-inf"), tl.float32)
-                for sl in tl.static_range(SPLITS):
-                    at = ML_PART + 2 * (heads * SPLITS + sl)
-                    mx = tl.maximum(mx, tl.load(at, mask=(gc < GROUP) & (gc * 0 + sl < slices), other=float("-inf"),
-                                                cache_modifier=".cg"))
                 den = tl.zeros([BLOCK_GC], tl.float32)
                 num = tl.zeros([BLOCK_GC, HEAD_DIM], tl.float32)
                 for sl in tl.static_range(SPLITS):
                     ok = (gc < GROUP) & (gc * 0 + sl < slices)
                     at = heads * SPLITS + sl
-                    w = tl.where(ok, tl.exp2(tl.load(ML_PART + 2 * at, mask=ok, other=0.0, cache_modifier=".cg")
-                                             - mx), 0.0)
-                    den += w * tl.load(ML_PART + 2 * at + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                    num += w[:, None] * tl.load(O_PART + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
-                                                other=0.0, cache_modifier=".cg")
+                    m_s = tl.load(ML_PART + 2 * at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(ML_PART + 2 * at + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(O_PART + at[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m_new = tl.maximum(mx, m_s)
+                    alpha = tl.exp2(mx - m_new)
+                    beta = tl.where(ok, tl.exp2(m_s - m_new), 0.0)
+                    den = den * alpha + beta * l_s
+                    num = num * alpha[:, None] + beta[:, None] * a_s
+                    mx = m_new
                 tl.store(OUT + heads[:, None] * HEAD_DIM + d[None, :], (num / den[:, None]).to(OUT.dtype.element_ty),
                          mask=(gc < GROUP)[:, None])
 
