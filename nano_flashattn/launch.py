@@ -45,9 +45,8 @@ def pdl_prologue(PDL: tl.constexpr, RELEASE: tl.constexpr = True, EARLY: tl.cons
         if EARLY:
             gdc_launch_dependents()
         gdc_wait()
-        if RELEASE:
-            if not EARLY:
-                gdc_launch_dependents()
+        if RELEASE and not EARLY:
+            gdc_launch_dependents()
 
 
 @triton.jit

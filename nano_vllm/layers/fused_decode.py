@@ -379,9 +379,9 @@ if HAS_TRITON:
             else:
                 if hi == k_len:  # this slice holds the newest key, which the caller has just written
                     k1, k2, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-                at = Q + (hk * GROUP + g)[:, None] * HEAD_DIM + tl.arange(0, HALF)[None, :]
-                q1 = tl.load(at, mask=(g < GROUP)[:, None], other=0.0)
-                q2 = tl.load(at + HALF, mask=(g < GROUP)[:, None], other=0.0)
+                q_rows = Q + (hk * GROUP + g)[:, None] * HEAD_DIM + tl.arange(0, HALF)[None, :]
+                q1 = tl.load(q_rows, mask=(g < GROUP)[:, None], other=0.0)
+                q2 = tl.load(q_rows + HALF, mask=(g < GROUP)[:, None], other=0.0)
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
