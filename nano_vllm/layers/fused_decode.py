@@ -91,12 +91,12 @@ class TileConfig:
 # nano_vllm.bench fused_decode_sweep=true model=...`, which prints these lines; other shapes and GPUs take
 # `tile_config`'s rule.
 MEASURED_SMS = 132
-MEASURED: dict[tuple[str, int, int], TileConfig] = {  # NVIDIA H100 80GB HBM3, 2026-12-06
-    ("qkv", 4096, 1024): TileConfig(32, 1024, 8),  # qwen3-0.6b: 6.26 µs alone, 1.34 TB/s
-    ("o_proj", 1024, 2048): TileConfig(2, 1024, 4),  # 2.89 µs, 1.46 TB/s
-    ("gate_up", 3072, 1024): TileConfig(4, 512, 4),  # 5.67 µs, 2.22 TB/s
-    ("down", 1024, 3072): TileConfig(1, 2048, 4),  # 3.04 µs, 2.07 TB/s
-    ("qkv", 6144, 4096): TileConfig(8, 2048, 8),  # llama3-8b: 19.7 µs, 2.56 TB/s
+MEASURED: dict[tuple[str, int, int], TileConfig] = {  # NVIDIA H100 80GB HBM3, qwen3-0.6b 2026-12-07
+    ("qkv", 4096, 1024): TileConfig(32, 1024, 8),  # qwen3-0.6b: 4.17 µs alone, 2.02 TB/s
+    ("o_proj", 1024, 2048): TileConfig(2, 1024, 4),  # 2.75 µs, 1.53 TB/s
+    ("gate_up", 3072, 1024): TileConfig(4, 512, 4),  # 5.06 µs, 2.49 TB/s
+    ("down", 1024, 3072): TileConfig(1, 2048, 4),  # 3.09 µs, 2.04 TB/s
+    ("qkv", 6144, 4096): TileConfig(8, 2048, 8),  # llama3-8b (2026-12-06): 19.7 µs, 2.56 TB/s
     ("o_proj", 4096, 4096): TileConfig(8, 2048, 8),  # 12.9 µs, 2.61 TB/s
     ("gate_up", 14336, 4096): TileConfig(2, 4096, 8),  # 74.9 µs, 3.14 TB/s
     ("down", 4096, 14336): TileConfig(1, 16384, 8),  # 38.6 µs, 3.05 TB/s
@@ -506,9 +506,19 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
     return out
 
 
-# Key slices per kv head and keys a tile: the best of `fused_decode_sweep` in the qwen3-0.6b layer chain
-# (H100, 2026-12-06, 384 keys: 5.3 µs alone, nano_flashattn's Flash-Decoding 6.9 µs)
+# Key slices per kv head (at most) and keys a tile: the best of `fused_decode_sweep` in the qwen3-0.6b layer
+# chain (H100, 2026-12-07, 384 keys: 20.2 µs a layer against 21.1 with 32 slices; 5.5 µs alone,
+# nano_flashattn's Flash-Decoding 6.9 µs). A slice is whole tiles and only the slices that hold keys run,
+# so more slices cost only their empty programs and the combine's longer unrolled loop; `attention_splits`
+# gives an engine whose sequences may be longer than 4096 tokens more of them.
 ATTENTION_SPLITS, BLOCK_KEYS = 8, 64
+
+
+def attention_splits(max_model_len: int) -> int:
+    """Slices enough that a slice of the longest sequence is at most 8 tiles: ATTENTION_SPLITS up to 4096
+    tokens (what was measured), up to 32 for longer ones (an 8-slice kernel at 32k keys would run 64
+    programs of 64 tiles each, a quarter of the SMs streaming)."""
+    return min(32, max(ATTENTION_SPLITS, next_pow2(cdiv(max_model_len, 8 * BLOCK_KEYS))))
 
 
 class Workspace:
@@ -734,7 +744,8 @@ def apply_fused_decode(runner: Any) -> None:
         return
     attn = layers[0].self_attn
     heads_q, heads_kv = (size // attn.head_dim for size in attn.qkv_sizes[:2])
-    workspace = Workspace(heads_kv, heads_q // heads_kv, attn.head_dim, runner.device)
+    workspace = Workspace(heads_kv, heads_q // heads_kv, attn.head_dim, runner.device,
+                          attention_splits(runner.max_model_len))
     for m in layers:
         m.w4 = not fusable(m)
         m.__class__ = FusedDecoderLayer

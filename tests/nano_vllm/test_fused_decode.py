@@ -123,6 +123,11 @@ def test_decode_attention_is_softmax_attention_over_the_paged_keys(heads_q, head
     assert ws.attn_counters.eq(0).all()  # ready for the next call
 
 
+def test_attention_slices_grow_with_the_longest_sequence():
+    """The measured slice count up to 4096 tokens; beyond, a slice of the longest sequence stays <= 8 tiles."""
+    assert [fd.attention_splits(n) for n in (128, 4096, 8192, 32768, 1 << 20)] == [fd.ATTENTION_SPLITS, 8, 16, 32, 32]
+
+
 def test_bad_shapes_are_errors_naming_the_op():
     x, w = torch.randn(8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="o_proj_residual: h"):
