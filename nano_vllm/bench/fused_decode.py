@@ -42,13 +42,11 @@ def _time_graph(body, reps: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def configs(k: int, head_dim: int | None) -> list[fd.TileConfig]:
+def configs(k: int) -> list[fd.TileConfig]:
     """The grid: rows a program, the whole row or half of it a tile, 4 or 8 warps."""
     whole = 1 << (k - 1).bit_length()
     out = []
     for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16, 32), (whole, whole // 2), (4, 8)):
-        if head_dim is not None and head_dim % block_n:
-            continue
         if block_n * block_k > 32768 or block_k < 256:  # 64 KiB of bf16 a tile at most
             continue
         out.append(fd.TileConfig(block_n, block_k, warps))
@@ -75,18 +73,18 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     cos, sin = torch.ones(d // 2, device=dev), torch.zeros(d // 2, device=dev)
     slot = torch.tensor([5], device=dev)
     es = 2
-    kinds = {  # name: (launch(config, layer), weight of layer 0, head_dim a config must divide, bytes a launch)
+    kinds = {  # name: (launch(config, layer), weight of layer 0, bytes a launch)
         "qkv": (lambda c, i: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c),
-                wqkv[0], None, (wqkv[0].numel() + 3 * hidden + wqkv[0].shape[0]) * es),
-        "o_proj": (lambda c, i: fd.o_proj_residual(o, wo[i], x, r, config=c), wo[0], None,
+                wqkv[0], (wqkv[0].numel() + 3 * hidden + wqkv[0].shape[0]) * es),
+        "o_proj": (lambda c, i: fd.o_proj_residual(o, wo[i], x, r, config=c), wo[0],
                    (wo[0].numel() + hq * d + 3 * hidden) * es),
-        "gate_up": (lambda c, i: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c), wgu[0], None,
+        "gate_up": (lambda c, i: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c), wgu[0],
                     (wgu[0].numel() + 2 * hidden + inter) * es),
-        "down": (lambda c, i: fd.down(act, wd[i], config=c), wd[0], None,
+        "down": (lambda c, i: fd.down(act, wd[i], config=c), wd[0],
                  (wd[0].numel() + inter + hidden) * es),
     }
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    shapes = {kind: (w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]) for kind, (_, w, _, _) in kinds.items()}
+    shapes = {kind: (w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]) for kind, (_, w, _) in kinds.items()}
     chosen = {kind: fd.tile_config(kind, *shapes[kind], sms) for kind in kinds}
     # the attention of the chain: one sequence of `context` keys, paged as the engine pages
     pages = 256
@@ -119,8 +117,8 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     # Each kernel's configs in the whole chain (the others at their current choice), since under PDL a kernel's
     # cost depends on its neighbours; then each kernel's best kept for the next.
     base = chain(chosen, attn)
-    for kind, (_, w, head_dim, _) in kinds.items():
-        for c in configs(w.shape[1], head_dim):
+    for kind, (_, w, _) in kinds.items():
+        for c in configs(w.shape[1]):
             seconds = chain({**chosen, kind: c}, attn)
             row = {"kernel": kind, "N x K": f"{w.shape[0]}x{w.shape[1]}",
                    "tile": f"{c.block_n}x{c.block_k}/w{c.num_warps}", "us a layer": 1e6 * seconds,
@@ -139,7 +137,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     attn = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"]}
     # each kernel alone at the chosen configs (its own graph over every layer's weights): its bandwidth
     alone = []
-    for kind, (launch, _, _, nbytes) in kinds.items():
+    for kind, (launch, _, nbytes) in kinds.items():
         seconds = _time_graph(lambda k=kind, launch=launch: [launch(chosen[k], i) for i in range(layers)]) / layers
         alone.append({"kernel": kind, "tile": f"{chosen[kind].block_n}x{chosen[kind].block_k}/w{chosen[kind].num_warps}",
                       "us": 1e6 * seconds, "GB/s": nbytes / seconds / 1e9,
@@ -154,7 +152,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         alone.append({"kernel": f"nano_flashattn decode (num_splits {splits or 'auto'})", "us": 1e6 * seconds})
     seconds = _time_graph(lambda: [attend(qkv_attn, attn) for _ in range(layers)]) / layers
     alone.append({"kernel": f"fused_decode attention ({attn['splits']} x {attn['block_keys']})", "us": 1e6 * seconds})
-    layer_bytes = sum(nbytes for _, _, _, nbytes in kinds.values())
+    layer_bytes = sum(nbytes for _, _, nbytes in kinds.values())
     final = chain(chosen, attn)
     print_table(rows, title=f"fused decode kernels in a layer chain, {model} shapes, {layers} layers' weights, one "
                             f"CUDA graph each (the other kernels at their current config)")

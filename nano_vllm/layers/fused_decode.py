@@ -131,12 +131,6 @@ def reference_norm_qkv(x, residual, norm_w, eps, w, b):
     return nn.functional.linear(reference_rms(reference_stream(x, residual), norm_w, eps), w, b)
 
 
-def reference_qkv(x, residual, norm_w, eps, w, b, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps):
-    """(a) and (b)'s prologue as torch ops: returns q (Hq, D) and the new k, v rows (Hkv, D)."""
-    return reference_rope(reference_norm_qkv(x, residual, norm_w, eps, w, b), cos, sin, heads_q, heads_kv,
-                          q_norm_w, k_norm_w, qk_eps)
-
-
 def reference_rope(qkv, cos, sin, heads_q, heads_kv, q_norm_w, k_norm_w, qk_eps):
     """(b)'s prologue as torch ops: q (Hq, D) and k head-normed and rotated, v, from (a)'s output."""
     d = cos.shape[-1] * 2
@@ -201,7 +195,7 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
-    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, NORM: tl.constexpr,
+    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, NORM: tl.constexpr,
                         HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """Σ_k W[n, k]·x[k] for this program's BLOCK_N rows n (and, TWO, rows N + n: up beside gate), in
@@ -213,7 +207,7 @@ if HAS_TRITON:
         w0 = _tile(rows, offs_k, K, EVEN_K)  # before the wait: the weights never depend on it
         if TWO:
             u0 = _tile(rows + N * stride_w, offs_k, K, EVEN_K)
-        pdl_prologue(PDL, EARLY=EARLY)  # wait for the kernel before; the next one placed before or after
+        pdl_prologue(PDL, EARLY=True)  # let the next kernel be placed, then wait for the one before
         rstd = 0.0
         if NORM:
             ss = tl.zeros([BLOCK_K], tl.float32)
@@ -235,10 +229,10 @@ if HAS_TRITON:
         return offs_n, tl.sum(acc, axis=1), tl.sum(acc_u, axis=1)
 
     @triton.jit
-    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, HAS_RES: tl.constexpr,
+    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, HAS_RES: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(c): OUT = round(W·x) + the stream (H, or H + R rounded), rounded: the new residual stream."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, EARLY, False, False, False, BLOCK_N,
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         ok = offs_n < N
         r = _stream(H, R, offs_n, ok, HAS_RES).to(tl.float32)
@@ -246,40 +240,30 @@ if HAS_TRITON:
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(e): OUT = W·x, rounded (the next RMSNorm adds the stream, as in the paper path)."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, EARLY, False, False, False, BLOCK_N,
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit(do_not_specialize=["eps"])
-    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr,
+    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(d): OUT[n] = silu(g)·u of g = round(W[n]·x̂), u = round(W[N + n]·x̂), x̂ = RMSNorm(x)."""
-        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, EARLY, True, False, True, BLOCK_N,
+        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, True, False, True, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         g = g.to(OUT.dtype.element_ty).to(tl.float32)
         u = u.to(OUT.dtype.element_ty).to(tl.float32)
         tl.store(OUT + offs_n, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=offs_n < N)
 
-    @triton.jit
-    def _head_norm(x1, x2, W, d, ok, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
-        """shared.kernels' RMSNorm over one head (both halves), rounded the same way."""
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-        w1 = tl.load(W + d, mask=ok, other=0.0).to(tl.float32)
-        w2 = tl.load(W + HALF + d, mask=ok, other=0.0).to(tl.float32)
-        y1 = (w1 * (x1 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-        y2 = (w2 * (x2 * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-        return y1, y2
-
     @triton.jit(do_not_specialize=["eps"])
-    def _norm_qkv_kernel(X, R, NW, W, BIAS, OUT, N, K, eps, stride_w, PDL: tl.constexpr, EARLY: tl.constexpr,
+    def _norm_qkv_kernel(X, R, NW, W, BIAS, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
                          HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(a): OUT = W·RMSNorm(x (+ R)) (+ bias), rounded: q, k and v of this step as the projection
         returns them (the head norms, RoPE and the cache write are (b)'s prologue)."""
-        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, EARLY, True, HAS_RES, False, BLOCK_N,
+        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, True, HAS_RES, False, BLOCK_N,
                                        BLOCK_K, EVEN_K)
         ok = offs_n < N
         if HAS_BIAS:
@@ -331,7 +315,7 @@ if HAS_TRITON:
     @triton.jit
     def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
                                  qk_scale, COS, SIN, QNW, KNW, SLOT, qk_eps, PDL: tl.constexpr,
-                                 EARLY: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                                 ROPE: tl.constexpr, QK_NORM: tl.constexpr,
                                  HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                                  BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
@@ -357,7 +341,7 @@ if HAS_TRITON:
             hi = tl.minimum(lo + split_len, k_len)
             keys = lo + tl.arange(0, BLOCK_KEYS)
             k1, k2, v = _kv_tile(K_CACHE, V_CACHE, TABLE, keys, keys < hi, hk, HEADS_KV, HEAD_DIM, PAGE)
-            pdl_prologue(PDL, EARLY=EARLY)
+            pdl_prologue(PDL, EARLY=True)
             g = tl.arange(0, BLOCK_G)
             d = tl.arange(0, HEAD_DIM)
             if ROPE:
@@ -440,11 +424,6 @@ if HAS_TRITON:
                 tl.store(OUT + heads[:, None] * HEAD_DIM + d[None, :], (num / den[:, None]).to(OUT.dtype.element_ty),
                          mask=(gc < GROUP)[:, None])
 
-# Under PDL each kernel lets the next one be placed before it waits for the one before (pdl_prologue's
-# EARLY), so the weights of the kernels ahead stream while this one waits and runs.
-EARLY_RELEASE = True
-
-
 def _config(kind: str, x: torch.Tensor, n: int, k: int, config: TileConfig | None) -> TileConfig:
     return config or tile_config(kind, n, k, num_sms(x.device) if x.is_cuda else 0)
 
@@ -454,7 +433,7 @@ def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
     config = _config(kind, x, n, k, config)
     grid = (cdiv(n, config.block_n),)
     return grid, {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": k % config.block_k == 0,
-                  "num_warps": config.num_warps, "EARLY": EARLY_RELEASE, **pdl_args(x.device)}
+                  "num_warps": config.num_warps, **pdl_args(x.device)}
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -551,7 +530,7 @@ def norm_qkv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tenso
 
 
 def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: torch.Tensor, seqlen: torch.Tensor, heads_q: int, d: int) -> int:
+                     block_table: torch.Tensor, seqlen: torch.Tensor, heads_q: int, d: int) -> None:
     _, _, heads_kv, d_k = k_cache.shape
     if (d_k != d or heads_q % heads_kv or v_cache.shape != k_cache.shape or not k_cache.is_contiguous()
             or not v_cache.is_contiguous() or k_cache.dtype != q.dtype or d & (d - 1) or d < 16
@@ -559,7 +538,6 @@ def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise ValueError(f"{what}: q {tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
                          f"{k_cache.dtype}, block_table {tuple(block_table.shape)}, seqlen "
                          f"{tuple(seqlen.shape)} do not fit (head_dim a power of two >= 16, one sequence)")
-    return heads_kv
 
 
 def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q, rope=None) -> torch.Tensor:
@@ -575,7 +553,7 @@ def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, hea
         q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps,
         ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
         GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys or BLOCK_KEYS,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_GC=next_pow2(group), IEEE=q.dtype == torch.float32, EARLY=EARLY_RELEASE,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_GC=next_pow2(group), IEEE=q.dtype == torch.float32,
         num_warps=4, **pdl_args(q.device))
     return out
 
