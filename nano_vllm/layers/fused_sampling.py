@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nano_flashattn.configs import num_sms
 from nano_vllm.config import REGISTRY
 from nano_vllm.sampler import SamplingTensors, apply_top_k_top_p, seed64
 from nano_vllm.scheduler import SchedulerOutput
@@ -87,44 +88,103 @@ if HAS_TRITON:
         x = x * 0x735A2D97
         return x ^ (x >> 15)
 
-    @triton.jit(do_not_specialize=["vocab"])
-    def _sample_kernel(LOGITS, stride_row, TEMPS, SEEDS, OFFSETS, OUT, vocab, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
-        t = tl.load(TEMPS + row)
-        greedy = t == 0.0
-        inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
-        noise_on = tl.where(greedy, 0.0, 1.0)
-        seed = (tl.load(SEEDS + row) & 0xFFFFFFFF).to(tl.uint32)
-        offset = (tl.load(OFFSETS + row) & 0xFFFFFFFF).to(tl.uint32)
-        key = _mix32_tl(seed ^ _mix32_tl(offset))
+    @triton.jit(do_not_specialize=["vocab", "chunk"])
+    def _sample_kernel(LOGITS, stride_row, TEMPS, SEEDS, OFFSETS, OUT, PART_S, PART_I, COUNTERS, vocab, chunk,
+                       SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, GREEDY: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+        """Program (row, split) keeps the best score of logits [split·chunk, +chunk) of its row; with
+        SPLITS > 1 it writes (score, index) to the workspace and the row's last split to arrive (a per-row
+        counter, reset for the next call) picks the best of them. GREEDY: every row takes its argmax."""
+        row, split = tl.program_id(0), tl.program_id(1)
+        if GREEDY:
+            inv_t, noise_on, key = 1.0, 0.0, 0
+        else:
+            t = tl.load(TEMPS + row)
+            greedy = t == 0.0
+            inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+            noise_on = tl.where(greedy, 0.0, 1.0)
+            seed = (tl.load(SEEDS + row) & 0xFFFFFFFF).to(tl.uint32)
+            offset = (tl.load(OFFSETS + row) & 0xFFFFFFFF).to(tl.uint32)
+            key = _mix32_tl(seed ^ _mix32_tl(offset))
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK_V], tl.int32)
         row_ptr = LOGITS + row.to(tl.int64) * stride_row
-        for start in range(0, vocab, BLOCK_V):
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        for start in range(lo, hi, BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-            h = _mix32_tl(key + idx.to(tl.uint32) * 0x61C88647)
-            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            score = x * inv_t - tl.log(-tl.log(u)) * noise_on
+            x = tl.load(row_ptr + idx, mask=idx < hi, other=float("-inf")).to(tl.float32)
+            if GREEDY:
+                score = x
+            else:
+                h = _mix32_tl(key + idx.to(tl.uint32) * 0x61C88647)
+                u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                score = x * inv_t - tl.log(-tl.log(u)) * noise_on
             better = score > best  # strictly: each lane keeps its first index among equal scores
             best = tl.where(better, score, best)
             best_idx = tl.where(better, idx, best_idx)
         top = tl.max(best, axis=0)
         token = tl.min(tl.where(best == top, best_idx, vocab), axis=0)  # first index of the maximum
-        tl.store(OUT + row, token.to(tl.int64))
+        if SPLITS == 1:
+            tl.store(OUT + row, token.to(tl.int64))
+        else:
+            tl.store(PART_S + row * SPLITS + split, top)
+            tl.store(PART_I + row * SPLITS + split, token)
+            tl.debug_barrier()
+            if tl.atomic_add(COUNTERS + row, 1) == SPLITS - 1:  # acq_rel: the other splits' stores are visible
+                tl.atomic_xchg(COUNTERS + row, 0)
+                sp = tl.arange(0, BLOCK_S)
+                ok = sp < SPLITS
+                scores = tl.load(PART_S + row * SPLITS + sp, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                tokens = tl.load(PART_I + row * SPLITS + sp, mask=ok, other=vocab, cache_modifier=".cg")
+                top = tl.max(scores, axis=0)  # splits are in index order: the smallest index wins ties
+                tl.store(OUT + row, tl.min(tl.where(scores == top, tokens, vocab), axis=0).to(tl.int64))
 
 
-def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                  offsets: torch.Tensor) -> torch.Tensor:
-    """`sample_reference` as one Triton kernel: one program per row streams the row's logits once."""
+SAMPLE_BLOCK_V = 1024
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per-row arrival counters of the split kernel, zero between calls
+
+
+def vocab_splits(rows: int, vocab: int, sms: int) -> int:
+    """Programs per row: about two per SM when the batch is small (a batch-1 row of a 152k vocabulary read
+    by one program takes ~9 µs, most of it latency), one when the rows alone fill the GPU; each reads
+    whole BLOCK_V tiles, and none is left without one."""
+    want = min(-(-2 * sms // max(rows, 1)), -(-vocab // SAMPLE_BLOCK_V))
+    chunk = -(-vocab // (max(want, 1) * SAMPLE_BLOCK_V)) * SAMPLE_BLOCK_V
+    return -(-vocab // chunk)
+
+
+def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
+                  offsets: torch.Tensor | None, splits: int | None = None) -> torch.Tensor:
+    """`sample_reference` as one Triton kernel, each row's vocabulary read once by `splits` programs
+    (`vocab_splits` when None); temperatures None: every row greedy (its argmax, nothing else read)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, offsets, out, vocab,
-                                BLOCK_V=2048, num_warps=8)
+    if not rows:
+        return out
+    if splits is None:
+        splits = vocab_splits(rows, vocab, num_sms(logits.device))
+    chunk = -(-vocab // (splits * SAMPLE_BLOCK_V)) * SAMPLE_BLOCK_V
+    splits = -(-vocab // chunk)  # none empty
+    parts = (torch.empty(rows * splits, dtype=torch.float32, device=logits.device),
+             torch.empty(rows * splits, dtype=torch.int32, device=logits.device)) if splits > 1 else (out, out)
+    counters = _COUNTERS.get(logits.device)
+    if counters is None or counters.numel() < rows:
+        counters = _COUNTERS[logits.device] = torch.zeros(max(rows, 1024), dtype=torch.int32,
+                                                          device=logits.device)
+    greedy = temperatures is None
+    params = (logits, logits, logits) if greedy else (temperatures, seeds, offsets)
+    _sample_kernel[(rows, splits)](logits, logits.stride(0), *params, out, *parts, counters, vocab, chunk,
+                                   SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V,
+                                   num_warps=4 if splits > 1 else 8)
     return out
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of its maximum, as torch.argmax): the split kernel on CUDA."""
+    return sample_triton(logits, None, None, None) if use_triton(logits) else logits.argmax(dim=-1)
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -154,7 +214,7 @@ class FusedSampling:
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         params = [s.sampling_params for s in seqs]
         if all(p.temperature == 0.0 for p in params):
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         fresh = self.rng.integers(0, 1 << 32, size=len(seqs), dtype=np.int64)
         host = np.empty((3, len(seqs)), dtype=np.float64)  # temperature, seed, offset: exact in fp64
         host[0] = [p.temperature for p in params]

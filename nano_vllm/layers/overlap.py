@@ -54,6 +54,7 @@ from nano_vllm.logprobs import StepLogprobs
 from nano_vllm.model_runner import ModelRunner, StepInputs
 from nano_vllm.scheduler import Scheduler, SchedulerOutput
 from nano_vllm.sequence import Sequence, SequenceStatus
+from shared.kernels import HAS_TRITON, use_triton
 
 
 class FutureTokens:
@@ -63,8 +64,36 @@ class FutureTokens:
         self.ring = torch.zeros(num_slots, dtype=torch.long, device=device)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` with every placeholder replaced by the token in its slot (on the device, no sync)."""
+        """`ids` with every placeholder replaced by the token in its slot (on the device, no sync): one
+        Triton kernel on CUDA (torch's five — compare, negate, clamp, gather, select — cost a batch-1
+        decode step about 8 µs of launches), `resolve_torch` elsewhere."""
+        if use_triton(ids) and ids.is_contiguous():
+            return self.resolve_triton(ids)
+        return self.resolve_torch(ids)
+
+    def resolve_torch(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids < 0, self.ring[(-1 - ids).clamp_(min=0)], ids)
+
+    def resolve_triton(self, ids: torch.Tensor) -> torch.Tensor:
+        out, n = torch.empty_like(ids), ids.numel()
+        _resolve_kernel[(triton.cdiv(n, RESOLVE_BLOCK),)](ids, self.ring, out, n, BLOCK=RESOLVE_BLOCK)
+        return out
+
+
+RESOLVE_BLOCK = 1024
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n"])
+    def _resolve_kernel(IDS, RING, OUT, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        ids = tl.load(IDS + offs, mask=ok, other=0)
+        future = ids < 0
+        token = tl.load(RING + tl.where(future, -1 - ids, 0), mask=ok & future, other=0)
+        tl.store(OUT + offs, tl.where(future, token, ids), mask=ok)
 
 
 def install_future_tokens(runner: ModelRunner) -> None:

@@ -9,7 +9,14 @@ import torch
 from vllm_checkpoints import random_prompts
 
 from nano_vllm import LLM, SamplingParams
-from nano_vllm.layers.fused_sampling import _seed32, sample_reference, sample_tokens, sample_triton
+from nano_vllm.layers.fused_sampling import (
+    _seed32,
+    greedy_tokens,
+    sample_reference,
+    sample_tokens,
+    sample_triton,
+    vocab_splits,
+)
 
 
 def _rows(n: int, seed: int = 0):
@@ -36,6 +43,27 @@ def test_greedy_takes_the_first_maximum():
     zero = torch.zeros(2, dtype=torch.int64)
     assert sample_triton(logits, torch.zeros(2), zero, zero).tolist() == [7, 7]
     assert sample_reference(logits, torch.zeros(2), zero, zero).tolist() == [7, 7]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_rows_draw_what_one_program_draws(splits):
+    """A row read by several programs (small batches) picks what one program picks: draws, the argmax, and
+    the first maximum when equal values sit in different splits."""
+    temps, seeds, offsets = _rows(4)
+    logits = 3 * torch.randn(4, 5000, generator=torch.Generator().manual_seed(2))
+    ref = sample_reference(logits, temps, seeds, offsets).tolist()
+    assert sample_triton(logits, temps, seeds, offsets, splits=splits).tolist() == ref
+    logits[1, [4999, 1500, 3100]] = 50.0  # ties across splits: the first index wins, as torch.argmax
+    logits[2, :] = -2.0
+    greedy = sample_triton(logits, None, None, None, splits=splits)
+    assert greedy.tolist() == logits.argmax(-1).tolist() and greedy[1] == 1500 and greedy[2] == 0
+    assert sample_triton(logits, None, None, None, splits=splits).tolist() == greedy.tolist()  # counters reset
+
+
+def test_vocab_splits():
+    assert vocab_splits(1, 151_936, 132) == 149 and vocab_splits(4, 151_936, 132) == 50
+    assert vocab_splits(1, 3000, 132) == 3 and vocab_splits(264, 151_936, 132) == 1
+    assert vocab_splits(512, 151_936, 132) == 1 and greedy_tokens(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
 
 
 def test_reference_draws_from_the_softmax():

@@ -176,6 +176,10 @@ def test_future_tokens_resolve_placeholders():
     future.ring[:3] = torch.tensor([11, 12, 13])
     ids = torch.tensor([[5, -1, 7, -3]])
     assert future.resolve(ids).tolist() == [[5, 11, 7, 13]]
+    # the CUDA path's kernel (here under the interpreter), across program blocks
+    ids = torch.randint(0, 1000, (1, 2500))
+    ids[0, ::3] = -torch.randint(1, 9, (len(ids[0, ::3]),))
+    assert torch.equal(future.resolve_triton(ids), future.resolve_torch(ids))
 
 
 def test_needs_the_paper_path_runner_and_one_device(qwen3_ckpt):
