@@ -84,6 +84,9 @@ MEASURED_M1: dict[tuple[int, int], GemvConfig] = {  # best of the M = 1 sweep, N
     (28672, 4096): GemvConfig(1, 2048, 1, 8, 1),  # gate_up_proj: 3.70 TB/s (cuBLAS 3.39)
     (4096, 14336): GemvConfig(4, 2048, 1, 4, 1),  # down_proj: 3.05 TB/s (cuBLAS 2.82)
     (128256, 4096): GemvConfig(4, 2048, 1, 4, 1),  # lm_head: 4.42 TB/s (cuBLAS 4.21)
+    # qwen3-0.6b's LM head, NVIDIA H100 80GB HBM3, 2026-12-07 (`gemv_model=qwen3-0.6b`): the rule's
+    # 8x1024/w8/s3 read 2.63 TB/s
+    (151936, 1024): GemvConfig(4, 512, 1, 4, 2),  # lm_head: 2.81 TB/s (cuBLAS 2.68)
 }
 
 
