@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nano_specdec.config import REGISTRY
-from nano_vllm.layers.cudagraph import DecodeCudaGraphs, StaticBuffer, fill_block_tables
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, StaticBuffer, fill_block_tables, token_rows
 
 
 class DraftChain:
@@ -40,11 +40,12 @@ class DraftChain:
         self.drafts = torch.zeros(steps, self.max_bs, dtype=torch.long, device=runner.device)
         self.eagle = getattr(proposer, "draft", None)  # EAGLE's layer: f̂ is the next row's feature
         with torch.inference_mode():  # the runner's buffers are inference tensors: written in place here
-            self.graphs = {bs: self.decode.capture(functools.partial(self._body, bs))
+            self.graphs = {bs: self.decode.capture_rows(self.decode.tokens.device, bs,
+                                                        functools.partial(self._body, bs))
                            for bs in sorted(self.decode.graphs, reverse=True)}
 
     def _body(self, bs: int) -> None:
-        ids, positions, slots = self.decode.tokens.device[:, :bs]
+        ids, positions, slots = token_rows(self.decode.tokens.device, bs)
         for j in range(self.steps):
             if self.eagle is not None:
                 self.proposer.buf[:bs] = self.eagle.out[:bs]
@@ -75,7 +76,8 @@ class DraftChain:
         first = logits.argmax(-1)
         bs = min(s for s in self.graphs if s >= len(batch))
         self.decode.host_free.synchronize()
-        ids, where, lens = self.decode.tokens.host.numpy(), self.where.host.numpy(), self.lens.host.numpy()
+        ids, where = token_rows(self.decode.tokens.host, bs).numpy(), self.where.host.numpy()
+        lens = self.lens.host.numpy()
         ids[0, len(batch) : bs], where[0, :, len(batch) : bs] = 0, 0  # padding rows: one key, scratch slot
         where[1, :, len(batch) : bs], lens[:, len(batch) : bs] = self.proposer.runner.scratch_slot, 1
         for i, d in enumerate(batch):
@@ -87,8 +89,8 @@ class DraftChain:
         width = max(len(d.block_table) for d in batch)
         tables = [d.block_table for d in batch] + [[0]] * (bs - len(batch))
         fill_block_tables(self.decode.block_tables.host[:bs, :width].numpy(), tables)
-        self.decode.tokens.upload(0, slice(bs))
-        self.decode.tokens.device[0, : len(batch)] = first  # after the upload, in stream order
+        self.decode.tokens.upload(slice(bs))  # the ids row of token_rows(bs)
+        self.decode.tokens.device[: len(batch)] = first  # after the upload, in stream order
         self.where.upload(slice(None), slice(None), slice(bs))
         self.lens.upload(slice(None), slice(bs))
         self.decode.block_tables.upload(slice(bs), slice(width))

@@ -17,7 +17,10 @@ bound by launches; a replayed graph launches them all at once. `install_cudagrap
   its verification steps' token counts (k + 1 times each decode batch size).
 
 A graph reads static device buffers; each step fills their pinned host twins with numpy and copies them
-over asynchronously (`StaticBuffer`). Delete this file and every step runs eagerly: same tokens, slower.
+over asynchronously (`StaticBuffer`). The token ids, positions and slots of a graph of n rows are one
+contiguous (3, n) block at the buffer's start (`token_rows`), so a step uploads them in one copy: a strided
+slice would make torch stage it through pageable memory and launch a device-side scatter. Delete this file
+and every step runs eagerly: same tokens, slower.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ class StaticBuffer:
         self.device[index].copy_(self.host[index], non_blocking=True)
 
 
+def token_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """The (3, n) ids / positions / slot-mapping rows of a graph of `n` rows: the first 3n entries."""
+    return buffer[: 3 * n].view(3, n)
+
+
 class _NoEvent:
     def record(self) -> None: ...
     def synchronize(self) -> None: ...
@@ -110,8 +118,7 @@ class DecodeCudaGraphs:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         max_bs, width = runner.config.max_num_seqs, -(-runner.max_model_len // runner.block_size)
-        self.tokens = StaticBuffer.full(runner, (3, max_bs), torch.long)  # ids, positions, slot mapping
-        self.tokens.device[2].fill_(runner.scratch_slot)
+        self.tokens = StaticBuffer.full(runner, (3 * max_bs,), torch.long)  # ids, positions, slots: token_rows
         self.context_lens = StaticBuffer.full(runner, (max_bs,), torch.int32, 1)
         self.block_tables = StaticBuffer.full(runner, (max_bs, width), torch.int32)
         self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
@@ -119,15 +126,23 @@ class DecodeCudaGraphs:
         self.pool = None
         # recorded after each step's uploads from the host twins (a CPU runner: the tests' eager stand-in)
         self.host_free = torch.cuda.Event() if runner.device.type == "cuda" else _NoEvent()
-        self.graphs = {bs: self.capture(functools.partial(self._body, bs))
+        self.graphs = {bs: self.capture_rows(self.tokens.device, bs, functools.partial(self._body, bs))
                        for bs in reversed(cudagraph_batch_sizes(max_bs))}
 
     def _body(self, bs: int) -> None:
-        ids, positions, slots = self.tokens.device[:, :bs]
+        ids, positions, slots = token_rows(self.tokens.device, bs)
         ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=self.context_lens.device[:bs],
                                block_tables=self.block_tables.device[:bs])
         hidden = self.runner.model.model(ids[:, None], positions[:, None], ctx)
         self.logits[:bs] = self.runner.model.compute_logits(hidden[:, -1])
+
+    def capture_rows(self, tokens: torch.Tensor, n: int, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """`capture(body)` of a graph of `n` token rows, its rows set first to token 0 at position 0 writing
+        K/V to the scratch slot (the capture runs the body)."""
+        rows = token_rows(tokens, n)
+        rows[:2].zero_()
+        rows[2].fill_(self.runner.scratch_slot)
+        return self.capture(body)
 
     def capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """A CUDA graph of `body` in the shared pool (run once first: Triton compiles outside the capture)."""
@@ -146,7 +161,7 @@ class DecodeCudaGraphs:
         batch, rows, scratch = inputs.num_seqs, inputs.sample_rows, self.runner.scratch_slot
         bs = min(s for s in self.graphs if s >= batch)
         self.host_free.synchronize()
-        ins, lens = self.tokens.host.numpy(), self.context_lens.host.numpy()
+        ins, lens = token_rows(self.tokens.host, bs).numpy(), self.context_lens.host.numpy()
         ins[0, :batch], ins[1, :batch] = inputs.token_ids, inputs.positions
         ins[2, :batch] = inputs.slot_mapping
         ins[:2, batch:bs], ins[2, batch:bs], lens[batch:bs] = 0, scratch, 1
@@ -156,7 +171,7 @@ class DecodeCudaGraphs:
         width = max(map(len, inputs.block_tables))
         tables = inputs.block_tables + [[0]] * (bs - batch)
         fill_block_tables(self.block_tables.host[:bs, :width].numpy(), tables)
-        self.tokens.upload(slice(None), slice(bs))
+        self.tokens.upload(slice(3 * bs))
         self.context_lens.upload(slice(bs))
         self.block_tables.upload(slice(bs), slice(width))
         self.host_free.record()
@@ -177,18 +192,19 @@ class MixedStepGraphs:
         self.max_rows = min(sizes[-1], self.row_cap)
         self.logits = decode.logits if self.max_rows <= len(decode.logits) else torch.zeros(
             self.max_rows, runner.vocab_size, dtype=runner.config.torch_dtype, device=runner.device)
-        self.tokens = StaticBuffer.full(runner, (3, sizes[-1]), torch.long)  # ids, positions, slot mapping
+        self.tokens = StaticBuffer.full(runner, (3 * sizes[-1],), torch.long)  # ids, positions, slots: token_rows
         self.cu_seqlens = StaticBuffer.full(runner, (2, max_bs + 1), torch.int32)  # q (attention's), k
         self.sample_rows = StaticBuffer.full(runner, (self.max_rows,), torch.long)  # padded with row 0
         # key counts of the leading one-token sequences (the decode kernel's), 0 past them
         self.max_decodes = min(sizes[-1], max_bs)
         self.decode_lens = StaticBuffer.full(runner, (self.max_decodes,), torch.int32)
-        self.graphs = {n: decode.capture(functools.partial(self._body, n)) for n in reversed(sizes)}
+        self.graphs = {n: decode.capture_rows(self.tokens.device, n, functools.partial(self._body, n))
+                       for n in reversed(sizes)}
 
     def _body(self, n: int) -> None:
         """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, row_cap)
         rows (row_cap: max_num_seqs times the runner's `sample_rows_per_seq`). max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
-        ids, positions, slots = self.tokens.device[:, :n]
+        ids, positions, slots = token_rows(self.tokens.device, n)
         rows = min(n, self.row_cap)
         cu = self.cu_seqlens.device
         ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
@@ -214,7 +230,7 @@ class MixedStepGraphs:
         size = self._size(inputs)
         n, batch, rows = len(inputs.token_ids), inputs.num_seqs, inputs.sample_rows
         self.decode.host_free.synchronize()
-        ins, cu = self.tokens.host.numpy(), self.cu_seqlens.host.numpy()
+        ins, cu = token_rows(self.tokens.host, size).numpy(), self.cu_seqlens.host.numpy()
         ins[0, :n], ins[1, :n], ins[2, :n] = inputs.token_ids, inputs.positions, inputs.slot_mapping
         ins[:2, n:size], ins[2, n:size] = 0, self.runner.scratch_slot  # padding: no sequence, K/V to scratch
         cu_q, cu_k = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k
@@ -228,7 +244,7 @@ class MixedStepGraphs:
         hd[: len(dec)], hd[len(dec) : num_decodes] = dec, 0
         width = max(map(len, inputs.block_tables))
         fill_block_tables(self.decode.block_tables.host[:batch, :width].numpy(), inputs.block_tables)
-        self.tokens.upload(slice(None), slice(size))
+        self.tokens.upload(slice(3 * size))
         self.cu_seqlens.upload()
         self.sample_rows.upload(slice(num_rows))
         self.decode_lens.upload(slice(num_decodes))
