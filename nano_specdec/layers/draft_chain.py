@@ -52,7 +52,7 @@ class DraftChain:
             positions.copy_(self.where.device[0, j, :bs])
             slots.copy_(self.where.device[1, j, :bs])
             self.decode.context_lens.device[:bs].copy_(self.lens.device[j, :bs])
-            self.decode._body(bs)  # the draft runner's decode step: logits of every row
+            self.decode._body(bs, greedy=False)  # the draft runner's decode step: logits of every row
             self.drafts[j, :bs] = self.decode.logits[:bs].argmax(-1)
             ids.copy_(self.drafts[j, :bs])
 

@@ -25,6 +25,7 @@ and every step runs eagerly: same tokens, slower.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -44,6 +45,11 @@ from nano_vllm.model_runner import ModelRunner, StepGraphs, StepInputs, fill_blo
 # workload replayed open-loop at 20 req/s, first engine of a process) TTFT P50 went from 42-76 ms without
 # them to 12.7 ms, TPOT P50 from 6.5-9.3 to 3.1 ms.
 MIXED_CUDAGRAPH_SIZES = (128, 256, 512, 1024, 1536, 2048)
+# Decode graphs of up to this many rows also take each row's argmax, where a sampling layer offers the kernel
+# (`runner.graph_greedy_fn`): a greedy step then launches nothing after the graph. At batch 1 on an H200
+# (2026-12-07) the host spent ~130 µs a step launching the argmax, as long as a qwen3-0.6b step's device
+# work lets it; a step that samples pays the argmax's few µs of device time instead.
+GREEDY_IN_GRAPH = 8
 
 
 def mixed_sizes(config: EngineConfig, rows_per_seq: int = 1) -> tuple[int, ...]:
@@ -123,18 +129,26 @@ class DecodeCudaGraphs:
         self.block_tables = StaticBuffer.full(runner, (max_bs, width), torch.int32)
         self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
                                   device=runner.device)
+        self.greedy_fn = getattr(runner, "graph_greedy_fn", None)  # (logits, out=) -> argmax rows
+        self.greedy = torch.zeros(max_bs, dtype=torch.long, device=runner.device)
         self.pool = None
         # recorded after each step's uploads from the host twins (a CPU runner: the tests' eager stand-in)
         self.host_free = torch.cuda.Event() if runner.device.type == "cuda" else _NoEvent()
         self.graphs = {bs: self.capture_rows(self.tokens.device, bs, functools.partial(self._body, bs))
                        for bs in reversed(cudagraph_batch_sizes(max_bs))}
+        self.sizes = sorted(self.graphs)
 
-    def _body(self, bs: int) -> None:
+    def _body(self, bs: int, greedy: bool = True) -> None:
         ids, positions, slots = token_rows(self.tokens.device, bs)
         ctx = AttentionContext(slot_mapping=slots, is_decode=True, context_lens=self.context_lens.device[:bs],
                                block_tables=self.block_tables.device[:bs])
         hidden = self.runner.model.model(ids[:, None], positions[:, None], ctx)
         self.logits[:bs] = self.runner.model.compute_logits(hidden[:, -1])
+        if greedy and self.takes_greedy(bs):
+            self.greedy_fn(self.logits[:bs], out=self.greedy[:bs])
+
+    def takes_greedy(self, bs: int) -> bool:
+        return self.greedy_fn is not None and bs <= GREEDY_IN_GRAPH
 
     def capture_rows(self, tokens: torch.Tensor, n: int, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """`capture(body)` of a graph of `n` token rows, its rows set first to token 0 at position 0 writing
@@ -159,7 +173,7 @@ class DecodeCudaGraphs:
 
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         batch, rows, scratch = inputs.num_seqs, inputs.sample_rows, self.runner.scratch_slot
-        bs = min(s for s in self.graphs if s >= batch)
+        bs = self.sizes[bisect.bisect_left(self.sizes, batch)]
         self.host_free.synchronize()
         ins, lens = token_rows(self.tokens.host, bs).numpy(), self.context_lens.host.numpy()
         ins[0, :batch], ins[1, :batch] = inputs.token_ids, inputs.positions
@@ -169,15 +183,22 @@ class DecodeCudaGraphs:
         lens[:batch] = cu_k[1:] - cu_k[:-1]
         # Only the columns this batch uses: pages past a row's length are never read, stale ones included.
         width = max(map(len, inputs.block_tables))
-        tables = inputs.block_tables + [[0]] * (bs - batch)
-        fill_block_tables(self.block_tables.host[:bs, :width].numpy(), tables)
+        if bs == 1:  # batch 1: one row, no scatter
+            self.block_tables.host.numpy()[0, :width] = inputs.block_tables[0]
+        else:
+            fill_block_tables(self.block_tables.host[:bs, :width].numpy(),
+                              inputs.block_tables + [[0]] * (bs - batch))
         self.tokens.upload(slice(3 * bs))
         self.context_lens.upload(slice(bs))
         self.block_tables.upload(slice(bs), slice(width))
         self.host_free.record()
         self.graphs[bs].replay()
+        self.runner.graph_greedy = None
         if len(rows) == batch and rows == list(range(batch)):  # the usual decode step: every row samples
-            return self.logits[:batch]
+            logits = self.logits[:batch]
+            if self.takes_greedy(bs):  # the sampler takes these for a greedy step (these very logits)
+                self.runner.graph_greedy = (logits, self.greedy[:batch])
+            return logits
         return self.logits[torch.tensor(rows, device=self.runner.device)] if rows else None
 
 

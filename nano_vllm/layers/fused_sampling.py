@@ -19,7 +19,10 @@ unseeded one gets a fresh random seed per step (from a generator seeded by `Engi
 * rows with top-k / top-p: the paper path's mask (`sampler.apply_top_k_top_p`, one sort) on the
   temperature-scaled logits first, then the same kernel;
 * nothing is read back: the result is a device tensor, so a step's one sync is the token transfer (which
-  the overlap layer defers).
+  the overlap layer defers);
+* the decode graphs of a few rows (nano_vllm.layers.cudagraph's GREEDY_IN_GRAPH) take each row's argmax
+  with this kernel themselves (`runner.graph_greedy_fn`): a greedy step's `sample` returns those tokens and
+  launches nothing.
 
 On CUDA tensors the Triton kernel runs, elsewhere `sample_reference` (the same arithmetic in torch; tests
 check the two agree under TRITON_INTERPRET=1). Applied to a runner (its `sample` method) by a "runner"
@@ -155,13 +158,15 @@ def vocab_splits(rows: int, vocab: int, sms: int) -> int:
 
 
 def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
-                  offsets: torch.Tensor | None, splits: int | None = None) -> torch.Tensor:
+                  offsets: torch.Tensor | None, splits: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """`sample_reference` as one Triton kernel, each row's vocabulary read once by `splits` programs
-    (`vocab_splits` when None); temperatures None: every row greedy (its argmax, nothing else read)."""
+    (`vocab_splits` when None); temperatures None: every row greedy (its argmax, nothing else read). The
+    tokens go to `out` ((rows,) int64, contiguous) when given."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
     if not rows:
         return out
     if splits is None:
@@ -182,9 +187,11 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds
     return out
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax (the first index of its maximum, as torch.argmax): the split kernel on CUDA."""
-    return sample_triton(logits, None, None, None) if use_triton(logits) else logits.argmax(dim=-1)
+    if use_triton(logits):
+        return sample_triton(logits, None, None, None, out=out)
+    return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -214,7 +221,8 @@ class FusedSampling:
         seqs = [s for s, f in zip(out.seqs, out.samples) if f]
         params = [s.sampling_params for s in seqs]
         if all(p.temperature == 0.0 for p in params):
-            return greedy_tokens(logits)
+            ready = getattr(self.runner, "graph_greedy", None)  # taken inside the decode graph
+            return ready[1] if ready is not None and ready[0] is logits else greedy_tokens(logits)
         fresh = self.rng.integers(0, 1 << 32, size=len(seqs), dtype=np.int64)
         host = np.empty((3, len(seqs)), dtype=np.float64)  # temperature, seed, offset: exact in fp64
         host[0] = [p.temperature for p in params]
@@ -235,6 +243,7 @@ def apply_fused_sampling(runner: Any) -> None:
     """The "runner" hook: the runner samples with the fused kernel (its `sample` method replaced on this
     instance)."""
     runner.sample = FusedSampling(runner).sample
+    runner.graph_greedy_fn = greedy_tokens  # the decode graphs of a few rows take the argmax themselves
 
 
 REGISTRY.register("runner", apply_fused_sampling,

@@ -65,6 +65,33 @@ def test_padded_static_buffer_decode_matches_transformers(qwen3_ckpt, hf_greedy,
     assert used == {1, 2, 4, 6}, used
 
 
+def test_small_decode_graphs_take_the_greedy_argmax(qwen3_ckpt, hf_greedy, monkeypatch):
+    """With the fused sampling layer, the decode graphs of up to GREEDY_IN_GRAPH rows take each row's argmax:
+    a greedy step of such a batch launches no argmax after its graph, a larger batch's does, and the tokens
+    are transformers' either way."""
+    from nano_vllm.layers import fused_sampling
+    from nano_vllm.layers.cudagraph import GREEDY_IN_GRAPH
+
+    llm = LLM(qwen3_ckpt, max_model_len=128, max_num_seqs=12, mixed_cudagraph_sizes=(), fused_sampling=True)
+    runner = _captured(llm, monkeypatch)
+    [decode] = runner.cudagraphs
+    assert GREEDY_IN_GRAPH == 8 and decode.takes_greedy(8) and not decode.takes_greedy(12)
+    eager = []
+    launch = fused_sampling.greedy_tokens
+    monkeypatch.setattr(fused_sampling, "greedy_tokens", lambda logits: eager.append(len(logits)) or launch(logits))
+    prompts = random_prompts(33, [9] * 10)
+    max_tokens = [3, 4, 5, 6, 7, 8, 9, 10, 11, 14]  # the batch shrinks from 10 (graph 12) through 8 and below
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens],
+                        use_tqdm=False)
+    for p, n, o in zip(prompts, max_tokens, outs):
+        assert o.token_ids == hf_greedy(qwen3_ckpt, p, n)
+    assert eager and min(eager) > GREEDY_IN_GRAPH  # the prefill and the steps of 9 and 10 rows only
+    assert {bs for bs, g in decode.graphs.items() if g.replays} == {1, 2, 4, 8, 12}
+    # a step that samples still draws: the graph's argmax is not its tokens
+    sampled = llm.generate(prompts[:1], SamplingParams(temperature=5.0, max_tokens=8, seed=1), use_tqdm=False)
+    assert len(set(sampled[0].token_ids)) > 1
+
+
 def test_padded_mixed_step_graphs_match_transformers(qwen3_ckpt, hf_greedy, monkeypatch):
     """Every step replays a graph: prefill chunks, prefix-cache hits and decodes mixed with prefills in the
     mixed graphs of 8 and 32 tokens (padded tokens, empty sequences up to max_num_seqs), decodes alone in
