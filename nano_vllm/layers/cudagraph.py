@@ -90,6 +90,11 @@ class StaticBuffer:
     def upload(self, *index: slice | int) -> None:
         self.device[index].copy_(self.host[index], non_blocking=True)
 
+    def part(self, start: int, stop: int | None, dtype: torch.dtype, shape: tuple[int, ...]) -> StaticBuffer:
+        """Bytes [start, stop) of this (uint8) buffer as a buffer of `dtype` and `shape`: its own uploads,
+        or the whole buffer's in one copy."""
+        return StaticBuffer(*(t[start:stop].view(dtype).view(shape) for t in (self.device, self.host)))
+
 
 def token_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
     """The (3, n) ids / positions / slot-mapping rows of a graph of `n` rows: the first 3n entries."""
@@ -124,9 +129,15 @@ class DecodeCudaGraphs:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         max_bs, width = runner.config.max_num_seqs, -(-runner.max_model_len // runner.block_size)
-        self.tokens = StaticBuffer.full(runner, (3 * max_bs,), torch.long)  # ids, positions, slots: token_rows
-        self.context_lens = StaticBuffer.full(runner, (max_bs,), torch.int32, 1)
-        self.block_tables = StaticBuffer.full(runner, (max_bs, width), torch.int32)
+        # one staging buffer, so that a batch-1 step uploads its inputs in one copy: ids, positions and
+        # slots (int64, token_rows), then the key counts (int32), then the block tables (int32)
+        self.lens_at, self.tables_at = 3 * max_bs * 8, 3 * max_bs * 8 + max_bs * 4
+        self.staging = StaticBuffer.full(runner, (self.tables_at + max_bs * width * 4,), torch.uint8)
+        self.tokens = self.staging.part(0, self.lens_at, torch.long, (3 * max_bs,))
+        self.context_lens = self.staging.part(self.lens_at, self.tables_at, torch.int32, (max_bs,))
+        self.block_tables = self.staging.part(self.tables_at, None, torch.int32, (max_bs, width))
+        for t in (self.context_lens.device, self.context_lens.host):
+            t.fill_(1)
         self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
                                   device=runner.device)
         self.greedy_fn = getattr(runner, "graph_greedy_fn", None)  # (logits, out=) -> argmax rows
@@ -188,9 +199,11 @@ class DecodeCudaGraphs:
         else:
             fill_block_tables(self.block_tables.host[:bs, :width].numpy(),
                               inputs.block_tables + [[0]] * (bs - batch))
-        self.tokens.upload(slice(3 * bs))
-        self.context_lens.upload(slice(bs))
-        self.block_tables.upload(slice(bs), slice(width))
+        if bs == 1:  # ids .. block table row 0 in one copy
+            self.staging.upload(slice(self.tables_at + 4 * width))
+        else:
+            self.staging.upload(slice(self.lens_at + 4 * bs))
+            self.block_tables.upload(slice(bs), slice(width))
         self.host_free.record()
         self.graphs[bs].replay()
         self.runner.graph_greedy = None
