@@ -92,12 +92,12 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     table = torch.arange(1, pages + 1, device=dev, dtype=torch.int32)[None]
     lens = torch.tensor([context], device=dev, dtype=torch.int32)
     qkv_attn = rand((hq + 2 * hkv) * d)
-    attn = {"splits": fd.ATTENTION_SPLITS, "block_keys": fd.BLOCK_KEYS}
+    attn = {"splits": fd.ATTENTION_SPLITS, "block_keys": fd.BLOCK_KEYS, "num_warps": fd.ATTENTION_WARPS}
     attn_ws = {}
 
     def attend(qkv, a):
         return fd.rope_store_attention(qkv, hq, cos, sin, qn, kn, 1e-6, kv[0], kv[1], slot, table[0], lens,
-                                       attn_ws[a["splits"]], a["block_keys"])
+                                       attn_ws[a["splits"]], a["block_keys"], a["num_warps"])
 
     def chain(cfgs: dict, a: dict) -> float:
         """Seconds a layer: the five kernels of a layer in the engine's order, every layer's weights."""
@@ -130,11 +130,19 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         base = best[kind][1]
     attn_rows = []
     for splits, block_keys in itertools.product((8, 16, 32), (16, 32, 64)):
-        a = {"splits": splits, "block_keys": block_keys}
+        a = {"splits": splits, "block_keys": block_keys, "num_warps": attn["num_warps"]}
         attn_rows.append({"kernel": "fused_decode attention", "num_splits": splits, "block_keys": block_keys,
-                          "context": context, "us a layer": 1e6 * chain(chosen, a)})
+                          "num_warps": a["num_warps"], "context": context, "us a layer": 1e6 * chain(chosen, a)})
     best_attn = min(attn_rows, key=lambda r: r["us a layer"])
-    attn = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"]}
+    for warps in (2, 4, 8):  # then the warps of the best tile (register footprint: what else fits on an SM)
+        if warps != attn["num_warps"]:
+            a = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"], "num_warps": warps}
+            attn_rows.append({"kernel": "fused_decode attention", "num_splits": a["splits"],
+                              "block_keys": a["block_keys"], "num_warps": warps, "context": context,
+                              "us a layer": 1e6 * chain(chosen, a)})
+    best_attn = min(attn_rows, key=lambda r: r["us a layer"])
+    attn = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"],
+            "num_warps": best_attn["num_warps"]}
     # each kernel alone at the chosen configs (its own graph over every layer's weights): its bandwidth
     alone = []
     for kind, (launch, _, nbytes) in kinds.items():
@@ -151,7 +159,8 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
                                                 for _ in range(layers)]) / layers
         alone.append({"kernel": f"nano_flashattn decode (num_splits {splits or 'auto'})", "us": 1e6 * seconds})
     seconds = _time_graph(lambda: [attend(qkv_attn, attn) for _ in range(layers)]) / layers
-    alone.append({"kernel": f"fused_decode attention ({attn['splits']} x {attn['block_keys']})", "us": 1e6 * seconds})
+    alone.append({"kernel": f"fused_decode attention ({attn['splits']} x {attn['block_keys']}/w{attn['num_warps']})",
+                  "us": 1e6 * seconds})
     layer_bytes = sum(nbytes for _, _, nbytes in kinds.values())
     final = chain(chosen, attn)
     print_table(rows, title=f"fused decode kernels in a layer chain, {model} shapes, {layers} layers' weights, one "
@@ -160,7 +169,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     print_table(alone, title="each kernel alone at the chosen config")
     print(f"a layer: {1e6 * final:.2f} us for {layer_bytes / 1e6:.2f} MB = {layer_bytes / final / 1e9:.0f} GB/s "
           f"({100 * layer_bytes / final / ceilings.copy_bytes_per_s:.0f}% of the measured copy)")
-    print("chosen configs (fused_decode.MEASURED, ATTENTION_SPLITS, BLOCK_KEYS):")
+    print("chosen configs (fused_decode.MEASURED, ATTENTION_SPLITS, BLOCK_KEYS, ATTENTION_WARPS):")
     for kind, c in chosen.items():
         print(f'    ("{kind}", {shapes[kind][0]}, {shapes[kind][1]}): TileConfig({c.block_n}, {c.block_k}, '
               f"{c.num_warps}),")

@@ -491,6 +491,7 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
 # so more slices cost only their empty programs and the combine's longer unrolled loop; `attention_splits`
 # gives an engine whose sequences may be longer than 4096 tokens more of them.
 ATTENTION_SPLITS, BLOCK_KEYS = 8, 64
+ATTENTION_WARPS = 4  # `python -m nano_vllm.bench fused_decode_sweep=true` also tries 2 and 8
 
 
 def attention_splits(max_model_len: int) -> int:
@@ -540,7 +541,8 @@ def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                          f"{tuple(seqlen.shape)} do not fit (head_dim a power of two >= 16, one sequence)")
 
 
-def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q, rope=None) -> torch.Tensor:
+def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q, rope=None,
+            num_warps=None) -> torch.Tensor:
     d, page, heads_kv = k_cache.shape[-1], k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
     if workspace is None:
@@ -554,7 +556,7 @@ def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, hea
         ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
         GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys or BLOCK_KEYS,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_GC=next_pow2(group), IEEE=q.dtype == torch.float32,
-        num_warps=4, **pdl_args(q.device))
+        num_warps=num_warps or ATTENTION_WARPS, **pdl_args(q.device))
     return out
 
 
@@ -562,7 +564,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
                          q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, qk_eps: float,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
                          seqlen: torch.Tensor, workspace: Workspace | None = None,
-                         block_keys: int | None = None) -> torch.Tensor:
+                         block_keys: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """(b) on (a)'s output qkv ((Hq + 2 Hkv) D,): q and the new k head-normed (q_norm_w / k_norm_w, or
     None) and rotated (cos / sin: (D/2,) fp32), k and v written to cache row `slot` (a (1,) int tensor) of
     k_cache / v_cache (pages, page_size, Hkv, D), and q attended to the `seqlen` keys (a (1,) int tensor,
@@ -576,7 +578,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
     if slot.numel() != 1:
         raise ValueError(f"rope_store_attention: slot must hold one cache row, got {tuple(slot.shape)}")
     return _attend(qkv, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q,
-                   (cos, sin, q_norm_w, k_norm_w, qk_eps, slot))
+                   (cos, sin, q_norm_w, k_norm_w, qk_eps, slot), num_warps)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
