@@ -24,10 +24,10 @@ calls). `timeline.summary()` gives host busy, device busy and device idle time p
 `timeline.window(n)` the intervals of n consecutive steps, for a figure (shared.report).
 The start event is recorded as `run` is entered, before the runner's own host work in it (a CUDA graph's
 input staging): when the host is late the device waits there, and that wait counts as busy. So a
-host-bound step's idle is understated: at batch 1 on qwen3-0.6b (H200, 2026-12-07) this said 0.01 ms a
-step while the host's step took 0.67 ms against 0.69 ms of device work (`docs/results/
-nano_vllm_batch1_step_overheads.json`); the kernel profile (`profile_steps`) shows the bubbles, enlarged
-by the profiler's own cost per launch.
+host-bound step's idle is understated: at batch 1 on qwen3-0.6b (H200, 2026-12-07) this said 0.01 ms idle
+a step, while the step's kernels and copies took about 0.65 ms of its 0.70 and the host's step 0.67
+(`docs/results/nano_vllm_batch1_step_overheads.json`); the kernel profile (`profile_steps`) shows the
+bubbles, enlarged by the profiler's own cost per launch.
 """
 
 from __future__ import annotations
