@@ -150,8 +150,10 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per-row arrival counters of 
 
 def vocab_splits(rows: int, vocab: int, sms: int) -> int:
     """Programs per row: about two per SM when the batch is small (a batch-1 row of a 152k vocabulary read
-    by one program takes ~9 µs, most of it latency), one when the rows alone fill the GPU; each reads
-    whole BLOCK_V tiles, and none is left without one."""
+    by one program takes ~9 µs, most of it latency), each reading whole BLOCK_V tiles, none left without
+    one; one (the unsplit kernel) from sms / 2 rows up, where the rows alone fill the GPU."""
+    if rows > sms // 2:
+        return 1
     want = min(-(-2 * sms // max(rows, 1)), -(-vocab // SAMPLE_BLOCK_V))
     chunk = -(-vocab // (max(want, 1) * SAMPLE_BLOCK_V)) * SAMPLE_BLOCK_V
     return -(-vocab // chunk)
@@ -171,19 +173,22 @@ def sample_triton(logits: torch.Tensor, temperatures: torch.Tensor | None, seeds
         return out
     if splits is None:
         splits = vocab_splits(rows, vocab, num_sms(logits.device))
-    chunk = -(-vocab // (splits * SAMPLE_BLOCK_V)) * SAMPLE_BLOCK_V
+    block_v = SAMPLE_BLOCK_V if splits > 1 else 2048  # unsplit: one program of 8 warps streams the row
+    chunk = -(-vocab // (splits * block_v)) * block_v
     splits = -(-vocab // chunk)  # none empty
-    parts = (torch.empty(rows * splits, dtype=torch.float32, device=logits.device),
-             torch.empty(rows * splits, dtype=torch.int32, device=logits.device)) if splits > 1 else (out, out)
-    counters = _COUNTERS.get(logits.device)
-    if counters is None or counters.numel() < rows:
-        counters = _COUNTERS[logits.device] = torch.zeros(max(rows, 1024), dtype=torch.int32,
-                                                          device=logits.device)
+    parts, counters = (out, out), out
+    if splits > 1:
+        parts = (torch.empty(rows * splits, dtype=torch.float32, device=logits.device),
+                 torch.empty(rows * splits, dtype=torch.int32, device=logits.device))
+        counters = _COUNTERS.get(logits.device)
+        if counters is None or counters.numel() < rows:
+            counters = _COUNTERS[logits.device] = torch.zeros(max(rows, 1024), dtype=torch.int32,
+                                                              device=logits.device)
     greedy = temperatures is None
     params = (logits, logits, logits) if greedy else (temperatures, seeds, offsets)
     _sample_kernel[(rows, splits)](logits, logits.stride(0), *params, out, *parts, counters, vocab, chunk,
-                                   SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GREEDY=greedy, BLOCK_V=SAMPLE_BLOCK_V,
-                                   num_warps=4 if splits > 1 else 8)
+                                   SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), GREEDY=greedy,
+                                   BLOCK_V=block_v, num_warps=4 if splits > 1 else 8)
     return out
 
 

@@ -63,6 +63,7 @@ def test_split_rows_draw_what_one_program_draws(splits):
 def test_vocab_splits():
     assert vocab_splits(1, 151_936, 132) == 149 and vocab_splits(4, 151_936, 132) == 50
     assert vocab_splits(1, 3000, 132) == 3 and vocab_splits(264, 151_936, 132) == 1
+    assert vocab_splits(67, 151_936, 132) == 1 and vocab_splits(66, 151_936, 132) == 4
     assert vocab_splits(512, 151_936, 132) == 1 and greedy_tokens(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
 
 
