@@ -141,7 +141,7 @@ class DecodeCudaGraphs:
         self.logits = torch.zeros(max_bs, runner.vocab_size, dtype=runner.config.torch_dtype,
                                   device=runner.device)
         self.greedy_fn = getattr(runner, "graph_greedy_fn", None)  # (logits, out=) -> argmax rows
-        self.greedy = torch.zeros(max_bs, dtype=torch.long, device=runner.device)
+        self.greedy = torch.zeros(min(max_bs, GREEDY_IN_GRAPH), dtype=torch.long, device=runner.device)
         self.pool = None
         # recorded after each step's uploads from the host twins (a CPU runner: the tests' eager stand-in)
         self.host_free = torch.cuda.Event() if runner.device.type == "cuda" else _NoEvent()
@@ -194,14 +194,12 @@ class DecodeCudaGraphs:
         lens[:batch] = cu_k[1:] - cu_k[:-1]
         # Only the columns this batch uses: pages past a row's length are never read, stale ones included.
         width = max(map(len, inputs.block_tables))
-        if bs == 1:  # batch 1: one row, no scatter
+        if bs == 1:  # one block-table row, no scatter; ids .. that row in one copy
             self.block_tables.host.numpy()[0, :width] = inputs.block_tables[0]
+            self.staging.upload(slice(self.tables_at + 4 * width))
         else:
             fill_block_tables(self.block_tables.host[:bs, :width].numpy(),
                               inputs.block_tables + [[0]] * (bs - batch))
-        if bs == 1:  # ids .. block table row 0 in one copy
-            self.staging.upload(slice(self.tables_at + 4 * width))
-        else:
             self.staging.upload(slice(self.lens_at + 4 * bs))
             self.block_tables.upload(slice(bs), slice(width))
         self.host_free.record()

@@ -65,8 +65,8 @@ class FutureTokens:
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` with every placeholder replaced by the token in its slot (on the device, no sync): one
-        Triton kernel on CUDA (torch's five — compare, negate, clamp, gather, select — cost a batch-1
-        decode step about 8 µs of launches), `resolve_torch` elsewhere."""
+        Triton kernel on CUDA (torch's five — compare, negate, clamp, gather, select — took 5.9 µs of a
+        batch-1 decode graph, the kernel 1.4; H100, 2026-12-07), `resolve_torch` elsewhere."""
         if use_triton(ids) and ids.is_contiguous():
             return self.resolve_triton(ids)
         return self.resolve_torch(ids)
