@@ -255,21 +255,23 @@ for config in sys.argv[1:]:  # "hidden,heads_q,heads_kv,head_dim,intermediate,dt
     hidden, hq, hkv, d, inter = map(int, config.split(",")[:5])
     dt, pdl = getattr(torch, config.split(",")[5]), config.split(",")[6] == "1"
     fd.pdl_args = lambda device, pdl=pdl: {"PDL": pdl}
+    fd.prefetches = lambda device, pdl=pdl: pdl  # with PDL, each kernel also holds the L2 prefetch
     def e(*shape, dtype=dt):
         return torch.empty(*shape, device="meta", dtype=dtype)
     def tile(kind, n, k):
         return fd.tile_config(kind, n, k, fd.MEASURED_SMS)  # the GPU's table, not the interpreter's rule
     n = (hq + 2 * hkv) * d
     x, i32, cs = e(hidden), e(1, dtype=torch.int32), e(d // 2, dtype=torch.float32)
-    fd.norm_qkv(x, x, x, 1e-6, e(n, hidden), e(n), config=tile("qkv", n, hidden))
+    pf = e(4096)
+    fd.norm_qkv(x, x, x, 1e-6, e(n, hidden), e(n), config=tile("qkv", n, hidden), prefetch=pf)
     cache, table = e(64, 16, hkv, d), e(64, dtype=torch.int32)
     ws = fd.Workspace(hkv, hq // hkv, d, torch.device("meta"))
     fd.rope_store_attention(e(n), hq, cs, cs, e(d), e(d), 1e-6, cache, cache, e(1, dtype=torch.int64), table, i32,
-                            ws)
+                            ws, prefetch=pf)
     fd.decode_attention(e(hq, d), cache, cache, table, i32, ws)
-    fd.o_proj_residual(e(hq * d), e(hidden, hq * d), x, x, config=tile("o_proj", hidden, hq * d))
-    fd.norm_gate_up_swiglu(x, x, 1e-6, e(2 * inter, hidden), config=tile("gate_up", inter, hidden))
-    fd.down(e(inter), e(hidden, inter), config=tile("down", hidden, inter))
+    fd.o_proj_residual(e(hq * d), e(hidden, hq * d), x, x, config=tile("o_proj", hidden, hq * d), prefetch=pf)
+    fd.norm_gate_up_swiglu(x, x, 1e-6, e(2 * inter, hidden), config=tile("gate_up", inter, hidden), prefetch=pf)
+    fd.down(e(inter), e(hidden, inter), config=tile("down", hidden, inter), prefetch=pf)
     print("config", config, flush=True)
     for kernel, kwargs in launches:
         options = {"num_warps": kwargs.pop("num_warps", 4), "num_stages": kwargs.pop("num_stages", 3)}
@@ -277,7 +279,8 @@ for config in sys.argv[1:]:  # "hidden,heads_q,heads_kv,head_dim,intermediate,dt
         sig, consts, attrs = signature(kernel, kwargs)
         ptx = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 64),
                              options=options).asm["ptx"]
-        print(kernel.__name__, "griddepcontrol" in ptx, flush=True)
+        print(kernel.__name__, "griddepcontrol" in ptx, kwargs["PREFETCH"] == ("cp.async.bulk.prefetch.L2" in ptx),
+              flush=True)
     launches.clear()
 print("compiled")
 """
@@ -292,7 +295,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     """Every fused kernel of a layer, both attention paths (rope in the prologue, and q given), compiled for
     sm_90 with the installed Triton on meta tensors, no GPU needed: a construct the interpreter takes and
     the compiler does not (a name rebound to another type in a branch, say) fails here, not on a GPU. With
-    PDL each kernel holds the grid-dependency instructions. One process: this one runs the interpreter."""
+    PDL each kernel holds the grid-dependency instructions and (asked to prefetch) the L2 prefetch's inline
+    PTX. One process: this one runs the interpreter."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
@@ -303,4 +307,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     for shape, log in zip(SM90_SHAPES, done.stdout.split("config ")[1:]):
         kernels = log.splitlines()[1:7]
         assert len(kernels) == 6, (shape, log)
-        assert all(line.endswith(str(bool(shape[-1]))) for line in kernels), (shape, log)
+        # the grid-dependency instructions with PDL; the bulk L2 prefetch exactly where a kernel was given one
+        assert all(line.split()[1:] == [str(bool(shape[-1])), "True"] for line in kernels), (shape, log)
