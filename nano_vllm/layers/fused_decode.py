@@ -679,6 +679,7 @@ class FusedDecoderLayer(DecoderLayer):
     take the five kernels above; any other step is DecoderLayer.forward."""
 
     workspace: Workspace
+    prefetch: tuple[torch.Tensor | None, ...] | None = None
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -695,17 +696,18 @@ class FusedDecoderLayer(DecoderLayer):
         i = attn.layer_idx
         norm = self.input_layernorm
         q_norm, k_norm = attn.q_norm, attn.k_norm
-        qkv = norm_qkv(x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        pf = self.prefetch or (None,) * 5  # each kernel's window of the weight stream (`stream_weights`)
+        qkv = norm_qkv(x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, prefetch=pf[0])
         o = rope_store_attention(
             qkv, attn.qkv_sizes[0] // attn.head_dim, cos.reshape(-1), sin.reshape(-1),
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, paged.kv_cache[0, i], paged.kv_cache[1, i],
-            ctx.slot_mapping, ctx.block_tables[0], ctx.context_lens, self.workspace)
-        stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r)
+            ctx.slot_mapping, ctx.block_tables[0], ctx.context_lens, self.workspace, prefetch=pf[1])
+        stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r, prefetch=pf[2])
         post = self.post_attention_layernorm
-        act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight)
+        act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight, prefetch=pf[3])
         # (h, residual) as the paper path's layers return them: the next RMSNorm adds the two
-        return down(act, self.mlp.down_proj.weight).view(h.shape), stream.view(h.shape)
+        return down(act, self.mlp.down_proj.weight, prefetch=pf[4]).view(h.shape), stream.view(h.shape)
 
     def _forward_w4(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -789,6 +791,57 @@ def apply_fused_decode(runner: Any) -> None:
         m.workspace = workspace
     if not any(m.w4 for m in layers):  # the bench's per-kernel bytes: the 16-bit kernels' names
         runner.model.kernel_bytes = kernel_bytes(runner.model)
+        if PREFETCH_BYTES and prefetches(runner.device):
+            for m, windows in zip(layers, stream_weights(layers, PREFETCH_BYTES) or ()):
+                m.prefetch = windows
+
+
+# How far ahead of the kernel reading them the weights are asked of L2, and which kernels ask (of "qkv",
+# "attention", "o_proj", "gate_up", "down"); 0: none.
+PREFETCH_BYTES = 0  # not yet measured on a GPU
+PREFETCH_KERNELS = ("qkv", "attention", "o_proj", "gate_up", "down")
+
+
+def stream_weights(layers: list[nn.Module], ahead: int, kinds: tuple[str, ...] | None = None,
+                   ) -> list[tuple[torch.Tensor | None, ...]] | None:
+    """Lay the layers' four projection weights out in one buffer, in the order a decode step reads them,
+    and give each of a layer's five kernels its window of that stream to prefetch: the bytes from where its
+    own weights end (for the attention: where QKV's end) to `ahead` bytes past that, less what an earlier
+    kernel already asked for — so the stream is kept `ahead` bytes in front of the reader, and a kernel
+    that reads little (the attention) keeps HBM busy with the weights after it. None where the buffer does
+    not fit beside the weights it copies (they are freed as it fills)."""
+    kinds = PREFETCH_KERNELS if kinds is None else kinds
+    linears = [lin for m in layers for lin in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
+                                               m.mlp.down_proj)]
+    w0 = linears[0].weight
+    if any(lin.weight.dtype != w0.dtype or lin.weight.device != w0.device for lin in linears):
+        return None
+    align = 128 // w0.element_size()  # every weight starts on a 128-byte line
+    sizes = [cdiv(lin.weight.numel(), align) * align for lin in linears]
+    total = sum(sizes)
+    if w0.is_cuda and torch.cuda.mem_get_info(w0.device)[0] < total * w0.element_size() + (1 << 30):
+        return None
+    flat = torch.empty(total, dtype=w0.dtype, device=w0.device)
+    ends, at = [], 0
+    with torch.no_grad():
+        for lin, size in zip(linears, sizes):
+            view = flat[at:at + lin.weight.numel()].view_as(lin.weight)
+            view.copy_(lin.weight)
+            lin.weight.data = view
+            at += size
+            ends.append(at)
+    ahead //= w0.element_size()
+    plan, covered = [], 0
+    for i in range(len(layers)):
+        qkv, o, gate_up, down_ = ends[4 * i:4 * i + 4]
+        row = []
+        for kind, end in zip(PREFETCH_KERNELS, (qkv, qkv, o, gate_up, down_)):
+            lo, hi = max(end, covered), min(end + ahead, total)
+            row.append(flat[lo:hi] if kind in kinds and hi > lo else None)
+            if row[-1] is not None:
+                covered = hi
+        plan.append(tuple(row))
+    return plan
 
 
 def _applies(runner: Any) -> bool:

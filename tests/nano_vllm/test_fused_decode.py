@@ -186,6 +186,44 @@ def test_fused_decode_steps_equal_the_paper_path_layer_by_layer(family, request,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_stream_weights_lays_the_weights_out_in_read_order_and_windows_stay_ahead(llama_ckpt):
+    """The L2 prefetch's plan: every projection weight, unchanged, in one buffer in the order a decode step
+    reads them (128-byte aligned); a kernel's window starts where the last one ended or, past that, where
+    its own weights end (it reads those itself), never overlaps another, and ends `ahead` bytes past its
+    own weights (or at the buffer's end); the engine's tokens are unchanged after the move."""
+    llm = LLM(llama_ckpt, device="cpu", max_num_seqs=1, fused_projections=True, fused_decode=True,
+              enable_prefix_caching=False)
+    prompt = random_prompts(3, [11])[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+    layers = list(llm.engine.model_runner.model.model.layers)
+    linears = [lin for m in layers for lin in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
+                                               m.mlp.down_proj)]
+    saved = [lin.weight.detach().clone() for lin in linears]
+    es = saved[0].element_size()
+    ahead = 3 * saved[1].numel() * es // 2  # one and a half o_proj weights
+    plan = fd.stream_weights(layers, ahead)
+    base = linears[0].weight.untyped_storage().data_ptr()
+    starts = [lin.weight.data_ptr() - base for lin in linears]
+    assert all(lin.weight.untyped_storage().data_ptr() == base for lin in linears)
+    assert starts == sorted(starts) and all(a % 128 == 0 for a in starts)
+    assert all(torch.equal(lin.weight, w) for lin, w in zip(linears, saved))
+    ends = [a + w.numel() * es for a, w in zip(starts, saved)]
+    total = linears[0].weight.untyped_storage().nbytes()
+    covered = ends[0]  # the first window starts where layer 0's QKV weight ends
+    for i, row in enumerate(plan):
+        assert len(row) == 5
+        own = [ends[4 * i], ends[4 * i], ends[4 * i + 1], ends[4 * i + 2], ends[4 * i + 3]]
+        for window, end in zip(row, own):
+            if window is None:
+                assert min(end + ahead, total) <= max(covered, end)
+                continue
+            lo = window.data_ptr() - base
+            assert lo == max(covered, end) and lo + window.numel() * es == min(end + ahead, total)
+            covered = lo + window.numel() * es
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].token_ids == before
+
+
 def test_fused_w4a16_decode_steps_equal_the_unfused_w4_layers(tmp_path):
     """W4A16 (rtn-w4, group 32, a Llama-style tiny model; nano_quant's repacked layers, which the engine swaps
     in on CUDA and this test swaps in on the CPU): with fused_decode=True a one-row step takes the six W4
