@@ -50,6 +50,16 @@ one device; every other step runs the paper path's layer (the GEMV layer, cuBLAS
 TRITON_INTERPRET=1 the same kernels run on a CPU (tests compare each fused op with its torch
 definition, `reference_*`, and a fused step with the paper path's, layer by layer).
 
+**L2 prefetch of the weight stream.** PDL overlaps a kernel's first weight tile with the kernel before,
+but the attention reads ~1.5 MB in ~7 µs of dependent latency (qwen3-0.6b's chain: 22.3 µs a layer, 15.2
+without it; H100, docs/results/nano_vllm_fused_decode_rope_in_attention_h100.json), and HBM idles meanwhile. Each kernel
+can also ask L2 for weights a later kernel reads (`prefetch=`, Hopper's `cp.async.bulk.prefetch.L2`,
+issued before its wait; nothing waits for it): `stream_weights` lays the projection weights out in one
+buffer in the order a step reads them and gives each kernel the window from where its own weights end to
+PREFETCH_BYTES past that, less what an earlier kernel already asked for. PREFETCH_BYTES is 0 (off): the
+mechanism is built and CPU-tested (layout, windows, tokens; the PTX compiles for sm_90) but not yet timed
+on a GPU (`python -m nano_vllm.bench fused_decode_sweep=true` does not sweep it yet).
+
 **W4A16.** With `fused_decode=True` (asked for: slower than the unfused W4 step, 241.3 against 333.1 tok/s
 at batch 1 on llama3-8b's shape, H100, 2026-12-07; nano_vllm/README.md says what was measured), a
 layer whose stacked projections are nano_quant's repacked W4A16 layers takes six kernels a one-row step:
@@ -798,7 +808,7 @@ def apply_fused_decode(runner: Any) -> None:
 
 # How far ahead of the kernel reading them the weights are asked of L2, and which kernels ask (of "qkv",
 # "attention", "o_proj", "gate_up", "down"); 0: none.
-PREFETCH_BYTES = 0  # not yet measured on a GPU
+PREFETCH_BYTES = 0  # off until timed on a GPU (module docstring)
 PREFETCH_KERNELS = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
