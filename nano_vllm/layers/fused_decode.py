@@ -58,7 +58,7 @@ issued before its wait; nothing waits for it): `stream_weights` lays the project
 buffer in the order a step reads them and gives each kernel the window from where its own weights end to
 PREFETCH_BYTES past that, less what an earlier kernel already asked for. PREFETCH_BYTES is 0 (off): the
 mechanism is built and CPU-tested (layout, windows, tokens; the PTX compiles for sm_90) but not yet timed
-on a GPU (`python -m nano_vllm.bench fused_decode_sweep=true` does not sweep it yet).
+on a GPU (`python -m nano_vllm.bench fused_decode_sweep=true` times it in the layer chain).
 
 **W4A16.** With `fused_decode=True` (asked for: slower than the unfused W4 step, 241.3 against 333.1 tok/s
 at batch 1 on llama3-8b's shape, H100, 2026-12-07; nano_vllm/README.md says what was measured), a
@@ -820,7 +820,6 @@ def stream_weights(layers: list[nn.Module], ahead: int, kinds: tuple[str, ...] |
     kernel already asked for — so the stream is kept `ahead` bytes in front of the reader, and a kernel
     that reads little (the attention) keeps HBM busy with the weights after it. None where the buffer does
     not fit beside the weights it copies (they are freed as it fills)."""
-    kinds = PREFETCH_KERNELS if kinds is None else kinds
     linears = [lin for m in layers for lin in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
                                                m.mlp.down_proj)]
     w0 = linears[0].weight
@@ -840,9 +839,17 @@ def stream_weights(layers: list[nn.Module], ahead: int, kinds: tuple[str, ...] |
             lin.weight.data = view
             at += size
             ends.append(at)
-    ahead //= w0.element_size()
-    plan, covered = [], 0
-    for i in range(len(layers)):
+    return prefetch_windows(flat, ends, ahead, kinds)
+
+
+def prefetch_windows(flat: torch.Tensor, ends: list[int], ahead: int, kinds: tuple[str, ...] | None = None,
+                     ) -> list[tuple[torch.Tensor | None, ...]]:
+    """Each layer's five windows of `flat` (the weights in read order; `ends`: where each layer's QKV,
+    o_proj, gate/up and down weights end, in elements), as `stream_weights` describes."""
+    kinds = PREFETCH_KERNELS if kinds is None else kinds
+    ahead //= flat.element_size()
+    plan, covered, total = [], 0, flat.numel()
+    for i in range(len(ends) // 4):
         qkv, o, gate_up, down_ = ends[4 * i:4 * i + 4]
         row = []
         for kind, end in zip(PREFETCH_KERNELS, (qkv, qkv, o, gate_up, down_)):
