@@ -83,19 +83,18 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     cos, sin = torch.ones(d // 2, device=dev), torch.zeros(d // 2, device=dev)
     slot = torch.tensor([5], device=dev)
     es = 2
-    kinds = {  # name: (launch(config, layer), weight of layer 0, bytes a launch)
-        "qkv": (lambda c, i: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c),
+    kinds = {  # name: (launch(config, layer, prefetch window), weight of layer 0, bytes a launch)
+        "qkv": (lambda c, i, pf=None: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c, prefetch=pf),
                 wqkv[0], (wqkv[0].numel() + 3 * hidden + wqkv[0].shape[0]) * es),
-        "o_proj": (lambda c, i: fd.o_proj_residual(o, wo[i], x, r, config=c), wo[0],
+        "o_proj": (lambda c, i, pf=None: fd.o_proj_residual(o, wo[i], x, r, config=c, prefetch=pf), wo[0],
                    (wo[0].numel() + hq * d + 3 * hidden) * es),
-        "gate_up": (lambda c, i: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c), wgu[0],
-                    (wgu[0].numel() + 2 * hidden + inter) * es),
-        "down": (lambda c, i: fd.down(act, wd[i], config=c), wd[0],
+        "gate_up": (lambda c, i, pf=None: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c, prefetch=pf),
+                    wgu[0], (wgu[0].numel() + 2 * hidden + inter) * es),
+        "down": (lambda c, i, pf=None: fd.down(act, wd[i], config=c, prefetch=pf), wd[0],
                  (wd[0].numel() + inter + hidden) * es),
     }
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     shapes = {kind: (w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]) for kind, (_, w, _) in kinds.items()}
-    none = [(None,) * 5] * layers
     chosen = {kind: fd.tile_config(kind, *shapes[kind], sms) for kind in kinds}
     # the attention of the chain: one sequence of `context` keys, paged as the engine pages
     pages = 256
@@ -118,19 +117,10 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
 
         def body():
             for i in range(layers):
-                pf = (plan or none)[i]
-                if pf[0] is None:
-                    qkv = kinds["qkv"][0](cfgs["qkv"], i)
-                else:
-                    qkv = fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=cfgs["qkv"], prefetch=pf[0])
-                attend(qkv, a, pf[1])
-                if pf[2] is pf[3] is pf[4] is None:
-                    for kind in ("o_proj", "gate_up", "down"):
-                        kinds[kind][0](cfgs[kind], i)
-                else:
-                    fd.o_proj_residual(o, wo[i], x, r, config=cfgs["o_proj"], prefetch=pf[2])
-                    fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=cfgs["gate_up"], prefetch=pf[3])
-                    fd.down(act, wd[i], config=cfgs["down"], prefetch=pf[4])
+                pf = plan[i] if plan else (None,) * 5  # the windows of fd.PREFETCH_KERNELS' order
+                attend(kinds["qkv"][0](cfgs["qkv"], i, pf[0]), a, pf[1])
+                for kind, window in zip(("o_proj", "gate_up", "down"), pf[2:]):
+                    kinds[kind][0](cfgs[kind], i, window)
 
         return _time_graph(body) / layers
 

@@ -438,7 +438,8 @@ if HAS_TRITON:
                 # every query head of the kv head at once, COMBINE slices at a time: a chunk's partials are
                 # loaded together ((heads, COMBINE, D), all in flight) and reduced across the slices as a
                 # tree; only the chunks that hold slices are visited, so short sequences pay one chunk
-                # whatever SPLITS is (a serial chain over SPLITS slices cost 0.9 µs a layer at 32)
+                # whatever SPLITS is (with a serial chain over every slice, 32 slices cost 0.9 µs a layer
+                # more than 8 in the H100 chain sweep at 384 keys)
                 CH: tl.constexpr = COMBINE if COMBINE < SPLITS else SPLITS
                 gc = tl.arange(0, BLOCK_GC)
                 heads = hk * GROUP + gc
@@ -474,6 +475,7 @@ def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
                   "num_warps": config.num_warps, "LANES": 32 * config.num_warps, **pdl_args(x.device)}
 
 
+@functools.lru_cache(maxsize=8)
 def prefetches(device: torch.device) -> bool:
     """Whether a kernel on `device` can ask L2 for later weights: Hopper's bulk prefetch (sm_90 and later);
     not under the interpreter (a CPU), which runs no PTX."""
