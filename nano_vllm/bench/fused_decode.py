@@ -7,12 +7,10 @@ model has, so the chain reads HBM as a decode step does, not L2), inside one CUD
 options the engine uses (PDL where the "pdl" layer applies). Under PDL a kernel's cost depends on its
 neighbours, so each kernel's configs are timed in the whole chain (µs a layer), the others at their current
 choice; each kernel's best is kept before the next is swept; then the attention's split counts and key
-tiles; then the L2 prefetch (layers/fused_decode.py `stream_weights`: the weights lie in one buffer in read
-order here too) at a few distances ahead, from every kernel or from the attention alone. Printed last:
-each kernel alone at the chosen config (its bandwidth: weight, input and output bytes over its time,
-against the copy bandwidth measured in the same process), nano_flashattn's Flash-Decoding beside the fused
-attention, the layer's µs and GB/s, the chosen configs as lines of `fused_decode.MEASURED` ready to
-paste, and the best prefetch distance.
+tiles. Printed last: each kernel alone at the chosen config (its bandwidth: weight, input and output bytes
+over its time, against the copy bandwidth measured in the same process), nano_flashattn's Flash-Decoding
+beside the fused attention, the layer's µs and GB/s, and the chosen configs as lines of
+`fused_decode.MEASURED` ready to paste.
 """
 
 from __future__ import annotations
@@ -65,32 +63,24 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
 
-    # every layer's weights in one buffer in the order a step reads them, as the engine's `stream_weights`
-    # lays them out (the L2 prefetch's windows are slices of it)
-    read_order = [((hq + 2 * hkv) * d, hidden), (hidden, hq * d), (2 * inter, hidden), (hidden, inter)]
-    flat = torch.empty(layers * sum(n * k for n, k in read_order), device=dev, dtype=dt)
-    weights, ends, at = [], [], 0
-    for _ in range(layers):
-        for n, k in read_order:
-            weights.append(flat[at:at + n * k].view(n, k))
-            weights[-1].copy_(rand(n, k, scale=k**-0.5))
-            at += n * k
-            ends.append(at)
-    wqkv, wo, wgu, wd = (weights[j::4] for j in range(4))
+    wqkv = [rand((hq + 2 * hkv) * d, hidden, scale=hidden**-0.5) for _ in range(layers)]
+    wo = [rand(hidden, hq * d, scale=(hq * d) ** -0.5) for _ in range(layers)]
+    wgu = [rand(2 * inter, hidden, scale=hidden**-0.5) for _ in range(layers)]
+    wd = [rand(hidden, inter, scale=inter**-0.5) for _ in range(layers)]
     x, r, nw = rand(hidden), rand(hidden), torch.ones(hidden, device=dev, dtype=dt)
     o, act = rand(hq * d), rand(inter)
     qn = kn = torch.ones(d, device=dev, dtype=dt) if cfg.qk_norm else None
     cos, sin = torch.ones(d // 2, device=dev), torch.zeros(d // 2, device=dev)
     slot = torch.tensor([5], device=dev)
     es = 2
-    kinds = {  # name: (launch(config, layer, prefetch window), weight of layer 0, bytes a launch)
-        "qkv": (lambda c, i, pf=None: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c, prefetch=pf),
+    kinds = {  # name: (launch(config, layer), weight of layer 0, bytes a launch)
+        "qkv": (lambda c, i: fd.norm_qkv(x, r, nw, 1e-6, wqkv[i], None, config=c),
                 wqkv[0], (wqkv[0].numel() + 3 * hidden + wqkv[0].shape[0]) * es),
-        "o_proj": (lambda c, i, pf=None: fd.o_proj_residual(o, wo[i], x, r, config=c, prefetch=pf), wo[0],
+        "o_proj": (lambda c, i: fd.o_proj_residual(o, wo[i], x, r, config=c), wo[0],
                    (wo[0].numel() + hq * d + 3 * hidden) * es),
-        "gate_up": (lambda c, i, pf=None: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c, prefetch=pf),
-                    wgu[0], (wgu[0].numel() + 2 * hidden + inter) * es),
-        "down": (lambda c, i, pf=None: fd.down(act, wd[i], config=c, prefetch=pf), wd[0],
+        "gate_up": (lambda c, i: fd.norm_gate_up_swiglu(x, nw, 1e-6, wgu[i], config=c), wgu[0],
+                    (wgu[0].numel() + 2 * hidden + inter) * es),
+        "down": (lambda c, i: fd.down(act, wd[i], config=c), wd[0],
                  (wd[0].numel() + inter + hidden) * es),
     }
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -105,11 +95,11 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     attn = {"splits": fd.ATTENTION_SPLITS, "block_keys": fd.BLOCK_KEYS, "num_warps": fd.ATTENTION_WARPS}
     attn_ws = {}
 
-    def attend(qkv, a, pf=None):
+    def attend(qkv, a):
         return fd.rope_store_attention(qkv, hq, cos, sin, qn, kn, 1e-6, kv[0], kv[1], slot, table[0], lens,
-                                       attn_ws[a["splits"]], a["block_keys"], a["num_warps"], prefetch=pf)
+                                       attn_ws[a["splits"]], a["block_keys"], a["num_warps"])
 
-    def chain(cfgs: dict, a: dict, plan: list | None = None) -> float:
+    def chain(cfgs: dict, a: dict) -> float:
         """Seconds a layer: the five kernels of a layer in the engine's order, every layer's weights."""
         key = a["splits"]
         if key not in attn_ws:
@@ -117,10 +107,9 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
 
         def body():
             for i in range(layers):
-                pf = plan[i] if plan else (None,) * 5  # the windows of fd.PREFETCH_KERNELS' order
-                attend(kinds["qkv"][0](cfgs["qkv"], i, pf[0]), a, pf[1])
-                for kind, window in zip(("o_proj", "gate_up", "down"), pf[2:]):
-                    kinds[kind][0](cfgs[kind], i, window)
+                attend(kinds["qkv"][0](cfgs["qkv"], i), a)
+                for kind in ("o_proj", "gate_up", "down"):
+                    kinds[kind][0](cfgs[kind], i)
 
         return _time_graph(body) / layers
 
@@ -154,19 +143,6 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     best_attn = min(attn_rows, key=lambda r: r["us a layer"])
     attn = {"splits": best_attn["num_splits"], "block_keys": best_attn["block_keys"],
             "num_warps": best_attn["num_warps"]}
-    # then the L2 prefetch of the weight stream: how far ahead (0: none), from every kernel or the attention only
-    pf_rows = []
-    if fd.prefetches(dev):
-        for ahead_mb in (0, 8, 16, 24, 32, 48):
-            for who in (fd.PREFETCH_KERNELS, ("attention",)):
-                if ahead_mb == 0 and len(who) == 1:
-                    continue
-                plan = fd.prefetch_windows(flat, ends, ahead_mb << 20, who) if ahead_mb else None
-                pf_rows.append({"kernel": "L2 prefetch", "ahead MB": ahead_mb,
-                                "from": "every kernel" if len(who) > 1 else "attention",
-                                "us a layer": 1e6 * chain(chosen, attn, plan)})
-        for row in pf_rows:
-            row["vs none"] = pf_rows[0]["us a layer"] / row["us a layer"]
     # each kernel alone at the chosen configs (its own graph over every layer's weights): its bandwidth
     alone = []
     for kind, (launch, _, nbytes) in kinds.items():
@@ -190,8 +166,6 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
     print_table(rows, title=f"fused decode kernels in a layer chain, {model} shapes, {layers} layers' weights, one "
                             f"CUDA graph each (the other kernels at their current config)")
     print_table(attn_rows, title="the chain with the attention's split counts and key tiles")
-    if pf_rows:
-        print_table(pf_rows, title="the chain with the L2 prefetch of the weight stream (fused_decode.PREFETCH_BYTES)")
     print_table(alone, title="each kernel alone at the chosen config")
     print(f"a layer: {1e6 * final:.2f} us for {layer_bytes / 1e6:.2f} MB = {layer_bytes / final / 1e9:.0f} GB/s "
           f"({100 * layer_bytes / final / ceilings.copy_bytes_per_s:.0f}% of the measured copy)")
@@ -200,11 +174,7 @@ def run_fused_decode_sweep(model: str, ceilings: Any, context: int = 384) -> dic
         print(f'    ("{kind}", {shapes[kind][0]}, {shapes[kind][1]}): TileConfig({c.block_n}, {c.block_k}, '
               f"{c.num_warps}),")
     print(f"    attention: {attn}")
-    if pf_rows:
-        best_pf = min(pf_rows, key=lambda r: r["us a layer"])
-        print(f"    prefetch: {best_pf['ahead MB']} MB ahead from {best_pf['from']} ({best_pf['vs none']:.3f}x)")
-    return {"model": model, "rows": rows, "attention": attn_rows, "prefetch": pf_rows, "alone": alone,
-            "layer_us": 1e6 * final,
+    return {"model": model, "rows": rows, "attention": attn_rows, "alone": alone, "layer_us": 1e6 * final,
             "layer_bytes": layer_bytes,
             "chosen": {kind: {"shape": list(shapes[kind]), "tile": [c.block_n, c.block_k, c.num_warps]}
                        for kind, c in chosen.items()}, "chosen_attention": attn}

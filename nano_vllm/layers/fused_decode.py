@@ -50,15 +50,14 @@ one device; every other step runs the paper path's layer (the GEMV layer, cuBLAS
 TRITON_INTERPRET=1 the same kernels run on a CPU (tests compare each fused op with its torch
 definition, `reference_*`, and a fused step with the paper path's, layer by layer).
 
-**L2 prefetch of the weight stream.** PDL overlaps a kernel's first weight tile with the kernel before,
-but the attention reads ~1.5 MB in ~7 µs of dependent latency (qwen3-0.6b's chain: 22.3 µs a layer, 15.2
-without it; H100, docs/results/nano_vllm_fused_decode_rope_in_attention_h100.json), and HBM idles meanwhile. Each kernel
-can also ask L2 for weights a later kernel reads (`prefetch=`, Hopper's `cp.async.bulk.prefetch.L2`,
-issued before its wait; nothing waits for it): `stream_weights` lays the projection weights out in one
-buffer in the order a step reads them and gives each kernel the window from where its own weights end to
-PREFETCH_BYTES past that, less what an earlier kernel already asked for. PREFETCH_BYTES is 0 (off): the
-mechanism is built and CPU-tested (layout, windows, tokens; the PTX compiles for sm_90) but not yet timed
-on a GPU (`python -m nano_vllm.bench fused_decode_sweep=true` times it in the layer chain).
+**No L2 prefetch.** The attention is latency-bound and HBM idles while it runs, so each kernel was made to
+ask L2 for the weights after it (Hopper's `cp.async.bulk.prefetch.L2` before its grid-dependency wait, the
+weights laid out in read order). On an H100 (2026-12-07) it was slower at every distance: 22.3 µs a
+qwen3-0.6b layer with 8 MiB asked for by the attention alone against 20.9 without, llama3-8b 151.6 µs at
+16 MiB against 150.5, and the batch-1 engine 1,136.8 tok/s at 24 MiB from every kernel against 1,308.2
+(docs/results/nano_vllm_fused_decode_l2_prefetch_h100.json) — likely, not profiled, because the prefetch's
+HBM traffic lengthens the attention and its lines are gone before the GEMVs read them. The code was removed;
+commit 4cfe8cd holds it.
 
 **W4A16.** With `fused_decode=True` (asked for: slower than the unfused W4 step, 241.3 against 333.1 tok/s
 at batch 1 on llama3-8b's shape, H100, 2026-12-07; nano_vllm/README.md says what was measured), a
@@ -179,31 +178,12 @@ if HAS_TRITON:
 
     from shared.kernels import pdl_args, pdl_prologue
 
-    PF_CHUNK = tl.constexpr(4096)  # bytes a bulk-prefetch instruction asks for
-
     @triton.jit
     def _tile(rows, offs_k, K, EVEN_K: tl.constexpr):
         if EVEN_K:
             return tl.load(rows + offs_k[None, :])
         else:
             return tl.load(rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-
-    @triton.jit
-    def _prefetch_l2(PF, pf_bytes, PREFETCH: tl.constexpr, LANES: tl.constexpr):
-        """Ask L2 for `pf_bytes` at PF (weights a later kernel reads), spread over this kernel's programs:
-        Hopper's bulk prefetch (`cp.async.bulk.prefetch.L2`, PTX ISA 8.0), PF_CHUNK bytes an instruction, one
-        per lane. Nothing waits for it: it keeps HBM streaming while this kernel is latency-bound, and the
-        later kernel reads those weights from L2."""
-        if PREFETCH:
-            pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-            programs = tl.num_programs(0) * tl.num_programs(1)
-            base = PF.to(tl.pointer_type(tl.int8))
-            for c0 in range(pid * LANES, tl.cdiv(pf_bytes, PF_CHUNK), programs * LANES):
-                off = (c0 + tl.arange(0, LANES)).to(tl.int64) * PF_CHUNK
-                size = tl.minimum(pf_bytes - off, PF_CHUNK).to(tl.int32)
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }", "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _stream(X, R, offs, ok, HAS_RES: tl.constexpr):
@@ -224,9 +204,9 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
-    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PF, pf_bytes, PDL: tl.constexpr, NORM: tl.constexpr,
+    def _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL: tl.constexpr, NORM: tl.constexpr,
                         HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """Σ_k W[n, k]·x[k] for this program's BLOCK_N rows n (and, TWO, rows N + n: up beside gate), in
         fp32. The first weight tile is loaded before the wait for the previous kernel; x after it."""
         pid = tl.program_id(0)
@@ -236,7 +216,6 @@ if HAS_TRITON:
         w0 = _tile(rows, offs_k, K, EVEN_K)  # before the wait: the weights never depend on it
         if TWO:
             u0 = _tile(rows + N * stride_w, offs_k, K, EVEN_K)
-        _prefetch_l2(PF, pf_bytes, PREFETCH, LANES)  # after this kernel's own first loads
         pdl_prologue(PDL, EARLY=True)  # let the next kernel be placed, then wait for the one before
         rstd = 0.0
         if NORM:
@@ -259,44 +238,42 @@ if HAS_TRITON:
         return offs_n, tl.sum(acc, axis=1), tl.sum(acc_u, axis=1)
 
     @triton.jit
-    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PF, pf_bytes, PDL: tl.constexpr,
-                                HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+    def _o_proj_residual_kernel(X, W, H, R, OUT, N, K, stride_w, PDL: tl.constexpr, HAS_RES: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(c): OUT = round(W·x) + the stream (H, or H + R rounded), rounded: the new residual stream."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PF, pf_bytes, PDL, False, False, False,
-                                       BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, LANES)
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
         ok = offs_n < N
         r = _stream(H, R, offs_n, ok, HAS_RES).to(tl.float32)
         y = y.to(OUT.dtype.element_ty).to(tl.float32) + r
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _down_kernel(X, W, OUT, N, K, stride_w, PF, pf_bytes, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+    def _down_kernel(X, W, OUT, N, K, stride_w, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(e): OUT = W·x, rounded (the next RMSNorm adds the stream, as in the paper path)."""
-        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PF, pf_bytes, PDL, False, False, False,
-                                       BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, LANES)
+        offs_n, y, _ = _gemv_row_slice(X, X, X, W, N, K, 0.0, stride_w, PDL, False, False, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
         tl.store(OUT + offs_n, y.to(OUT.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit(do_not_specialize=["eps"])
-    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PF, pf_bytes, PDL: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                    PREFETCH: tl.constexpr, LANES: tl.constexpr):
+    def _norm_gate_up_swiglu_kernel(X, NW, W, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(d): OUT[n] = silu(g)·u of g = round(W[n]·x̂), u = round(W[N + n]·x̂), x̂ = RMSNorm(x)."""
-        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PF, pf_bytes, PDL, True, False, True,
-                                       BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, LANES)
+        offs_n, g, u = _gemv_row_slice(X, X, NW, W, N, K, eps, stride_w, PDL, True, False, True, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
         g = g.to(OUT.dtype.element_ty).to(tl.float32)
         u = u.to(OUT.dtype.element_ty).to(tl.float32)
         tl.store(OUT + offs_n, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit(do_not_specialize=["eps"])
-    def _norm_qkv_kernel(X, R, NW, W, BIAS, OUT, N, K, eps, stride_w, PF, pf_bytes, PDL: tl.constexpr,
+    def _norm_qkv_kernel(X, R, NW, W, BIAS, OUT, N, K, eps, stride_w, PDL: tl.constexpr,
                          HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr):
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """(a): OUT = W·RMSNorm(x (+ R)) (+ bias), rounded: q, k and v of this step as the projection
         returns them (the head norms, RoPE and the cache write are (b)'s prologue)."""
-        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PF, pf_bytes, PDL, True, HAS_RES, False,
-                                       BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, LANES)
+        offs_n, y, _ = _gemv_row_slice(X, R, NW, W, N, K, eps, stride_w, PDL, True, HAS_RES, False, BLOCK_N,
+                                       BLOCK_K, EVEN_K)
         ok = offs_n < N
         if HAS_BIAS:
             y += tl.load(BIAS + offs_n, mask=ok, other=0.0).to(tl.float32)
@@ -346,13 +323,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_attention_kernel(Q, K_CACHE, V_CACHE, TABLE, SEQLEN, OUT, O_PART, ML_PART, COUNTERS,
-                                 qk_scale, COS, SIN, QNW, KNW, SLOT, qk_eps, PF, pf_bytes, PDL: tl.constexpr,
+                                 qk_scale, COS, SIN, QNW, KNW, SLOT, qk_eps, PDL: tl.constexpr,
                                  ROPE: tl.constexpr, QK_NORM: tl.constexpr,
                                  HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
                                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                                  BLOCK_KEYS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
-                                 IEEE: tl.constexpr, COMBINE: tl.constexpr, PREFETCH: tl.constexpr,
-                                 LANES: tl.constexpr):
+                                 IEEE: tl.constexpr, COMBINE: tl.constexpr):
         """(b) for one row: Flash-Decoding (split-K softmax, Dao et al. 2023) with the combine in the same
         kernel. Program (split, kv head) attends the GROUP query heads of its kv head to one slice of the
         keys and writes (m, l, acc); the head's last slice to arrive combines them
@@ -369,7 +345,6 @@ if HAS_TRITON:
         k_len = tl.load(SEQLEN)
         split_len = tl.cdiv(tl.cdiv(k_len, SPLITS), BLOCK_KEYS) * BLOCK_KEYS
         slices = tl.cdiv(k_len, split_len)
-        _prefetch_l2(PF, pf_bytes, PREFETCH, LANES)  # every program, the empty slices' too
         if split < slices:
             lo = split * split_len
             hi = tl.minimum(lo + split_len, k_len)
@@ -472,26 +447,7 @@ def _launch_args(kind: str, x: torch.Tensor, n: int, k: int,
     config = _config(kind, x, n, k, config)
     grid = (cdiv(n, config.block_n),)
     return grid, {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": k % config.block_k == 0,
-                  "num_warps": config.num_warps, "LANES": 32 * config.num_warps, **pdl_args(x.device)}
-
-
-@functools.lru_cache(maxsize=8)
-def prefetches(device: torch.device) -> bool:
-    """Whether a kernel on `device` can ask L2 for later weights: Hopper's bulk prefetch (sm_90 and later);
-    not under the interpreter (a CPU), which runs no PTX."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _prefetch(x: torch.Tensor, prefetch: torch.Tensor | None) -> tuple[tuple, dict]:
-    """The (PF, pf_bytes) arguments and PREFETCH of a kernel asked to prefetch `prefetch` (a contiguous tensor,
-    16-byte aligned: the instruction's rule), or of one that prefetches nothing."""
-    if prefetch is None or not prefetch.numel() or not prefetches(x.device):
-        return (x, 0), {"PREFETCH": False}
-    nbytes = prefetch.numel() * prefetch.element_size()
-    if not prefetch.is_contiguous() or prefetch.data_ptr() % 16 or nbytes % 16 or prefetch.device != x.device:
-        raise ValueError(f"prefetch must be a contiguous tensor of whole 16-byte words on {x.device}, 16-byte "
-                         f"aligned, got {tuple(prefetch.shape)} {prefetch.dtype} on {prefetch.device}")
-    return (prefetch, nbytes), {"PREFETCH": True}
+                  "num_warps": config.num_warps, **pdl_args(x.device)}
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -503,9 +459,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
 
 
 def o_proj_residual(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                    config: TileConfig | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """(c): round(x Wᵀ) + the stream (h, or h + residual rounded), rounded; x (K,), w (N, K), h (N,).
-    Every kernel here takes `prefetch`: bytes of later weights it asks L2 for (`_prefetch_l2`)."""
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """(c): round(x Wᵀ) + the stream (h, or h + residual rounded), rounded; x (K,), w (N, K), h (N,)."""
     _check(x, w, "o_proj_residual")
     n, k = w.shape
     for name, t in (("h", h), ("residual", residual)):
@@ -514,26 +469,23 @@ def o_proj_residual(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, residual:
                              f"{tuple(t.shape)} {t.dtype}")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args("o_proj", x, n, k, config)
-    pf, pf_meta = _prefetch(x, prefetch)
-    _o_proj_residual_kernel[grid](x, w, h, residual if residual is not None else h, out, n, k, w.stride(0), *pf,
-                                  HAS_RES=residual is not None, **meta, **pf_meta)
+    _o_proj_residual_kernel[grid](x, w, h, residual if residual is not None else h, out, n, k, w.stride(0),
+                                  HAS_RES=residual is not None, **meta)
     return out
 
 
-def down(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None,
-         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def down(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
     """(e): x Wᵀ, rounded; x (K,), w (N, K)."""
     _check(x, w, "down")
     n, k = w.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args("down", x, n, k, config)
-    pf, pf_meta = _prefetch(x, prefetch)
-    _down_kernel[grid](x, w, out, n, k, w.stride(0), *pf, **meta, **pf_meta)
+    _down_kernel[grid](x, w, out, n, k, w.stride(0), **meta)
     return out
 
 
 def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-                        config: TileConfig | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                        config: TileConfig | None = None) -> torch.Tensor:
     """(d): silu(gate)·up of [gate; up] = w · RMSNorm(x); x (K,), w (2I, K) → (I,)."""
     _check(x, w, "norm_gate_up_swiglu")
     n2, k = w.shape
@@ -543,8 +495,7 @@ def norm_gate_up_swiglu(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: to
     n = n2 // 2
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args("gate_up", x, n, k, config)
-    pf, pf_meta = _prefetch(x, prefetch)
-    _norm_gate_up_swiglu_kernel[grid](x, norm_w, w, out, n, k, eps, w.stride(0), *pf, **meta, **pf_meta)
+    _norm_gate_up_swiglu_kernel[grid](x, norm_w, w, out, n, k, eps, w.stride(0), **meta)
     return out
 
 
@@ -578,8 +529,7 @@ class Workspace:
 
 
 def norm_qkv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-             b: torch.Tensor | None, config: TileConfig | None = None,
-             prefetch: torch.Tensor | None = None) -> torch.Tensor:
+             b: torch.Tensor | None, config: TileConfig | None = None) -> torch.Tensor:
     """(a): RMSNorm(x (+ residual: the stream, rounded)) · Wᵀ (+ b), rounded; x (K,), w (N, K) → (N,)."""
     _check(x, w, "norm_qkv")
     n, k = w.shape
@@ -589,10 +539,8 @@ def norm_qkv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tenso
                              f"{tuple(t.shape)} {t.dtype}")
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args("qkv", x, n, k, config)
-    pf, pf_meta = _prefetch(x, prefetch)
     _norm_qkv_kernel[grid](x, residual if residual is not None else x, norm_w, w, b if b is not None else w, out,
-                           n, k, eps, w.stride(0), *pf, HAS_RES=residual is not None, HAS_BIAS=b is not None,
-                           **meta, **pf_meta)
+                           n, k, eps, w.stride(0), HAS_RES=residual is not None, HAS_BIAS=b is not None, **meta)
     return out
 
 
@@ -608,23 +556,21 @@ def _check_attention(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def _attend(q, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q, rope=None,
-            num_warps=None, prefetch=None) -> torch.Tensor:
+            num_warps=None) -> torch.Tensor:
     d, page, heads_kv = k_cache.shape[-1], k_cache.shape[1], k_cache.shape[2]
     group = heads_q // heads_kv
     if workspace is None:
         workspace = Workspace(heads_kv, group, d, q.device)
     out = torch.empty(heads_q, d, dtype=q.dtype, device=q.device)
     cos, sin, q_norm_w, k_norm_w, qk_eps, slot = rope or (q, q, q, q, 0.0, seqlen)
-    pf, pf_meta = _prefetch(q, prefetch)
-    num_warps = num_warps or ATTENTION_WARPS
     _decode_attention_kernel[(workspace.splits, heads_kv)](
         q, k_cache, v_cache, block_table, seqlen, out, workspace.o_part, workspace.ml_part,
         workspace.attn_counters, d**-0.5 * 1.4426950408889634, cos, sin,
-        q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps, *pf,
+        q_norm_w if q_norm_w is not None else cos, k_norm_w if k_norm_w is not None else cos, slot, qk_eps,
         ROPE=rope is not None, QK_NORM=rope is not None and q_norm_w is not None, HEADS_KV=heads_kv,
         GROUP=group, HEAD_DIM=d, PAGE=page, SPLITS=workspace.splits, BLOCK_KEYS=block_keys or BLOCK_KEYS,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_GC=next_pow2(group), IEEE=q.dtype == torch.float32, COMBINE=8,
-        LANES=32 * num_warps, num_warps=num_warps, **pdl_args(q.device), **pf_meta)
+        num_warps=num_warps or ATTENTION_WARPS, **pdl_args(q.device))
     return out
 
 
@@ -632,8 +578,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
                          q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, qk_eps: float,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, block_table: torch.Tensor,
                          seqlen: torch.Tensor, workspace: Workspace | None = None,
-                         block_keys: int | None = None, num_warps: int | None = None,
-                         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                         block_keys: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """(b) on (a)'s output qkv ((Hq + 2 Hkv) D,): q and the new k head-normed (q_norm_w / k_norm_w, or
     None) and rotated (cos / sin: (D/2,) fp32), k and v written to cache row `slot` (a (1,) int tensor) of
     k_cache / v_cache (pages, page_size, Hkv, D), and q attended to the `seqlen` keys (a (1,) int tensor,
@@ -647,7 +592,7 @@ def rope_store_attention(qkv: torch.Tensor, heads_q: int, cos: torch.Tensor, sin
     if slot.numel() != 1:
         raise ValueError(f"rope_store_attention: slot must hold one cache row, got {tuple(slot.shape)}")
     return _attend(qkv, k_cache, v_cache, block_table, seqlen, workspace, block_keys, heads_q,
-                   (cos, sin, q_norm_w, k_norm_w, qk_eps, slot), num_warps, prefetch)
+                   (cos, sin, q_norm_w, k_norm_w, qk_eps, slot), num_warps)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -691,7 +636,6 @@ class FusedDecoderLayer(DecoderLayer):
     take the five kernels above; any other step is DecoderLayer.forward."""
 
     workspace: Workspace
-    prefetch: tuple[torch.Tensor | None, ...] | None = None
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -708,18 +652,17 @@ class FusedDecoderLayer(DecoderLayer):
         i = attn.layer_idx
         norm = self.input_layernorm
         q_norm, k_norm = attn.q_norm, attn.k_norm
-        pf = self.prefetch or (None,) * 5  # each kernel's window of the weight stream (`stream_weights`)
-        qkv = norm_qkv(x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, prefetch=pf[0])
+        qkv = norm_qkv(x, r, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
         o = rope_store_attention(
             qkv, attn.qkv_sizes[0] // attn.head_dim, cos.reshape(-1), sin.reshape(-1),
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0, paged.kv_cache[0, i], paged.kv_cache[1, i],
-            ctx.slot_mapping, ctx.block_tables[0], ctx.context_lens, self.workspace, prefetch=pf[1])
-        stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r, prefetch=pf[2])
+            ctx.slot_mapping, ctx.block_tables[0], ctx.context_lens, self.workspace)
+        stream = o_proj_residual(o.reshape(-1), attn.o_proj.weight, x, r)
         post = self.post_attention_layernorm
-        act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight, prefetch=pf[3])
+        act = norm_gate_up_swiglu(stream, post.weight, post.eps, self.mlp.gate_up_proj.weight)
         # (h, residual) as the paper path's layers return them: the next RMSNorm adds the two
-        return down(act, self.mlp.down_proj.weight, prefetch=pf[4]).view(h.shape), stream.view(h.shape)
+        return down(act, self.mlp.down_proj.weight).view(h.shape), stream.view(h.shape)
 
     def _forward_w4(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -803,64 +746,6 @@ def apply_fused_decode(runner: Any) -> None:
         m.workspace = workspace
     if not any(m.w4 for m in layers):  # the bench's per-kernel bytes: the 16-bit kernels' names
         runner.model.kernel_bytes = kernel_bytes(runner.model)
-        if PREFETCH_BYTES and prefetches(runner.device):
-            for m, windows in zip(layers, stream_weights(layers, PREFETCH_BYTES) or ()):
-                m.prefetch = windows
-
-
-# How far ahead of the kernel reading them the weights are asked of L2, and which kernels ask (of "qkv",
-# "attention", "o_proj", "gate_up", "down"); 0: none.
-PREFETCH_BYTES = 0  # off until timed on a GPU (module docstring)
-PREFETCH_KERNELS = ("qkv", "attention", "o_proj", "gate_up", "down")
-
-
-def stream_weights(layers: list[nn.Module], ahead: int, kinds: tuple[str, ...] | None = None,
-                   ) -> list[tuple[torch.Tensor | None, ...]] | None:
-    """Lay the layers' four projection weights out in one buffer, in the order a decode step reads them,
-    and give each of a layer's five kernels its window of that stream to prefetch: the bytes from where its
-    own weights end (for the attention: where QKV's end) to `ahead` bytes past that, less what an earlier
-    kernel already asked for — so the stream is kept `ahead` bytes in front of the reader, and a kernel
-    that reads little (the attention) keeps HBM busy with the weights after it. None where the buffer does
-    not fit beside the weights it copies (they are freed as it fills)."""
-    linears = [lin for m in layers for lin in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
-                                               m.mlp.down_proj)]
-    w0 = linears[0].weight
-    if any(lin.weight.dtype != w0.dtype or lin.weight.device != w0.device for lin in linears):
-        return None
-    align = 128 // w0.element_size()  # every weight starts on a 128-byte line
-    sizes = [cdiv(lin.weight.numel(), align) * align for lin in linears]
-    total = sum(sizes)
-    if w0.is_cuda and torch.cuda.mem_get_info(w0.device)[0] < total * w0.element_size() + (1 << 30):
-        return None
-    flat = torch.empty(total, dtype=w0.dtype, device=w0.device)
-    ends, at = [], 0
-    with torch.no_grad():
-        for lin, size in zip(linears, sizes):
-            view = flat[at:at + lin.weight.numel()].view_as(lin.weight)
-            view.copy_(lin.weight)
-            lin.weight.data = view
-            at += size
-            ends.append(at)
-    return prefetch_windows(flat, ends, ahead, kinds)
-
-
-def prefetch_windows(flat: torch.Tensor, ends: list[int], ahead: int, kinds: tuple[str, ...] | None = None,
-                     ) -> list[tuple[torch.Tensor | None, ...]]:
-    """Each layer's five windows of `flat` (the weights in read order; `ends`: where each layer's QKV,
-    o_proj, gate/up and down weights end, in elements), as `stream_weights` describes."""
-    kinds = PREFETCH_KERNELS if kinds is None else kinds
-    ahead //= flat.element_size()
-    plan, covered, total = [], 0, flat.numel()
-    for i in range(len(ends) // 4):
-        qkv, o, gate_up, down_ = ends[4 * i:4 * i + 4]
-        row = []
-        for kind, end in zip(PREFETCH_KERNELS, (qkv, qkv, o, gate_up, down_)):
-            lo, hi = max(end, covered), min(end + ahead, total)
-            row.append(flat[lo:hi] if kind in kinds and hi > lo else None)
-            if row[-1] is not None:
-                covered = hi
-        plan.append(tuple(row))
-    return plan
 
 
 def _applies(runner: Any) -> bool:

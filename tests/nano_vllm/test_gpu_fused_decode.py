@@ -64,33 +64,6 @@ def test_fused_ops_bf16_at_model_shapes(shape):
                fd.reference_rope_store_attention, qkv, cos, sin, hq, hkv, qn, kn, 1e-6, k_old, v_old)
 
 
-def test_l2_prefetch_changes_no_result(monkeypatch, request):
-    """The L2 prefetch is a hint: every kernel asked to prefetch (its window over the weight stream, into
-    the next layer's weights) returns bit for bit what it returns without, and the engine with
-    PREFETCH_BYTES set gives the same tokens as without (same kernels, same order of sums)."""
-    if not fd.prefetches(torch.device("cuda")):
-        pytest.skip("the bulk L2 prefetch needs sm_90")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dt = torch.bfloat16
-    stream = (torch.randn(1 << 22, device="cuda", generator=g)).to(dt)  # 8 MiB standing in for later weights
-    x, r, nw = (torch.randn(1024, device="cuda", generator=g).to(dt) for _ in range(3))
-    w = (torch.randn(4096, 1024, device="cuda", generator=g) / 32).to(dt)
-    for pf in (stream, stream[8:1 << 20]):
-        assert torch.equal(fd.norm_qkv(x, r, nw, 1e-6, w, None, prefetch=pf), fd.norm_qkv(x, r, nw, 1e-6, w, None))
-        assert torch.equal(fd.down(x, w[:1024], prefetch=pf), fd.down(x, w[:1024]))
-    prompts = random_prompts(5, [9, 30])
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    common = {"dtype": "bfloat16", "num_kv_blocks": 256}
-    ckpt = request.getfixturevalue("qwen3_ckpt")
-    monkeypatch.setattr(fd, "PREFETCH_BYTES", 0)
-    ref = [o.token_ids for o in LLM(ckpt, **common).generate(prompts, sp, use_tqdm=False)]
-    monkeypatch.setattr(fd, "PREFETCH_BYTES", 4096)  # a window for every kernel of the small model
-    llm = LLM(ckpt, **common)
-    layers = llm.engine.model_runner.model.model.layers
-    assert all(any(w is not None for w in m.prefetch) for m in layers)
-    assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
-
-
 def _equal_up_to_near_ties(ours: list[list[int]], ref_outputs, margin: float) -> int:
     """Token lists equal to the reference's, except that from a first difference on, which must fall where
     the reference's own two candidates were within `margin` nats of each other (a near-tie that bf16's
