@@ -11,7 +11,8 @@ row `j % block_size` — logically contiguous, physically anywhere (§4.1, Fig. 
    steps where every sequence decodes one token (§4.3). In a mixed step the leading sequences that compute
    one token (the running decodes: the scheduler puts them first) also go to the decode kernel
    (`AttentionContext.decode_lens`): the varlen kernel's query tiles are 128 rows, so a one-row query would
-   pay for a whole tile's pass over its context (~7x a decode kernel's cost, measured on an 8B shape).
+   pay for a whole tile's pass over its context (~7x a decode kernel's cost, measured on an 8B shape). A
+   speculative step's chains of k + 1 tokens (nano_specdec) are attended the same way, a row at a time.
    On CUDA tensors these are the Triton kernels, on a CPU the torch references. A step in which no
    sequence has anything cached yet attends to the fresh K/V directly (plain varlen FlashAttention),
    skipping the page indirection, and so do a mixed step's prefills when they all start at 0
@@ -46,9 +47,10 @@ class AttentionContext:
     Decode steps (`is_decode`): q is (batch, 1); `context_lens` (batch,) int32 counts keys incl. the new one.
     Other steps: q is (1, num_tokens), packed; `cu_seqlens_q/k` (batch + 1,) int32 delimit each sequence's
     new tokens / all its keys; `block_tables` is None when nothing is cached yet (attend to k, v directly).
-    decode_lens: (B,) int32 or None, in a paged mixed step: the key count of each of the first B sequences
-        that computes one token (rows 0..B-1 of q), 0 for the others. Those sequences are empty in
-        `cu_seqlens_q` (their start is moved to their end), and the decode kernel attends their rows.
+    decode_lens: (B,) int32 or None, in a paged mixed step: the key count of each of the first B rows of q,
+        the leading sequences' (one-token decodes; a verifying runner's draft chains, a row each), 0 for
+        padding. Those sequences are empty in `cu_seqlens_q` (their start is moved to their end), and the
+        decode kernel attends their rows, row r through `decode_tables[r]`, its sequence's block table.
     fresh: in a mixed step, none of the other sequences had a key cached before it (whole prompts, no
         prefix hit): their keys are exactly this step's k, v, as in a step with nothing cached, and
         `cu_seqlens_k` is `cu_seqlens_q`. KIVI's prefill (§3.3) attends to the full-precision K/V too.
@@ -63,6 +65,7 @@ class AttentionContext:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     decode_lens: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
     fresh: bool = False
 
 
@@ -124,10 +127,9 @@ class PagedAttention:
             out = flash_attn_varlen_func(q0, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                          ctx.max_seqlen_q, ctx.max_seqlen_k, causal=True,
                                          block_table=ctx.block_tables, **scales)
-        if ctx.decode_lens is not None:  # the leading one-token rows: the decode kernel
-            lens = ctx.decode_lens
-            rows = lens.shape[0]
+        if ctx.decode_lens is not None:  # the leading decode rows: the decode kernel
+            lens, rows = ctx.decode_lens, ctx.decode_lens.shape[0]
             dec = flash_attn_with_kvcache(q0[:rows, None], k_cache, v_cache, lens, causal=True,
-                                          block_table=ctx.block_tables[:rows], **scales)[:, 0]
+                                          block_table=ctx.decode_tables, **scales)[:, 0]
             out[:rows] = torch.where((lens > 0)[:, None, None], dec, out[:rows])
         return out[None]

@@ -42,8 +42,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, on_reuse: Callable[[int], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
+        self.num_blocks, self.ref_counts = num_blocks, [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # called with a block id when its old contents are about to be overwritten
         self.on_reuse = on_reuse

@@ -63,8 +63,7 @@ class LLMEngine:
     model_runner_cls: type[ModelRunner] = ModelRunner
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.model_config = resolve_model_config(config.model)
+        self.config, self.model_config = config, resolve_model_config(config.model)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = get_engine_tokenizer(config.model)
         runner_cls = self.model_runner_cls

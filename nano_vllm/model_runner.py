@@ -60,7 +60,8 @@ class StepInputs:
     is_decode: bool  # every sequence computes one token: q is (batch, 1), Flash-Decoding
     # some key was cached before this step (else attention reads the new K/V directly)
     paged: bool = True
-    # in a paged mixed step, the leading one-token sequences (the decode kernel's)
+    # in a paged mixed step, the leading sequences whose rows the decode kernel attends (one-token
+    # decodes; a verifying runner's k + 1 row chains too: see `prepare`)
     num_decodes: int = 0
     # copy-on-write (src, dst) blocks, done first
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -79,8 +80,16 @@ class StepInputs:
     def cu_seqlens_q_attn(self) -> list[int]:
         """`cu_seqlens_q` for the varlen kernel: the leading decodes are empty there (their start is moved
         to their end) because the decode kernel attends their rows (`AttentionContext.decode_lens`)."""
-        lead = self.num_decodes
+        lead = self.cu_seqlens_q[self.num_decodes]
         return [max(c, lead) for c in self.cu_seqlens_q] if lead else self.cu_seqlens_q
+
+    @property
+    def decode_rows(self) -> tuple[list[int], list[int]]:
+        """The decode kernel's rows: each one's key count and sequence (`AttentionContext.decode_lens`);
+        row r of leading sequence j sees the keys up to its own."""
+        q, k = self.cu_seqlens_q, self.cu_seqlens_k
+        rows = [(j, r) for j in range(self.num_decodes) for r in range(q[j], q[j + 1])]
+        return [k[j + 1] - k[j] - q[j + 1] + 1 + r for j, r in rows], [j for j, _ in rows]
 
 
 class StepGraphs(Protocol):
@@ -107,8 +116,7 @@ class ModelRunner:
         # the sequences that ask for log-probabilities (nano_vllm.logprobs); this step's prompt rows to
         # score and, after the forward, their hidden states
         self.scored_seqs: weakref.WeakSet = weakref.WeakSet()
-        self.scored_prompt_rows: list = []
-        self.prompt_hidden: torch.Tensor | None = None
+        self.scored_prompt_rows, self.prompt_hidden = [], None
         with config.layers_context():  # performance_layers=False: no layer, here or in the kernels
             self.model = self.load_model().eval()
             # the layers change the model, so before the KV cache is sized
@@ -144,8 +152,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write (§4.4): duplicate whole blocks, all layers, K and V (as bytes: any dtype)."""
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src, dst = (torch.tensor(blocks, device=self.device) for blocks in zip(*copies))
         cache = self.kv_cache.view(torch.uint8)
         cache[:, :, dst] = cache[:, :, src]
 
@@ -175,8 +182,10 @@ class ModelRunner:
         cu_q = list(itertools.accumulate(out.num_new_tokens, initial=0))
         is_decode = len(ids) == len(tables)
         paged = cu_k[-1] > cu_q[-1]  # some sequence starts past 0: earlier keys are in the cache
-        lead = 0  # the running decodes lead a mixed step (the scheduler puts them first)
-        while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] == 1:
+        # The running decodes lead a mixed step (the scheduler puts them first). A verifying runner's
+        # (nano_specdec) chains of k + 1 rows go to the decode kernel too, a row per query and key count.
+        lead, short = 0, 1 if self.config.kivi_bits else getattr(self, "sample_rows_per_seq", 1)
+        while paged and not is_decode and lead < len(tables) and out.num_new_tokens[lead] <= short:
             lead += 1
         sample_rows = [cu_q[i + 1] - 1 for i, s in enumerate(out.samples) if s]
         self.scored_prompt_rows = prompt_logprob_rows(out, cu_q, self.scored_seqs)
@@ -215,6 +224,9 @@ class ModelRunner:
             return AttentionContext(slot_mapping=slots, is_decode=True, block_tables=tables,
                                     context_lens=self._tensor(inputs.context_lens, torch.int32))
         cu_q, cu_k, nd = inputs.cu_seqlens_q_attn, inputs.cu_seqlens_k, inputs.num_decodes
+        lens, seqs = inputs.decode_rows  # a chain's rows all read its sequence's block table
+        by_row = None if not nd else tables[:nd] if len(seqs) == nd else tables[
+            self._tensor(seqs, torch.long)]
         max_q = max(1, *(b - a for a, b in itertools.pairwise(cu_q)))
         # fresh: the sequences after the decodes start at 0, their keys are their new tokens
         fresh, q_t = cu_k[-1] - cu_k[nd] == cu_q[-1] - cu_q[nd], self._tensor(cu_q, torch.int32)
@@ -222,7 +234,7 @@ class ModelRunner:
             slot_mapping=slots, block_tables=tables, cu_seqlens_q=q_t, max_seqlen_q=max_q,
             cu_seqlens_k=q_t if fresh else self._tensor(cu_k, torch.int32), fresh=fresh,
             max_seqlen_k=max_q if fresh else max(inputs.context_lens),
-            decode_lens=self._tensor(inputs.context_lens[:nd], torch.int32) if nd else None)
+            decode_lens=self._tensor(lens, torch.int32) if nd else None, decode_tables=by_row)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

@@ -101,8 +101,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         seq.finish_time = time.perf_counter()
 
     def _preempt(self, seq: Sequence) -> None:
@@ -176,8 +175,7 @@ class Scheduler:
         """Advance every scheduled sequence by its chunk; append the sampled tokens (one per sequence that
         reached its last token, in order) and finish sequences that are done. Returns the finished ones."""
         now = time.perf_counter() if now is None else now
-        tokens = iter(sampled)
-        finished = []
+        tokens, finished = iter(sampled), []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens)):
             # None: a chunk short of the prompt's end
             token = next(tokens) if out.samples[i] else None

@@ -44,8 +44,7 @@ class Sequence:
         self.sampling_params = sampling_params or SamplingParams()
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_computed_tokens = self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
@@ -59,8 +58,7 @@ class Sequence:
         self.num_preemptions = 0
         # Serving metrics (nano_vllm.metrics): arrival, each output token's time, finish.
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
-        self.token_times: list[float] = []
-        self.finish_time: float | None = None
+        self.token_times, self.finish_time = [], None  # list[float], float | None
 
     def __len__(self) -> int:
         return len(self.token_ids)

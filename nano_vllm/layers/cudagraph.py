@@ -227,9 +227,10 @@ class MixedStepGraphs:
         self.tokens = StaticBuffer.full(runner, (3 * sizes[-1],), torch.long)  # ids, positions, slots: token_rows
         self.cu_seqlens = StaticBuffer.full(runner, (2, max_bs + 1), torch.int32)  # q (attention's), k
         self.sample_rows = StaticBuffer.full(runner, (self.max_rows,), torch.long)  # padded with row 0
-        # key counts of the leading one-token sequences (the decode kernel's), 0 past them
-        self.max_decodes = min(sizes[-1], max_bs)
-        self.decode_lens = StaticBuffer.full(runner, (self.max_decodes,), torch.int32)
+        # the decode kernel's rows (the leading one-token sequences', or a verifier's draft chains'):
+        # key counts, 0 past them, and each row's sequence
+        self.max_decodes = min(sizes[-1], self.row_cap)
+        self.decode_lens = StaticBuffer.full(runner, (2, self.max_decodes), torch.int32)
         self.graphs = {n: decode.capture_rows(self.tokens.device, n, functools.partial(self._body, n))
                        for n in reversed(sizes)}
 
@@ -237,12 +238,12 @@ class MixedStepGraphs:
         """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, row_cap)
         rows (row_cap: max_num_seqs times the runner's `sample_rows_per_seq`). max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
         ids, positions, slots = token_rows(self.tokens.device, n)
-        rows = min(n, self.row_cap)
-        cu = self.cu_seqlens.device
-        ctx = AttentionContext(slot_mapping=slots, block_tables=self.decode.block_tables.device,
+        rows, dec = min(n, self.row_cap), self.decode_lens.device[:, : min(n, self.max_decodes)]
+        cu, tables = self.cu_seqlens.device, self.decode.block_tables.device
+        ctx = AttentionContext(slot_mapping=slots, block_tables=tables,
                                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
-                               max_seqlen_k=self.runner.max_model_len,
-                               decode_lens=self.decode_lens.device[: min(n, self.max_decodes)])
+                               max_seqlen_k=self.runner.max_model_len, decode_lens=dec[0],
+                               decode_tables=tables.index_select(0, dec[1]))
         with trusted_metadata():  # no value checks: they would read the lengths back (a sync, not capturable)
             hidden = self.runner.model.model(ids[None], positions[None], ctx)
         logits = self.runner.model.compute_logits(hidden[0, self.sample_rows.device[:rows]])
@@ -270,16 +271,16 @@ class MixedStepGraphs:
         cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_q[-1], cu_k[-1]  # empty sequences
         num_rows = min(size, self.row_cap)
         hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
-        dec = inputs.context_lens[: inputs.num_decodes]
+        lens, seqs = inputs.decode_rows
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
         num_decodes = min(size, self.max_decodes)
-        hd[: len(dec)], hd[len(dec) : num_decodes] = dec, 0
+        hd[0, : len(lens)], hd[1, : len(seqs)], hd[:, len(lens) : num_decodes] = lens, seqs, 0
         width = max(map(len, inputs.block_tables))
         fill_block_tables(self.decode.block_tables.host[:batch, :width].numpy(), inputs.block_tables)
         self.tokens.upload(slice(3 * size))
         self.cu_seqlens.upload()
         self.sample_rows.upload(slice(num_rows))
-        self.decode_lens.upload(slice(num_decodes))
+        self.decode_lens.upload(slice(None), slice(num_decodes))
         self.decode.block_tables.upload(slice(batch), slice(width))
         self.decode.host_free.record()
         self.graphs[size].replay()
