@@ -230,7 +230,7 @@ class MixedStepGraphs:
         # the decode kernel's rows (the leading one-token sequences', or a verifier's draft chains'):
         # key counts, 0 past them, and each row's sequence
         self.max_decodes = min(sizes[-1], self.row_cap)
-        self.decode_lens = StaticBuffer.full(runner, (2, self.max_decodes), torch.int32)
+        self.decode_rows = StaticBuffer.full(runner, (2, self.max_decodes), torch.int32)
         self.graphs = {n: decode.capture_rows(self.tokens.device, n, functools.partial(self._body, n))
                        for n in reversed(sizes)}
 
@@ -238,7 +238,7 @@ class MixedStepGraphs:
         """`n` packed tokens over max_num_seqs sequences (most of them empty), logits of min(n, row_cap)
         rows (row_cap: max_num_seqs times the runner's `sample_rows_per_seq`). max_seqlen_q = n sizes the kernel's grid: tiles past a sequence's length return at once."""
         ids, positions, slots = token_rows(self.tokens.device, n)
-        rows, dec = min(n, self.row_cap), self.decode_lens.device[:, : min(n, self.max_decodes)]
+        rows, dec = min(n, self.row_cap), self.decode_rows.device[:, : min(n, self.max_decodes)]
         cu, tables = self.cu_seqlens.device, self.decode.block_tables.device
         ctx = AttentionContext(slot_mapping=slots, block_tables=tables,
                                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=n,
@@ -270,7 +270,7 @@ class MixedStepGraphs:
         cu[0, : batch + 1], cu[1, : batch + 1] = cu_q, cu_k
         cu[0, batch + 1 :], cu[1, batch + 1 :] = cu_q[-1], cu_k[-1]  # empty sequences
         num_rows = min(size, self.row_cap)
-        hr, hd = self.sample_rows.host.numpy(), self.decode_lens.host.numpy()
+        hr, hd = self.sample_rows.host.numpy(), self.decode_rows.host.numpy()
         lens, seqs = inputs.decode_rows
         hr[: len(rows)], hr[len(rows) : num_rows] = rows, 0
         num_decodes = min(size, self.max_decodes)
@@ -280,7 +280,7 @@ class MixedStepGraphs:
         self.tokens.upload(slice(3 * size))
         self.cu_seqlens.upload()
         self.sample_rows.upload(slice(num_rows))
-        self.decode_lens.upload(slice(None), slice(num_decodes))
+        self.decode_rows.upload(slice(None), slice(num_decodes))
         self.decode.block_tables.upload(slice(batch), slice(width))
         self.decode.host_free.record()
         self.graphs[size].replay()
