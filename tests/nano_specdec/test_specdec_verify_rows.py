@@ -6,9 +6,14 @@ k + 1 row chain pay a whole tile's pass over its context. Same logits as the var
 from __future__ import annotations
 
 import torch
+from specdec_checkpoints import random_prompts
 
+from nano_specdec import LLM
 from nano_specdec.bench.cost import CostSeq, make_runner
+from nano_vllm import LLM as PlainLLM
+from nano_vllm import SamplingParams
 from nano_vllm.config import EngineConfig
+from nano_vllm.layers.cudagraph import DecodeCudaGraphs, EagerReplay, capture_cudagraphs
 from nano_vllm.model_runner import StepInputs
 from nano_vllm.scheduler import SchedulerOutput
 
@@ -38,3 +43,29 @@ def test_chains_through_the_decode_kernel_give_the_varlen_kernels_logits():
     got.num_decodes = 0  # every row through the varlen kernel
     want = verifier.run(got)
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_steps_replay_the_mixed_graphs_with_the_plain_engines_tokens(target, near_draft, monkeypatch):
+    """The graph path (captured on a CPU: each graph an EagerReplay of its body) with the chains' rows in
+    its decode-row buffer: greedy tokens equal the plain engine's."""
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self, body: EagerReplay(body))
+    args = dict(device="cpu", max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    config = {"method": "draft_model", "model": near_draft, "num_speculative_tokens": 3}
+    llm = LLM(target, speculative_config=config, **args)
+    runner = llm.engine.model_runner
+    runner.cudagraphs = capture_cudagraphs(runner)
+    decode, mixed = runner.cudagraphs
+    assert {4, 8, 16} <= set(mixed.graphs)  # k + 1 rows times each decode batch size
+    chains, replay = [], mixed.replay
+
+    def counted(inputs):  # rows of the leading sequences past one each: the drafts in the decode rows
+        chains.append(inputs.cu_seqlens_q[inputs.num_decodes] - inputs.num_decodes)
+        return replay(inputs)
+
+    monkeypatch.setattr(mixed, "replay", counted)
+    prompts = random_prompts(8, [5, 19, 33, 8])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    want = PlainLLM(target, **args).generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert max(chains) >= 3 and llm.engine.num_accepted_tokens > 0
