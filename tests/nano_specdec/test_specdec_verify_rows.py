@@ -54,7 +54,7 @@ def test_verify_steps_replay_the_mixed_graphs_with_the_plain_engines_tokens(targ
     llm = LLM(target, speculative_config=config, **args)
     runner = llm.engine.model_runner
     runner.cudagraphs = capture_cudagraphs(runner)
-    decode, mixed = runner.cudagraphs
+    _, mixed = runner.cudagraphs
     assert {4, 8, 16} <= set(mixed.graphs)  # k + 1 rows times each decode batch size
     chains, replay = [], mixed.replay
 
