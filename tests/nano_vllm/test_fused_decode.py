@@ -111,8 +111,8 @@ def test_o_proj_residual_gate_up_and_down_are_their_torch_definitions(dtype):
 @pytest.mark.parametrize("heads_q,heads_kv,d,keys,splits", [(4, 2, 16, 1, 4), (4, 2, 16, 37, 4), (8, 2, 32, 200, 4),
                                                            (2, 2, 16, 600, 4), (8, 2, 16, 600, 16)])
 def test_decode_attention_is_softmax_attention_over_the_paged_keys(heads_q, heads_kv, d, keys, splits):
-    """One key (the step's own), a slice boundary mid-page, more keys than the slices' first tiles, more
-    slices than the combine takes at once (600 keys in 10 slices of 64: two chunks)."""
+    """One key (the step's own), a slice boundary mid-page, more keys than the slices' first tiles, and
+    600 keys in 10 of 16 slices (the combine skips the empty ones)."""
     g = torch.Generator().manual_seed(keys)
     k_cache, v_cache = (torch.randn(64, 16, heads_kv, d, generator=g) for _ in range(2))
     table = torch.randperm(64, generator=g)[:48].int()
