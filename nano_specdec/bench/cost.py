@@ -10,7 +10,9 @@ at `cost_context` tokens of context per sequence, for every batch size:
 * the decode step: one token per sequence, the logits of each;
 * the verify step: k + 1 tokens per sequence in one forward, the logits of every row (what
   nano_specdec's runner computes); the verification rule itself (an argmax or a residual draw) is not
-  counted;
+  counted. Its attention runs as the engine runs it, each chain's rows through the decode kernel
+  (`StepInputs.decode_rows`), and again with every row through the varlen kernel, as before that
+  (`verify ms, varlen kernel`: the A/B of that choice, same runner, same inputs);
 * the draft step: one token per sequence through the draft's shape (a draft model runs k of them);
 * EAGLE's draft step: one token per sequence through one decoder layer of the target's shape and the
   target's LM head (EAGLE §3: the draft is one layer on the target's features, with the target's frozen
@@ -74,9 +76,9 @@ def make_runner(base: EngineConfig, model: Any, max_batch: int, per_seq: int,
 
 
 def step_seconds(runner: ModelRunner, batch: int, context: int, new: int, per_seq: int,
-                 device: str) -> float:
+                 device: str, varlen: bool = False) -> float:
     """Median seconds of one forward of `batch` sequences computing `new` tokens each after `context`
-    cached ones, every new row's logits returned."""
+    cached ones, every new row's logits returned; `varlen`: every row's attention in the varlen kernel."""
     seqs = [CostSeq(i, context, new, list(range(i * per_seq, (i + 1) * per_seq)))
             for i in range(batch)]
     out = SchedulerOutput(seqs, [new] * batch)
@@ -84,6 +86,8 @@ def step_seconds(runner: ModelRunner, batch: int, context: int, new: int, per_se
     def forward():
         inputs = runner.prepare(out)
         inputs.sample_rows = list(range(len(inputs.token_ids)))
+        if varlen:
+            inputs.num_decodes = 0
         return runner.run(inputs)
 
     return benchmark(forward, device=device, warmup=3, repeats=10)
@@ -113,6 +117,8 @@ def measure_costs(base: EngineConfig, target: Any, draft: Any, k: int, batch_siz
         row[f"verify ms ({k + 1} tokens)"] = 1e3 * step_seconds(runner, b, context, k + 1, per_seq,
                                                                 device)
         row["verify / decode"] = row[f"verify ms ({k + 1} tokens)"] / row["decode ms"]
+        row["verify ms, varlen kernel"] = 1e3 * step_seconds(runner, b, context, k + 1, per_seq, device,
+                                                             varlen=True)
     del runner
     release_memory()  # the target's weights and KV pool, before the draft's are built
     runner = make_runner(base, draft, max_b, per_seq, max_model_len)
